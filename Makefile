@@ -1,0 +1,47 @@
+# Two entry points: `make train` (the main job) and `make test` (lint + tests).
+# Both create or reuse a virtual environment in $(VENV) and install the project into it.
+#
+# Torch: on a machine without an NVIDIA GPU we install a CPU build ($(TORCH_CPU_SPEC),
+# optionally from $(TORCH_CPU_INDEX)); with a GPU we keep an installed CUDA build or take
+# PyPI's default (a CUDA build).
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_CPU_SPEC ?= torch==2.13.0
+TORCH_CPU_INDEX ?=
+EXTRAS ?= dev
+TRAIN_ARGS ?=
+PYTEST_ARGS ?= -m "not slow"
+
+.PHONY: setup train test test-all lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PIP) install torch; \
+	else \
+		$(PIP) install "$(TORCH_CPU_SPEC)" $(if $(TORCH_CPU_INDEX),--index-url $(TORCH_CPU_INDEX)); \
+	fi
+	$(PIP) install -e ".[$(EXTRAS)]"
+	touch $@
+
+train: setup
+	$(PY) -m nemofp4.train experiment=tiny_ue5m3 $(TRAIN_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-all: setup
+	$(PY) -m pytest -q -m ""
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Minifloat formats, rounding and block scaling. Depends on torch alone."""

@@ -1,0 +1,1 @@
+"""nemofp4.models"""

@@ -1,0 +1,1 @@
+"""Nemotron-H hybrid Mamba-2 / attention model."""
