@@ -1,0 +1,205 @@
+"""One metrics stream, fanned out: JSONL (always), console, wandb, TensorBoard.
+
+Only rank 0 writes. `metrics.jsonl` holds one JSON object per line with a `kind` ("train",
+"eval", "quant", "event") and the `step`; on resume, lines past the resumed step (written by the
+interrupted run after its last checkpoint) are dropped so the file reads as one clean history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("nemofp4")
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go and how often."""
+
+    log_interval: int = 1
+    """Console line / progress refresh every this many steps (JSONL gets every step)."""
+    console: bool = True
+    wandb: bool = True
+    """Log to Weights & Biases (offline by default: no network needed, sync later with `wandb sync`)."""
+    wandb_mode: str = "offline"
+    """offline | online | disabled."""
+    wandb_project: str = "nemofp4"
+    wandb_entity: str = ""
+    tensorboard: bool = False
+    quant_stats_interval: int = 0
+    """Log per-layer quantization statistics every this many steps (0: never)."""
+    peak_tflops: float = 0.0
+    """Peak dense BF16 TFLOP/s of one accelerator for MFU (0: looked up from the device name)."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logging.wandb_mode={self.wandb_mode!r}; valid: offline, online, disabled")
+        if self.log_interval < 1:
+            raise ValueError(f"logging.log_interval must be >= 1, got {self.log_interval}")
+
+
+# Dense BF16 tensor-core peaks (TFLOP/s), for MFU.
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "GB200": 2500.0, "L40S": 362.0}
+
+
+def peak_tflops(cfg: LoggingConfig) -> float:
+    if cfg.peak_tflops > 0:
+        return cfg.peak_tflops
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    name = torch.cuda.get_device_name()
+    for key, value in _PEAK_TFLOPS.items():
+        if key in name:
+            return value
+    return 0.0
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop lines with step > `step` (from a run interrupted after its last checkpoint)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:  # a line cut by a kill mid-write
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Rank-0 fan-out of metrics; on other ranks every call is a no-op."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LoggingConfig,
+        *,
+        rank: int,
+        run_name: str,
+        config: dict[str, Any],
+        total_steps: int,
+        resume_step: int = 0,
+        wandb_id: str | None = None,
+    ):
+        self.cfg = cfg
+        self.enabled = rank == 0
+        self.total_steps = total_steps
+        self.wandb_run = None
+        self.tb = None
+        self._start = time.time()
+        self._first_step = resume_step
+        self.wandb_id = wandb_id
+        if not self.enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / METRICS_FILE
+        truncate_after(self.path, resume_step)
+        self._file = open(self.path, "a", buffering=1)
+        if cfg.wandb and cfg.wandb_mode != "disabled":
+            self._init_wandb(run_dir, run_name, config)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def _init_wandb(self, run_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        if self.wandb_id is None:
+            self.wandb_id = wandb.util.generate_id()
+        self.wandb_run = wandb.init(
+            project=self.cfg.wandb_project,
+            entity=self.cfg.wandb_entity or None,
+            name=run_name,
+            id=self.wandb_id,
+            resume="allow",
+            dir=str(run_dir),
+            mode=self.cfg.wandb_mode,
+            config=config,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    def log(self, kind: str, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": step, **metrics}
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        flat = {f"{kind}/{k}": v for k, v in _flatten(metrics).items() if isinstance(v, (int, float))}
+        if self.wandb_run is not None:
+            self.wandb_run.log(flat, step=step)
+        if self.tb is not None:
+            for k, v in flat.items():
+                self.tb.add_scalar(k, v, step)
+        if self.cfg.console and kind == "train" and (step % self.cfg.log_interval == 0 or step == self.total_steps):
+            self._console_train(step, metrics)
+        elif self.cfg.console and kind == "eval":
+            print(
+                f"[eval] step {step:>6}  val_loss {metrics['val_loss']:.4f}  val_ppl {metrics['val_ppl']:.2f}",
+                flush=True,
+            )
+
+    def _console_train(self, step: int, m: dict[str, Any]) -> None:
+        elapsed = time.time() - self._start
+        done = step - self._first_step
+        remaining = self.total_steps - step
+        eta = elapsed / done * remaining if done > 0 else math.nan
+        parts = [
+            f"step {step:>6}/{self.total_steps}",
+            f"loss {m['loss']:.4f}",
+            f"grad_norm {m['grad_norm']:.3f}",
+            f"lr {m['lr']:.2e}",
+            f"tok/s {m['tokens_per_s']:,.0f}",
+        ]
+        if m.get("mfu"):
+            parts.append(f"mfu {m['mfu']:.1%}")
+        parts.append(f"eta {_fmt_seconds(eta)}")
+        print("  ".join(parts), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish(quiet=True)
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "/"))
+        else:
+            out[key] = v
+    return out
+
+
+def _fmt_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """Parse `<run_dir>/metrics.jsonl` (optionally one kind)."""
+    rows = [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines() if line]
+    return [r for r in rows if kind is None or r.get("kind") == kind]
