@@ -1,1 +1,6 @@
-"""nemofp4.models"""
+"""Model definitions. Knows nothing of precision or parallelism."""
+
+from .nemotron_h import NemotronHConfig, NemotronHModel, build_model, get_model_config
+from .weight_decay import param_groups
+
+__all__ = ["NemotronHConfig", "NemotronHModel", "build_model", "get_model_config", "param_groups"]

@@ -1,0 +1,239 @@
+"""State-dict and config adapter to and from Hugging Face transformers' NemotronH layout.
+
+Ours and HF's module trees match below the top: HF nests the stack under ``backbone.`` in the
+released checkpoints (``model.`` in transformers >= 5, which renames ``backbone.`` on load) and
+keeps ``lm_head`` at the top. We export the released layout (``backbone.``) so the folder loads
+in both, and import either prefix. transformers is not needed to export or import a folder.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import LayerType, NemotronHConfig
+from .model import NemotronHModel
+
+HF_PREFIX = "backbone."
+_HF_PREFIXES = ("backbone.", "model.")
+_OUR_STACK_KEYS = ("embeddings.", "layers.", "norm_f.")
+
+# transformers' names for layer kinds, old ("mamba"/"attention") and new ("linear_attention"/...).
+_HF_LAYER_NAMES = {
+    "mamba": LayerType.MAMBA,
+    "linear_attention": LayerType.MAMBA,
+    "attention": LayerType.ATTENTION,
+    "full_attention": LayerType.ATTENTION,
+    "mlp": LayerType.MLP,
+}
+
+
+# ---------------------------------------------------------------------------- state dict
+def to_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names -> HF's (``layers.3.mixer.in_proj.weight`` -> ``backbone.layers.3.mixer.in_proj.weight``)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        out[HF_PREFIX + name if name.startswith(_OUR_STACK_KEYS) else name] = tensor
+    return out
+
+
+def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's names (``backbone.`` or ``model.`` prefix) -> ours. Inverse of :func:`to_hf_state_dict`."""
+    out = {}
+    for name, tensor in state_dict.items():
+        for prefix in _HF_PREFIXES:
+            if name.startswith(prefix) and name[len(prefix) :].startswith(_OUR_STACK_KEYS):
+                name = name[len(prefix) :]
+                break
+        out[name] = tensor
+    return out
+
+
+# ---------------------------------------------------------------------------- config
+def to_hf_config(config: NemotronHConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """The ``config.json`` dict transformers' NemotronHConfig reads (legacy-compatible keys)."""
+    if not config.clamp_dt_to_min:
+        warnings.warn(
+            "clamp_dt_to_min=False, but transformers' NemotronH always clamps dt at time_step_min: "
+            "the exported model's outputs can differ from ours",
+            stacklevel=2,
+        )
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": config.hybrid_layer_pattern,
+        "num_hidden_layers": config.num_layers,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "layer_norm_epsilon": config.norm_eps,
+        "intermediate_size": config.ffn_hidden_size,
+        "mlp_hidden_act": "relu2",
+        "mlp_bias": False,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.attention_head_dim,
+        "attention_bias": False,
+        "max_position_embeddings": config.max_position_embeddings,
+        "mamba_num_heads": config.mamba_num_heads,
+        "mamba_head_dim": config.mamba_head_dim,
+        "expand": config.mamba_expand,
+        "ssm_state_size": config.ssm_state_size,
+        "n_groups": config.mamba_num_groups,
+        "conv_kernel": config.conv_kernel,
+        "use_conv_bias": config.use_conv_bias,
+        "chunk_size": config.chunk_size,
+        "time_step_min": config.time_step_min,
+        "time_step_max": config.time_step_max,
+        "time_step_floor": config.time_step_floor,
+        "mamba_hidden_act": "silu",
+        "use_bias": False,
+        "mamba_proj_bias": False,
+        "residual_in_fp32": False,
+        "initializer_range": config.init_std,
+        "rescale_prenorm_residual": config.rescale_prenorm_residual,
+        "dtype": dtype_name,
+    }
+
+
+def _pattern_from_hf(hf: dict) -> str:
+    pattern = hf.get("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        if "E" in pattern:
+            raise ValueError(f"MoE layers ('E' in {pattern!r}) are not supported by this model")
+        return pattern
+    kinds = hf.get("layers_block_type") or hf.get("layer_types")
+    if not isinstance(kinds, list):
+        raise ValueError("HF config has neither 'hybrid_override_pattern' nor a 'layers_block_type' list")
+    unknown = sorted({k for k in kinds if k not in _HF_LAYER_NAMES})
+    if unknown:
+        raise ValueError(f"HF layer types {unknown} are not supported; supported: {sorted(_HF_LAYER_NAMES)}")
+    return "".join(_HF_LAYER_NAMES[k].value for k in kinds)
+
+
+def from_hf_config(hf_config) -> NemotronHConfig:
+    """Our config from an HF NemotronH config (a ``PretrainedConfig`` or its ``config.json`` dict)."""
+    hf = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    if hf.get("model_type", "nemotron_h") != "nemotron_h":
+        raise ValueError(f"expected model_type 'nemotron_h', got {hf.get('model_type')!r}")
+    for flag in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias"):
+        if hf.get(flag, False):
+            raise ValueError(f"HF config sets {flag}=True; this model has no linear biases")
+    for key, expected in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if hf.get(key, expected) != expected:
+            raise ValueError(f"HF config has {key}={hf[key]!r}; only {expected!r} is supported")
+
+    def pick(*names, default=None):
+        for name in names:
+            if name in hf and hf[name] is not None:
+                return hf[name]
+        if default is None:
+            raise ValueError(f"HF config lacks {names[0]!r}")
+        return default
+
+    return NemotronHConfig(
+        hybrid_layer_pattern=_pattern_from_hf(hf),
+        hidden_size=pick("hidden_size"),
+        vocab_size=pick("vocab_size"),
+        tie_word_embeddings=bool(pick("tie_word_embeddings", default=False)),
+        norm_eps=float(pick("layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+        ffn_hidden_size=pick("intermediate_size"),
+        num_attention_heads=pick("num_attention_heads"),
+        num_key_value_heads=pick("num_key_value_heads", "num_attention_heads"),
+        attention_head_dim=pick("head_dim", "attention_head_dim"),
+        max_position_embeddings=pick("max_position_embeddings", default=8192),
+        mamba_num_heads=pick("mamba_num_heads"),
+        mamba_head_dim=pick("mamba_head_dim"),
+        mamba_expand=pick("expand", "mamba_expand", default=2),
+        ssm_state_size=pick("ssm_state_size"),
+        mamba_num_groups=pick("n_groups", "mamba_n_groups"),
+        conv_kernel=pick("conv_kernel", "mamba_d_conv", default=4),
+        use_conv_bias=bool(pick("use_conv_bias", "mamba_conv_bias", default=True)),
+        chunk_size=pick("chunk_size", "mamba_chunk_size", default=128),
+        time_step_min=float(pick("time_step_min", "mamba_dt_min", default=0.001)),
+        time_step_max=float(pick("time_step_max", "mamba_dt_max", default=0.1)),
+        time_step_floor=float(pick("time_step_floor", "mamba_dt_init_floor", default=1e-4)),
+        clamp_dt_to_min=True,  # transformers' forward always clamps dt at time_step_min
+        init_std=float(pick("initializer_range", default=0.02)),
+        rescale_prenorm_residual=bool(pick("rescale_prenorm_residual", default=True)),
+    )
+
+
+# ---------------------------------------------------------------------------- folders
+def export_hf(model: NemotronHModel, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that ``NemotronHForCausalLM.from_pretrained`` loads.
+
+    ``dtype`` casts the weights (default: keep the model's). Tied weights are written twice
+    (HF's NemotronH does not tie), so the folder loads with no missing keys.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to("cpu", dtype=dtype or tensor.dtype)
+        state[name] = tensor.contiguous().clone()  # clone: safetensors refuses shared storage
+    if "lm_head.weight" not in state:  # tied and deduplicated by state_dict
+        state["lm_head.weight"] = state["embeddings.weight"].clone()
+    save_dtype = dtype or next(iter(state.values())).dtype
+    save_file(to_hf_state_dict(state), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(to_hf_config(model.config, save_dtype), indent=2) + "\n")
+    return out
+
+
+def _read_hf_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'} not found: not a transformers model folder")
+    hf_config = json.loads((path / "config.json").read_text())
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(path / file)))
+    return hf_config, state
+
+
+def import_hf(
+    source: str | Path | nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> NemotronHModel:
+    """Our model from a transformers NemotronH folder or an in-memory ``NemotronHForCausalLM``.
+
+    Every parameter must be present and no extra weight may be left over (MTP weights, which
+    transformers ignores too, are skipped); a mismatch raises ValueError naming the keys.
+    """
+    if isinstance(source, nn.Module):
+        config = from_hf_config(source.config)
+        hf_state = source.state_dict()
+    else:
+        hf_config, hf_state = _read_hf_folder(Path(source))
+        config = from_hf_config(hf_config)
+    state = {k: v for k, v in from_hf_state_dict(hf_state).items() if not k.startswith("mtp.")}
+
+    model = NemotronHModel(config, device="meta", dtype=dtype)
+    model.to_empty(device=device)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"HF weights do not match the config: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            source_tensor = state[name]
+            if source_tensor.shape != tensor.shape:
+                raise ValueError(f"{name}: HF shape {tuple(source_tensor.shape)} != ours {tuple(tensor.shape)}")
+            tensor.copy_(source_tensor)
+    return model
