@@ -1,1 +1,50 @@
-"""Minifloat formats, rounding and block scaling. Depends on torch alone."""
+"""Minifloat formats, rounding and block scaling. Depends on torch alone.
+
+from nemofp4.formats import get_format, quantize_blocks
+fmt = get_format("e2m1")          # "e4m3", "e5m2", "ue8m0", "ue5m3" (paper), "ue5m3_cuda"
+fmt.round(x, rounding="rne")      # float32 grid values, saturating; also "sr8", "sr"
+q = quantize_blocks(x, scale_format="ue5m3")   # "e4m3" (NVFP4), "ue5m3_cuda", "ue8m0" (MX)
+q.dequantize()
+"""
+
+from .block import SCALE_FORMATS, QuantizedBlocks, amax, quantize_blocks
+from .hadamard import TE_WGRAD_SIGNS, hadamard_matrix, hadamard_transform, inverse_hadamard_transform
+from .minifloat import (
+    E2M1,
+    E4M3,
+    E5M2,
+    FORMATS,
+    ROUNDING_MODES,
+    UE5M3,
+    UE5M3_CUDA,
+    UE8M0,
+    FloatFormat,
+    SpecialValues,
+    get_format,
+    pack_fp4,
+    unpack_fp4,
+)
+
+__all__ = [
+    "E2M1",
+    "E4M3",
+    "E5M2",
+    "FORMATS",
+    "ROUNDING_MODES",
+    "SCALE_FORMATS",
+    "TE_WGRAD_SIGNS",
+    "UE5M3",
+    "UE5M3_CUDA",
+    "UE8M0",
+    "FloatFormat",
+    "QuantizedBlocks",
+    "SpecialValues",
+    "amax",
+    "get_format",
+    "hadamard_matrix",
+    "hadamard_transform",
+    "inverse_hadamard_transform",
+    "pack_fp4",
+    "quantize_blocks",
+    "unpack_fp4",
+]

@@ -1,0 +1,363 @@
+"""Two-level FP4 block quantization: E2M1 payloads, per-block scales, an FP32 tensor scale.
+
+One function, ``quantize_blocks``, covers three scale formats; they differ only in how the
+per-block scale is chosen and encoded:
+
+``e4m3`` (NVFP4, Transformer Engine's reference quantizer, operation for operation)
+    s_enc = fp32(448*6) / g, capped at FLT_MAX, and 0 -> 1 (g = current amax unless given)
+    tensor_scale = 1 / s_enc                                    (the FP32 global decode scale)
+    ideal_b = amax_b * (s_enc * fp32(1/6))    <- one product with the folded 1/6, not amax_b/6*s_enc
+    code_b  = e4m3_rne(min(ideal_b, 448))     <- no lower clamp: zero/underflowing blocks get code 0
+    enc_b   = min(1 / (e4m3(code_b) * tensor_scale), FLT_MAX)   <- reciprocal, then multiply
+    payload = e2m1_round(clamp(x * enc_b, -6, 6))
+``ue5m3`` / ``ue5m3_cuda`` (the UE5M3 paper's recipe, its emulator's FP32 order)
+    G = fp32(T*6) / g, with g = 0 -> G = 1, capped at FLT_MAX    (T = scale_target, default 448)
+    tensor_scale = 1 / G
+    code_b  = ue5m3_rne(min(amax_b * (G * fp32(1/6)), max_finite)), then a zero code -> 1.0
+    enc_b and payload as above.
+``ue8m0`` (OCP MX): no tensor scale (1.0); the block scale is a power of two 2^e_b with
+    floor mode (OCP reference): e_b = floor(log2(amax_b)) - 2, amax_b = 0 -> -127;
+    ceil mode (TE's pow-2 mode):  e_b = ceil(log2(fp32(amax_b / 6))), 0 -> -127;
+    clamped to [-127, 127] and computed exactly from the float32 exponent (TE's reference
+    uses a float ``log2``, which can be one off just above a power of two).
+
+Load-bearing details a naive re-implementation gets wrong:
+  * the 1/6 is folded into the global multiplier (``s_enc * fp32(1/6)``) before multiplying
+    the block amax; ``amax_b / 6 * s_enc`` rounds differently near scale-code midpoints;
+  * the payload multiplier is ``1 / (scale * tensor_scale)``, a rounded reciprocal, and the
+    payload is ``x * that`` (not ``x / (scale * tensor_scale)``): the two differ by an ulp and
+    can land on opposite sides of an E2M1 midpoint;
+  * E2M1 ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4;
+  * NVFP4 emits a zero scale code for zero (or underflowing) blocks (torchao clamps the scale
+    to the smallest E4M3 subnormal instead); UE5M3 replaces a zero code by 1.0 before the
+    reciprocal. Scale codes use RNE; only the payload rounding is selectable.
+  * ``dequantize`` = (payload * block scale) * tensor_scale: the first product is exact in
+    float32, so the result is rounded once. (TE and the UE5M3 emulator multiply the two scales
+    first; codes and scales, which is what a GEMM consumes, are identical.)
+
+Layout: blocks run along the last dim (``block_size`` contiguous elements), or 2-D tiles
+``block_size x block_size`` for a 2-D weight (the tile amax sets the scale of every row of
+the tile, as TE's 2-D mode). Dims that are not a multiple of the block are zero-padded; the
+padded layout is what ``codes`` holds.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .minifloat import (
+    E2M1,
+    E4M3,
+    UE5M3,
+    UE5M3_CUDA,
+    UE8M0,
+    FloatFormat,
+    check_rounding,
+    round_magnitude_to_index,
+)
+
+__all__ = ["SCALE_FORMATS", "QuantizedBlocks", "amax", "quantize_blocks"]
+
+SCALE_FORMATS: dict[str, FloatFormat] = {
+    "e4m3": E4M3,
+    "ue5m3": UE5M3,
+    "ue5m3_cuda": UE5M3_CUDA,
+    "ue8m0": UE8M0,
+}
+DEFAULT_BLOCK_SIZE = {"e4m3": 16, "ue5m3": 16, "ue5m3_cuda": 16, "ue8m0": 32}
+MX_SCALE_MODES = ("floor", "ceil")
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP4_MAX = 6.0
+_FLT_MAX = torch.finfo(torch.float32).max
+_E2M1_EMAX = 2  # floor(log2(6)): OCP MX's shared exponent offset for FP4 payloads
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor (exact: the max is taken in the input dtype)."""
+    if x.numel() == 0:
+        raise ValueError("amax of an empty tensor is undefined")
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(hi, -lo).float()
+
+
+@dataclass(kw_only=True)
+class QuantizedBlocks:
+    """An FP4 block-quantized tensor: packed E2M1 codes, block-scale codes and a tensor scale.
+
+    dequantize() == values() * block_scales() (broadcast) * tensor_scale, unpadded.
+    """
+
+    codes: torch.Tensor
+    """uint8 [*padded_shape[:-1], padded_shape[-1] // 2], two E2M1 codes per byte, even element low."""
+    scale_codes: torch.Tensor
+    """uint8 [*shape[:-1], n_blocks] (1-D blocks) or [row_tiles, col_tiles] (2-D tiles)."""
+    tensor_scale: torch.Tensor
+    """float32 0-d decode multiplier applied after the block scales (1/G; 1.0 for ue8m0)."""
+    tensor_amax: torch.Tensor
+    """float32 0-d reference g that was used (given or measured)."""
+    shape: torch.Size
+    padded_shape: torch.Size
+    block_size: int
+    two_d: bool
+    scale_format: str
+    _counts: dict[str, torch.Tensor]
+    _num_blocks: int
+    _num_elements: int
+
+    @property
+    def scale_fmt(self) -> FloatFormat:
+        return SCALE_FORMATS[self.scale_format]
+
+    def values(self) -> torch.Tensor:
+        """Decoded E2M1 payloads, float32, padded shape."""
+        pairs = _e2m1_pair_table(self.codes.device)[self.codes.long()]  # [..., n/2, 2]
+        return pairs.reshape(self.padded_shape)
+
+    def block_scales(self) -> torch.Tensor:
+        """Decoded block-scale codes, float32, same shape as ``scale_codes``."""
+        return self.scale_fmt.decode(self.scale_codes)
+
+    def scaled_values(self) -> torch.Tensor:
+        """values * broadcast block scale, padded shape, without the tensor scale (exact)."""
+        values = self.values()
+        scales = self.block_scales()
+        b = self.block_size
+        if self.two_d:
+            rows, cols = self.padded_shape
+            out = values.view(rows // b, b, cols // b, b) * scales[:, None, :, None]
+        else:
+            out = values.view(*self.padded_shape[:-1], -1, b) * scales[..., None]
+        return out.reshape(self.padded_shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 tensor of the original shape."""
+        out = self.scaled_values()
+        if self.two_d:
+            out = out[: self.shape[0], : self.shape[1]]
+        else:
+            out = out[..., : self.shape[-1]]
+        return out * self.tensor_scale
+
+    def stats(self) -> dict[str, float]:
+        """Fractions: saturated / underflowed (non-zero) / all-zero blocks, clipped elements."""
+        counts = {k: int(v) for k, v in self._counts.items()}
+        return {
+            "saturated_blocks": counts["saturated_blocks"] / self._num_blocks,
+            "underflow_blocks": counts["underflow_blocks"] / self._num_blocks,
+            "zero_blocks": counts["zero_blocks"] / self._num_blocks,
+            "clipped_elements": counts["clipped_elements"] / self._num_elements,
+        }
+
+
+def quantize_blocks(
+    x: torch.Tensor,
+    *,
+    scale_format: str = "ue5m3",
+    block_size: int | None = None,
+    two_d: bool = False,
+    scale_target: float = 448.0,
+    tensor_amax: torch.Tensor | float | None = None,
+    rounding: str = "rne",
+    generator: torch.Generator | None = None,
+    mx_scale_mode: str = "floor",
+    name: str = "x",
+) -> QuantizedBlocks:
+    """Quantize ``x`` (float32/bfloat16/float16, any leading dims) to FP4 with block scales.
+
+    Args:
+        scale_format: "e4m3" (NVFP4), "ue5m3" (paper), "ue5m3_cuda", or "ue8m0" (OCP MX).
+        block_size: elements per block along the last dim (tile side in 2-D mode);
+            None -> 16, or 32 for ue8m0.
+        two_d: square ``block_size`` tiles over a 2-D ``x`` (weights).
+        scale_target: T, the scale code the tensor reference g maps to (e4m3/ue5m3).
+        tensor_amax: the held reference g; None measures the current amax of ``x``.
+        rounding: payload rounding, "rne", "sr8" or "sr"; scale codes always use RNE.
+        generator: the only source of random bits for "sr8"/"sr".
+        mx_scale_mode: ue8m0 only: "floor" (OCP reference) or "ceil" (never saturates).
+        name: how error messages refer to ``x``.
+    """
+    fmt = _check_args(
+        x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode, name
+    )
+    block_size = DEFAULT_BLOCK_SIZE[scale_format] if block_size is None else block_size
+    device = x.device
+    shape = x.shape
+
+    # ---- pad and view as blocks: [..., n_blocks, block] or [row_tiles, b, col_tiles, b]
+    x32 = x.detach().float()
+    b = block_size
+    if two_d:
+        rows, cols = shape
+        pad_r, pad_c = -rows % b, -cols % b
+        if pad_r or pad_c:
+            x32 = torch.nn.functional.pad(x32, (0, pad_c, 0, pad_r))
+        padded_shape = x32.shape
+        x_blocks = x32.view(padded_shape[0] // b, b, padded_shape[1] // b, b)
+        block_min, block_max = x_blocks.amin(dim=(1, 3)), x_blocks.amax(dim=(1, 3))
+    else:
+        pad = -shape[-1] % b
+        if pad:
+            x32 = torch.nn.functional.pad(x32, (0, pad))
+        padded_shape = x32.shape
+        x_blocks = x32.view(*padded_shape[:-1], padded_shape[-1] // b, b)
+        block_min, block_max = torch.aminmax(x_blocks, dim=-1)
+    block_amax = torch.maximum(block_max, -block_min)  # [..., n_blocks] / [row_tiles, col_tiles]
+    if not torch.isfinite(block_amax).all():
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"quantize_blocks: tensor {name!r} has {bad} non-finite (NaN/Inf) values")
+
+    if tensor_amax is None:
+        g = block_amax.amax()
+    else:
+        g = torch.as_tensor(tensor_amax, dtype=torch.float32, device=device).reshape(())
+        if not (torch.isfinite(g) and g >= 0):
+            raise ValueError(f"tensor_amax must be finite and >= 0, got {float(g)}")
+
+    # ---- block scale codes and the per-block payload multiplier
+    if scale_format == "ue8m0":
+        tensor_scale = torch.ones((), dtype=torch.float32, device=device)
+        exponent, unclamped = _mx_exponent(block_amax, mx_scale_mode)
+        scale_codes = (exponent + 127).to(torch.uint8)
+        encode = _ue8m0_reciprocal_table(device)[scale_codes.long()]
+        saturated = unclamped > 127
+        underflow = (unclamped < -127) & (block_amax > 0)
+    else:
+        tensor_scale, code_multiplier = _global_scales(scale_format, g, scale_target)
+        ideal = (block_amax * code_multiplier).clamp_(max=_FLT_MAX)
+        saturated = ideal > fmt.max_finite
+        index = round_magnitude_to_index(fmt, ideal.clamp(max=fmt.max_finite), "rne", None)
+        underflow = (index == 0) & (block_amax > 0)
+        if scale_format != "e4m3":  # UE5M3: a zero code becomes 1.0 before the reciprocal
+            one = fmt._magnitude_values_f64.index(1.0)
+            index = torch.where(index == 0, one, index)
+        scale_codes = index.to(torch.uint8)
+        block_scale = fmt.decode(scale_codes)
+        encode = torch.reciprocal(block_scale * tensor_scale).clamp_(max=_FLT_MAX)
+
+    # ---- payload: x * enc_b, clamp to +-6, round to E2M1
+    if two_d:
+        y = x_blocks * encode[:, None, :, None]
+    else:
+        y = x_blocks * encode[..., None]
+    block_peak = block_amax * encode  # == max |y| of the block (rounding is monotonic)
+    clipped_blocks = block_peak > _FP4_MAX
+    y = y.clamp_(-_FP4_MAX, _FP4_MAX).view(padded_shape)
+    magnitude_codes = round_magnitude_to_index(E2M1, y.abs(), rounding, generator).to(torch.uint8)
+    e2m1_codes = magnitude_codes | (torch.signbit(y).to(torch.uint8) << 3)
+    packed = e2m1_codes[..., 0::2] | (e2m1_codes[..., 1::2] << 4)
+
+    counts = {
+        "saturated_blocks": saturated.sum(),
+        "underflow_blocks": underflow.sum(),
+        "zero_blocks": (block_amax == 0).sum(),
+        "clipped_elements": _count_clipped(x_blocks, encode, clipped_blocks, two_d),
+    }
+    return QuantizedBlocks(
+        codes=packed,
+        scale_codes=scale_codes,
+        tensor_scale=tensor_scale,
+        tensor_amax=g.float(),
+        shape=shape,
+        padded_shape=padded_shape,
+        block_size=b,
+        two_d=two_d,
+        scale_format=scale_format,
+        _counts=counts,
+        _num_blocks=block_amax.numel(),
+        _num_elements=x.numel(),
+    )
+
+
+def _global_scales(
+    scale_format: str, g: torch.Tensor, scale_target: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor_scale = 1/G, G * fp32(1/6)) in TE's / the UE5M3 emulator's FP32 order."""
+    numerator = torch.tensor(scale_target * _FP4_MAX, dtype=torch.float32, device=g.device)
+    multiplier = torch.minimum(numerator / g, torch.tensor(_FLT_MAX, device=g.device))
+    if scale_format == "e4m3":
+        # TE: g = 0 gives inf -> FLT_MAX; only a zero multiplier (g = inf) is replaced by 1.
+        multiplier = torch.where(multiplier == 0, 1.0, multiplier)
+    else:
+        multiplier = torch.where(g == 0, 1.0, multiplier)
+    tensor_scale = torch.reciprocal(multiplier)
+    inv_fp4_max = torch.tensor(1.0 / _FP4_MAX, dtype=torch.float32, device=g.device)
+    return tensor_scale, multiplier * inv_fp4_max
+
+
+def _mx_exponent(block_amax: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact power-of-two block exponent (clamped to [-127, 127]) and the unclamped one."""
+    if mode == "floor":
+        mantissa, exp = torch.frexp(block_amax)  # amax = mantissa * 2^exp, mantissa in [0.5, 1)
+        unclamped = exp - 1 - _E2M1_EMAX
+    else:
+        decode = block_amax / _FP4_MAX
+        mantissa, exp = torch.frexp(decode)
+        unclamped = torch.where(mantissa == 0.5, exp - 1, exp)
+    unclamped = torch.where(block_amax > 0, unclamped, -127)
+    return unclamped.clamp(-127, 127), unclamped
+
+
+def _count_clipped(x_blocks: torch.Tensor, encode: torch.Tensor, clipped_blocks: torch.Tensor, two_d: bool):
+    """Elements with |x * enc_b| > 6, looking only inside blocks whose peak exceeds 6."""
+    if two_d:
+        x_blocks = x_blocks.transpose(1, 2)  # [row_tiles, col_tiles, b, b]
+        selected = x_blocks[clipped_blocks].flatten(1)
+    else:
+        selected = x_blocks[clipped_blocks]
+    return ((selected * encode[clipped_blocks][:, None]).abs() > _FP4_MAX).sum()
+
+
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
+_UE8M0_RECIPROCALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_pair_table(device: torch.device) -> torch.Tensor:
+    """[256, 2] float32: the two E2M1 values packed in each byte (low nibble first)."""
+    if device not in _PAIR_TABLES:
+        values = E2M1.decode(torch.arange(16, dtype=torch.uint8))
+        byte = torch.arange(256)
+        _PAIR_TABLES[device] = torch.stack((values[byte & 15], values[byte >> 4]), dim=-1).to(device)
+    return _PAIR_TABLES[device]
+
+
+def _ue8m0_reciprocal_table(device: torch.device) -> torch.Tensor:
+    """[256] float32: 1 / 2^(code - 127), exact (2^-127 is a float32 subnormal)."""
+    if device not in _UE8M0_RECIPROCALS:
+        table = torch.tensor([math.ldexp(1.0, 127 - c) for c in range(255)] + [math.nan], dtype=torch.float64)
+        _UE8M0_RECIPROCALS[device] = table.float().to(device)
+    return _UE8M0_RECIPROCALS[device]
+
+
+def _check_args(
+    x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode, name
+) -> FloatFormat:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"quantize_blocks: {name!r} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"quantize_blocks: {name!r} has dtype {x.dtype}; valid: float32, bfloat16, float16")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(
+            f"quantize_blocks: {name!r} has shape {tuple(x.shape)}; need >= 1 dim and >= 1 element"
+        )
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"unknown scale_format {scale_format!r}; valid: {', '.join(SCALE_FORMATS)}")
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 2 or block_size % 2):
+        raise ValueError(f"block_size must be an even integer >= 2, got {block_size!r}")
+    if two_d and x.dim() != 2:
+        raise ValueError(f"two_d=True needs a 2-D tensor; {name!r} has shape {tuple(x.shape)}")
+    if not (isinstance(scale_target, (int, float)) and math.isfinite(scale_target) and scale_target > 0):
+        raise ValueError(f"scale_target must be a finite positive number, got {scale_target!r}")
+    check_rounding(rounding)
+    if mx_scale_mode not in MX_SCALE_MODES:
+        raise ValueError(f"unknown mx_scale_mode {mx_scale_mode!r}; valid: {', '.join(MX_SCALE_MODES)}")
+    if scale_format == "ue8m0" and scale_target != 448.0:
+        warnings.warn("scale_target has no effect with scale_format='ue8m0' (no tensor scale)", stacklevel=3)
+    if scale_format == "ue8m0" and tensor_amax is not None:
+        warnings.warn("tensor_amax has no effect with scale_format='ue8m0' (no tensor scale)", stacklevel=3)
+    if scale_format != "ue8m0" and mx_scale_mode != "floor":
+        warnings.warn(f"mx_scale_mode has no effect with scale_format={scale_format!r}", stacklevel=3)
+    return SCALE_FORMATS[scale_format]

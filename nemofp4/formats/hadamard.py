@@ -1,0 +1,71 @@
+"""The 16x16 random Hadamard transform NVFP4 applies to wgrad operands.
+
+NVFP4 (arXiv 2509.25149, and Transformer Engine's reference quantizer) multiplies each
+contiguous group of 16 elements along the last dim by ``M = diag(s) @ H16 / 4``, where
+``H16`` is the Sylvester Hadamard matrix and ``s`` one fixed sign vector shared by every
+layer for the whole run. ``M`` is orthogonal (``H16 @ H16 = 16 I``), so the inverse is
+``M.T``. Spreading an outlier over 16 elements lowers the block amax that sets the FP4
+scale; because both wgrad operands get the same ``M`` along the contraction (token) dim,
+their product is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "HADAMARD_SIZE",
+    "TE_WGRAD_SIGNS",
+    "hadamard_matrix",
+    "hadamard_transform",
+    "inverse_hadamard_transform",
+]
+
+HADAMARD_SIZE = 16
+TE_WGRAD_SIGNS: tuple[float, ...] = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+"""Transformer Engine's fixed wgrad sign vector (``get_wgrad_sign_vector``)."""
+
+
+def hadamard_matrix(
+    sign: torch.Tensor | None = None, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``diag(sign) @ H16 / 4`` in float32 (entries +-1/4, exact)."""
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < HADAMARD_SIZE:
+        h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)), dim=0)
+    signs = _check_sign(sign)
+    return (signs[:, None] * h * 0.25).to(device)
+
+
+def hadamard_transform(x: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply ``diag(sign) @ H16 / 4`` to each group of 16 along the last dim; float32 result.
+
+    The result stays float32 (computed in float32) because it feeds the FP4 quantizer
+    directly; rounding it to the input dtype first would add an error the fused kernel
+    does not have. ``sign`` defaults to TE's fixed wgrad vector.
+    """
+    return _apply(x, hadamard_matrix(sign, x.device))
+
+
+def inverse_hadamard_transform(y: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
+    """Undo ``hadamard_transform`` (multiply each group of 16 by the transpose); float32 result."""
+    return _apply(y, hadamard_matrix(sign, y.device).T)
+
+
+def _apply(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0 or x.shape[-1] % HADAMARD_SIZE:
+        raise ValueError(
+            f"the Hadamard transform works on groups of {HADAMARD_SIZE} along the last dim; "
+            f"got shape {tuple(x.shape)}"
+        )
+    groups = x.float().reshape(-1, HADAMARD_SIZE)
+    return (groups @ matrix).reshape(x.shape)
+
+
+def _check_sign(sign: torch.Tensor | None) -> torch.Tensor:
+    if sign is None:
+        return torch.tensor(TE_WGRAD_SIGNS, dtype=torch.float32)
+    sign = torch.as_tensor(sign, dtype=torch.float32).cpu()
+    if sign.shape != (HADAMARD_SIZE,) or not bool(((sign == 1) | (sign == -1)).all()):
+        raise ValueError(f"sign must be {HADAMARD_SIZE} entries of +-1, got {sign.tolist()}")
+    return sign
