@@ -1,0 +1,136 @@
+"""PreemptionHandler: signal flag, agreement across ranks, requeue through (a fake) scontrol."""
+
+import os
+import signal
+import socket
+import stat
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nemofp4.training.dist_env import destroy_distributed, detect_dist_env, init_distributed
+from nemofp4.training.preemption import NOT_REQUEUED_EXIT_CODE, REQUEUED_EXIT_CODE, PreemptionHandler
+
+
+def _fake_scontrol(directory, *, status: int = 0) -> str:
+    """An `scontrol` that appends its arguments to calls.log and exits with `status`."""
+    path = directory / "scontrol"
+    log = directory / "calls.log"
+    path.write_text(f'#!/bin/sh\necho "$@" >> "{log}"\necho "requeue refused" >&2\nexit {status}\n')
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_signal_sets_the_flag_and_records_which():
+    with PreemptionHandler() as handler:
+        assert not handler.should_stop() and handler.received_signal is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert handler.stop_requested
+        assert handler.received_signal is signal.SIGUSR1
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal is recorded as a stop, not as the cause
+        assert handler.received_signal is signal.SIGUSR1
+        assert handler.should_stop() and handler.should_stop()
+
+
+def test_close_restores_previous_handlers():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        handler = PreemptionHandler(["USR1"])
+        assert signal.getsignal(signal.SIGUSR1) == handler._on_signal
+        handler.close()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] and not handler.stop_requested
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    term_before = signal.getsignal(signal.SIGTERM)
+    with PreemptionHandler(install=False) as handler:
+        assert signal.getsignal(signal.SIGTERM) == handler._on_signal
+    assert signal.getsignal(signal.SIGTERM) == term_before
+
+
+def test_unhandled_signal_is_not_caught():
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        with PreemptionHandler([signal.SIGTERM, "SIGUSR1"]) as handler:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert not handler.should_stop()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.parametrize("bad", [["SIGKILL"], ["NOPE"], [], [99999]])
+def test_bad_signal_lists_are_rejected(bad):
+    with pytest.raises(ValueError):
+        PreemptionHandler(bad, install=False)
+
+
+def test_requeue_runs_scontrol_with_the_job_id(tmp_path):
+    scontrol = _fake_scontrol(tmp_path)
+    handler = PreemptionHandler(install=False, scontrol=scontrol, environ={"SLURM_JOB_ID": "4242"})
+    assert handler.requeue_and_exit_code() == REQUEUED_EXIT_CODE == 0
+    assert (tmp_path / "calls.log").read_text() == "requeue 4242\n"
+
+
+def test_requeue_found_on_path(tmp_path):
+    _fake_scontrol(tmp_path)
+    environ = {"SLURM_JOB_ID": "99", "PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+    assert PreemptionHandler(install=False, environ=environ).requeue_and_exit_code() == 0
+    assert (tmp_path / "calls.log").read_text() == "requeue 99\n"
+
+
+def test_failed_requeue_is_logged_not_raised(tmp_path, caplog):
+    scontrol = _fake_scontrol(tmp_path, status=1)
+    handler = PreemptionHandler(
+        install=False, scontrol=scontrol, environ={"SLURM_JOB_ID": "7"}, not_requeued_exit_code=3
+    )
+    assert handler.requeue_and_exit_code() == 3
+    assert "requeue refused" in caplog.text
+
+
+def test_missing_scontrol_and_no_slurm(tmp_path):
+    missing = PreemptionHandler(install=False, scontrol=str(tmp_path / "absent"), environ={"SLURM_JOB_ID": "7"})
+    assert missing.requeue_and_exit_code() == NOT_REQUEUED_EXIT_CODE
+    scontrol = _fake_scontrol(tmp_path)
+    outside = PreemptionHandler(install=False, scontrol=scontrol, environ={})
+    assert outside.requeue_and_exit_code() == NOT_REQUEUED_EXIT_CODE
+    assert not (tmp_path / "calls.log").exists()  # nothing to requeue outside SLURM
+
+
+# ---------------------------------------------------------------------------------------------- 2 ranks
+
+SIGNAL_AT_STEP = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, port: int, scontrol: str, results) -> None:
+    environ = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    init_distributed(detect_dist_env(environ), backend="gloo", timeout_s=60)
+    stopped_at = None
+    with PreemptionHandler(scontrol=scontrol, environ={"SLURM_JOB_ID": "31337"}) as handler:
+        for step in range(1, 10):
+            if rank == 1 and step == SIGNAL_AT_STEP:
+                os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is signalled
+            if handler.should_stop():
+                stopped_at = step
+                break
+        exit_code = handler.requeue_and_exit_code()
+        own = handler.received_signal.name if handler.received_signal else None
+    results.put((rank, stopped_at, own, exit_code))
+    destroy_distributed()
+
+
+def test_two_ranks_agree_to_stop_and_rank0_requeues(tmp_path):
+    assert not dist.is_initialized()
+    scontrol = _fake_scontrol(tmp_path)
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(_free_port(), scontrol, results), nprocs=2, start_method="spawn")
+    rows = sorted(results.get() for _ in range(2))
+    assert rows == [(0, SIGNAL_AT_STEP, None, 0), (1, SIGNAL_AT_STEP, "SIGUSR1", 0)]
+    assert (tmp_path / "calls.log").read_text() == "requeue 31337\n"  # once, from rank 0
