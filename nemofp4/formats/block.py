@@ -114,8 +114,9 @@ class QuantizedBlocks:
 
     def values(self) -> torch.Tensor:
         """Decoded E2M1 payloads, float32, padded shape."""
-        pairs = _e2m1_pair_table(self.codes.device)[self.codes.long()]  # [..., n/2, 2]
-        return pairs.reshape(self.padded_shape)
+        # One gather of both nibbles per byte; int32 indices are ~1.5x faster than int64 on CPU.
+        pairs = torch.index_select(_e2m1_pair_table(self.codes.device), 0, self.codes.reshape(-1).int())
+        return pairs.view(self.padded_shape)
 
     def block_scales(self) -> torch.Tensor:
         """Decoded block-scale codes, float32, same shape as ``scale_codes``."""
@@ -128,19 +129,17 @@ class QuantizedBlocks:
         b = self.block_size
         if self.two_d:
             rows, cols = self.padded_shape
-            out = values.view(rows // b, b, cols // b, b) * scales[:, None, :, None]
+            values.view(rows // b, b, cols // b, b).mul_(scales[:, None, :, None])
         else:
-            out = values.view(*self.padded_shape[:-1], -1, b) * scales[..., None]
-        return out.reshape(self.padded_shape)
+            values.view(*self.padded_shape[:-1], -1, b).mul_(scales[..., None])
+        return values
 
     def dequantize(self) -> torch.Tensor:
-        """float32 tensor of the original shape."""
-        out = self.scaled_values()
+        """float32 tensor of the original shape: scaled_values()[unpad] * tensor_scale."""
+        out = self.scaled_values().mul_(self.tensor_scale)
         if self.two_d:
-            out = out[: self.shape[0], : self.shape[1]]
-        else:
-            out = out[..., : self.shape[-1]]
-        return out * self.tensor_scale
+            return out[: self.shape[0], : self.shape[1]]
+        return out[..., : self.shape[-1]]
 
     def stats(self) -> dict[str, float]:
         """Fractions: saturated / underflowed (non-zero) / all-zero blocks, clipped elements."""
@@ -245,9 +244,12 @@ def quantize_blocks(
         y = x_blocks * encode[..., None]
     block_peak = block_amax * encode  # == max |y| of the block (rounding is monotonic)
     clipped_blocks = block_peak > _FP4_MAX
-    y = y.clamp_(-_FP4_MAX, _FP4_MAX).view(padded_shape)
-    magnitude_codes = round_magnitude_to_index(E2M1, y.abs(), rounding, generator).to(torch.uint8)
-    e2m1_codes = magnitude_codes | (torch.signbit(y).to(torch.uint8) << 3)
+    y = y.view(padded_shape)
+    negative = torch.signbit(y)
+    # |y| > 6 saturates inside the rounding (RNE counts midpoints below |y|; SR clamps first),
+    # which is the payload clamp to +-6 without a separate pass.
+    e2m1_codes = round_magnitude_to_index(E2M1, y.abs_(), rounding, generator)
+    e2m1_codes |= negative.view(torch.uint8) << 3
     packed = e2m1_codes[..., 0::2] | (e2m1_codes[..., 1::2] << 4)
 
     counts = {
