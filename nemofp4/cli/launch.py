@@ -1,0 +1,520 @@
+"""`nemofp4-launch`: render the SLURM batch script for a training run, print it or submit it.
+
+    nemofp4-launch slurm.nodes=4 slurm.gpus_per_node=8 experiment=nemotron_h_8b_ue5m3 dry_run=true
+
+The script comes from ``slurm/nemofp4.sbatch.tmpl`` (``{{ name }}`` placeholders, filled here) and
+runs the trainer in one of two ways (torchtitan issue #1749 asks which; both work):
+
+* ``mode=torchrun``: one task per node, ``srun torchrun --nnodes ... --rdzv_endpoint=<head>:<port>``;
+  torchrun starts one worker per GPU and sets RANK/LOCAL_RANK/WORLD_SIZE for it.
+* ``mode=srun``: one task per GPU, ``srun --ntasks-per-node=<gpus> python -m nemofp4.train``; each
+  task derives its rank from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS (``nemofp4.training.dist_env``).
+
+Either way the run directory is derived from SLURM_JOB_ID (a requeued job keeps its id and resumes
+from its own checkpoints), the git commit and the resolved command go to the job log, and
+``--signal=B:<sig>@<seconds>`` warns the job before its time limit so the trainer can checkpoint and
+requeue (``nemofp4.training.preemption``). Standard output carries only the script (``dry_run=true``)
+or the submitted job ids; messages go to standard error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal as signal_module
+import string
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import Enum
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from nemofp4.training.dist_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from nemofp4.training.preemption import DEFAULT_SIGNALS
+
+logger = logging.getLogger("nemofp4.launch")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "configs"
+LAUNCH_CONFIG = CONFIG_DIR / "launch.yaml"
+# configs/launch.yaml is registered under this name (not "launch", which would collide with the file
+# wherever configs/ is on a search path).
+PRIMARY_CONFIG_NAME = "nemofp4_launch"
+DEFAULT_TEMPLATE = REPO_ROOT / "slurm" / "nemofp4.sbatch.tmpl"
+TRAIN_MODULE = "nemofp4.train"
+
+
+class LaunchMode(Enum):
+    """How the training processes are started inside the allocation."""
+
+    torchrun = "torchrun"  # one task per node running torchrun, which starts one worker per GPU
+    srun = "srun"  # one task per GPU, ranks from SLURM's variables
+
+
+@dataclass(kw_only=True)
+class SlurmConfig:
+    """The allocation and how the job uses it. Optional sbatch settings are omitted when None."""
+
+    nodes: int = 1
+    """Number of nodes (``--nodes``)."""
+    gpus_per_node: int = 8
+    """GPUs per node (``--gpus-per-node``); also the number of processes per node."""
+    cpus_per_task: int | None = None
+    """CPUs per task; None: 8 per GPU the task drives (``gpus_per_node * 8`` in torchrun mode, 8 in srun mode)."""
+    time: str = "04:00:00"
+    """Time limit in Slurm's syntax: ``MM``, ``HH:MM:SS``, ``D-HH:MM:SS``, ..."""
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    job_name: str | None = None
+    """None: ``nemofp4-<experiment>`` (or ``nemofp4``). Also names the run directory."""
+    mode: LaunchMode = LaunchMode.torchrun
+    container_image: str | None = None
+    """Run the tasks in this container through pyxis/enroot (``srun --container-image``)."""
+    container_mounts: list[str] = field(default_factory=list)
+    """Extra ``src:dst`` mounts; the working directory is always mounted at the same path."""
+    venv: str | None = None
+    """Activate this virtual environment in the batch shell (exclusive with ``container_image``)."""
+    signal: str | None = "USR1@120"
+    """``<SIG>@<seconds>``: send SIG this long before the time limit to the batch shell, which forwards
+    it to the tasks (``--signal=B:...``); the trainer then checkpoints and requeues. None: no warning."""
+    requeue: bool = True
+    """``--requeue`` (else ``--no-requeue``): Slurm may requeue the job and the trainer may requeue it."""
+    singleton: bool = False
+    """``--dependency=singleton``: jobs with this name run one after another, sharing one run directory."""
+    num_chained_jobs: int = 1
+    """How many copies to submit; more than one needs ``singleton`` (each resumes the previous one)."""
+    exclusive: bool = True
+    """``--exclusive``: whole nodes, as multi-GPU training wants."""
+    master_port: int | None = None
+    """Rendezvous port; None: derived from SLURM_JOB_ID exactly as ``dist_env`` derives it."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More sbatch options, each written as ``--option=value``, e.g. ``--constraint=h100``."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables exported before the step, e.g. ``{NCCL_DEBUG: WARN}``."""
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """Primary config of ``nemofp4-launch`` (``configs/launch.yaml``)."""
+
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    experiment: str | None = None
+    """Experiment preset passed to the trainer as ``experiment=<name>`` (``configs/experiment/``)."""
+    train_overrides: list[str] = field(default_factory=list)
+    """More Hydra overrides for ``nemofp4-train``, e.g. ``[precision=nvfp4,optim.lr=3e-4]``."""
+    dry_run: bool = False
+    """Print the rendered script to standard output and submit nothing."""
+    check_train_config: bool = True
+    """Compose the trainer's config with these overrides before rendering, so a typo fails now
+    rather than after the queue wait."""
+    workdir: str | None = None
+    """Directory the job runs in (``--chdir``); None: the current directory."""
+    runs_root: str = "runs"
+    """Run directories, rendered scripts (``<runs_root>/slurm/``) and job logs go under it."""
+    run_dir: str | None = None
+    """None: ``<runs_root>/<job_name>-${SLURM_JOB_ID}``, or ``<runs_root>/<job_name>`` for singleton
+    chains, whose jobs have different ids but continue one run."""
+    template: str | None = None
+    """sbatch template to render; None: the shipped ``slurm/nemofp4.sbatch.tmpl``."""
+
+
+def register_configs() -> None:
+    """Register the schema and ``configs/launch.yaml`` itself as the primary config.
+
+    The launcher keeps ``configs/`` off its search path on purpose: there ``experiment/`` is a config
+    group, so Hydra would read ``experiment=<name>`` as a group override (loading the trainer's preset
+    into the launcher's config) instead of the plain string the launcher passes on to the trainer.
+    """
+    store = ConfigStore.instance()
+    store.store(name="launch_schema", node=LaunchConfig)
+    store.store(name=PRIMARY_CONFIG_NAME, node=OmegaConf.load(LAUNCH_CONFIG))
+
+
+# --------------------------------------------------------------------------------------------------
+# parsing and validation
+
+_TIME_RE = re.compile(r"^(?:(?P<days>\d+)-)?(?P<rest>\d+(?::\d+){0,2})$")
+
+
+def parse_slurm_time(text: str) -> int | None:
+    """Seconds in a Slurm time limit; None for ``UNLIMITED``/``INFINITE``.
+
+    Slurm's forms: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``.
+    """
+    if text.strip().upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    match = _TIME_RE.match(text.strip())
+    if match is None:
+        raise ValueError(
+            f"slurm.time={text!r} is not a Slurm time limit; use e.g. '04:00:00', '1-12:00:00' or '90' (minutes)"
+        )
+    parts = [int(p) for p in match.group("rest").split(":")]
+    if match.group("days") is not None:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return ((int(match.group("days")) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
+def parse_signal_spec(text: str) -> tuple[str, int]:
+    """``"USR1@120"`` -> ``("USR1", 120)``. A ``B:`` prefix is accepted (the script always uses it);
+    without ``@`` Slurm's default of 60 s applies."""
+    spec = text.strip()
+    spec = spec[2:] if spec.upper().startswith("B:") else spec
+    name, _, seconds_text = spec.partition("@")
+    name = name.upper().removeprefix("SIG")
+    if f"SIG{name}" not in signal_module.Signals.__members__ or name in ("KILL", "STOP"):
+        raise ValueError(f"slurm.signal={text!r}: unknown or uncatchable signal {name!r}; use e.g. 'USR1@120'")
+    try:
+        seconds = int(seconds_text) if seconds_text else 60
+    except ValueError:
+        raise ValueError(f"slurm.signal={text!r}: the time after '@' must be whole seconds") from None
+    if not 0 <= seconds <= 65535:
+        raise ValueError(f"slurm.signal={text!r}: seconds must be in [0, 65535] (Slurm's limit)")
+    return name, seconds
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def default_job_name(config: LaunchConfig) -> str:
+    if config.slurm.job_name:
+        return config.slurm.job_name
+    return f"nemofp4-{config.experiment}" if config.experiment else "nemofp4"
+
+
+def available_experiments() -> list[str]:
+    return sorted(path.stem for path in (CONFIG_DIR / "experiment").glob("*.yaml"))
+
+
+def validate(config: LaunchConfig) -> None:
+    """Reject settings that would fail (or silently misbehave) only after the queue wait."""
+    slurm = config.slurm
+    if slurm.nodes < 1:
+        raise ValueError(f"slurm.nodes must be >= 1, got {slurm.nodes}")
+    if slurm.gpus_per_node < 1:
+        raise ValueError(f"slurm.gpus_per_node must be >= 1, got {slurm.gpus_per_node}")
+    if slurm.cpus_per_task is not None and slurm.cpus_per_task < 1:
+        raise ValueError(f"slurm.cpus_per_task must be >= 1 or null, got {slurm.cpus_per_task}")
+    time_limit_s = parse_slurm_time(slurm.time)
+    if slurm.signal is not None:
+        name, seconds = parse_signal_spec(slurm.signal)
+        if time_limit_s is not None and seconds >= time_limit_s:
+            raise ValueError(
+                f"slurm.signal={slurm.signal!r} fires {seconds}s before the end but slurm.time={slurm.time!r} "
+                f"is only {time_limit_s}s long"
+            )
+        if signal_module.Signals[f"SIG{name}"] not in DEFAULT_SIGNALS:
+            handled = ", ".join(s.name for s in DEFAULT_SIGNALS)
+            logger.warning("slurm.signal uses SIG%s, which the trainer's preemption handler ignores (%s)", name, handled)
+    job_name = default_job_name(config)
+    if not _NAME_RE.match(job_name):
+        raise ValueError(f"job name {job_name!r} must be letters, digits, '.', '_' or '-' (it names a directory)")
+    if slurm.container_image and slurm.venv:
+        raise ValueError("set slurm.container_image or slurm.venv, not both (the container brings its own Python)")
+    if slurm.num_chained_jobs < 1:
+        raise ValueError(f"slurm.num_chained_jobs must be >= 1, got {slurm.num_chained_jobs}")
+    if slurm.num_chained_jobs > 1 and not slurm.singleton:
+        raise ValueError(
+            "slurm.num_chained_jobs > 1 needs slurm.singleton=true, otherwise the copies run at the same time"
+        )
+    if slurm.master_port is not None and not 1024 <= slurm.master_port <= 65535:
+        raise ValueError(f"slurm.master_port must be in [1024, 65535], got {slurm.master_port}")
+    for option in slurm.extra_sbatch:
+        if not option.startswith("--") or "\n" in option:
+            raise ValueError(f"slurm.extra_sbatch entry {option!r} must be one '--option[=value]'")
+    for name in slurm.env:
+        if not _ENV_NAME_RE.match(name):
+            raise ValueError(f"slurm.env key {name!r} is not a valid environment variable name")
+    for label, path in (("workdir", config.workdir), ("runs_root", config.runs_root), ("run_dir", config.run_dir)):
+        if path is not None and (re.search(r'[\s"`\\]', path) or not path):
+            raise ValueError(f"{label}={path!r} must be a non-empty path without spaces, quotes or backslashes")
+    for override in config.train_overrides:
+        if override.split("=", 1)[0].lstrip("+~") == "run_dir":
+            raise ValueError(
+                f"train_overrides sets run_dir ({override!r}); set the launcher's run_dir instead, "
+                "which the script passes to the trainer"
+            )
+    if config.experiment is not None and CONFIG_DIR.joinpath("experiment").is_dir():
+        if config.experiment not in available_experiments():
+            raise ValueError(
+                f"experiment={config.experiment!r} not found in configs/experiment/; "
+                f"available: {', '.join(available_experiments())}"
+            )
+
+
+def train_arguments(config: LaunchConfig, run_dir_expression: str) -> list[str]:
+    """The trainer's Hydra overrides, shell-quoted, with the run directory last (it may expand $vars)."""
+    overrides = [f"experiment={config.experiment}"] if config.experiment else []
+    overrides += config.train_overrides
+    return [shlex.quote(o) for o in overrides] + [f'run_dir="{run_dir_expression}"']
+
+
+def check_train_config(config: LaunchConfig, run_dir: str) -> None:
+    """Compose the trainer's config with the same overrides (run_dir made concrete) and validate it."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemofp4.cli.train import compose_job_config  # heavy: only when asked
+
+    # The launcher's own Hydra context is finished with (its config is already a LaunchConfig);
+    # composing the trainer's config needs a fresh one.
+    GlobalHydra.instance().clear()
+    overrides = [f"experiment={config.experiment}"] if config.experiment else []
+    overrides += [*config.train_overrides, f"run_dir={run_dir.replace('${SLURM_JOB_ID}', '0')}"]
+    try:
+        compose_job_config(overrides)
+    except Exception as error:  # Hydra and the schema raise several types; all mean "bad overrides"
+        raise ValueError(f"the trainer rejects overrides {overrides}: {error}") from error
+
+
+# --------------------------------------------------------------------------------------------------
+# rendering
+
+
+class _SbatchTemplate(string.Template):
+    """``{{ name }}`` placeholders: bash's own ``$`` and ``${...}`` stay untouched."""
+
+    pattern = r"""
+    \{\{\s*(?P<braced>[a-z_]+)\s*\}\}
+    | (?P<escaped>(?!))
+    | (?P<named>(?!))
+    | (?P<invalid>(?!))
+    """
+
+
+def _cpus_per_task(slurm: SlurmConfig) -> int:
+    if slurm.cpus_per_task is not None:
+        return slurm.cpus_per_task
+    gpus_per_task = slurm.gpus_per_node if slurm.mode is LaunchMode.torchrun else 1
+    return 8 * gpus_per_task
+
+
+def _workdir(config: LaunchConfig) -> Path:
+    return Path(config.workdir or os.getcwd()).resolve()
+
+
+def run_dir_expression(config: LaunchConfig) -> str:
+    """The run directory as the script writes it (may contain ``${SLURM_JOB_ID}``)."""
+    if config.run_dir:
+        return config.run_dir
+    job_name = default_job_name(config)
+    if config.slurm.singleton:
+        return f"{config.runs_root}/{job_name}"
+    return f"{config.runs_root}/{job_name}-${{SLURM_JOB_ID}}"
+
+
+def _sbatch_directives(config: LaunchConfig, workdir: Path) -> list[str]:
+    slurm = config.slurm
+    tasks_per_node = 1 if slurm.mode is LaunchMode.torchrun else slurm.gpus_per_node
+    options = [
+        f"--job-name={default_job_name(config)}",
+        f"--nodes={slurm.nodes}",
+        f"--ntasks-per-node={tasks_per_node}",
+        f"--gpus-per-node={slurm.gpus_per_node}",
+        f"--cpus-per-task={_cpus_per_task(slurm)}",
+        f"--time={slurm.time}",
+    ]
+    options += [f"--{name}={value}" for name, value in
+                (("partition", slurm.partition), ("account", slurm.account), ("qos", slurm.qos)) if value]  # fmt: skip
+    if slurm.exclusive:
+        options.append("--exclusive")
+    options += [
+        f"--chdir={workdir}",
+        f"--output={workdir / config.runs_root / 'slurm' / 'logs'}/%x-%j.out",
+        "--open-mode=append",  # a requeued job keeps its id: append to its log instead of truncating it
+    ]
+    if slurm.signal is not None:
+        name, seconds = parse_signal_spec(slurm.signal)
+        options.append(f"--signal=B:{name}@{seconds}")
+    options.append("--requeue" if slurm.requeue else "--no-requeue")
+    if slurm.singleton:
+        options.append("--dependency=singleton")
+    options += slurm.extra_sbatch
+    return [f"#SBATCH {option}" for option in options]
+
+
+def _environment_setup(config: LaunchConfig) -> list[str]:
+    slurm = config.slurm
+    lines: list[str] = []
+    if slurm.venv:
+        lines.append(f'source "{slurm.venv}/bin/activate"')
+    elif slurm.container_image:
+        lines.append(f"# tasks run in the container {slurm.container_image} (pyxis); see srun_cmd below")
+    else:
+        lines.append("# the submission environment (exported by sbatch) provides python and nemofp4")
+    lines += [f"export {name}={shlex.quote(str(value))}" for name, value in slurm.env.items()]
+    return lines
+
+
+def _bash_array(name: str, items: list[str]) -> str:
+    body = "\n".join(f"  {item}" for item in items)
+    return f"{name}=(\n{body}\n)"
+
+
+def _launch_block(config: LaunchConfig, workdir: Path) -> str:
+    slurm = config.slurm
+    train_args = train_arguments(config, "${run_dir}")
+    srun = [
+        'srun --nodes="${SLURM_NNODES}"',
+        f"--ntasks-per-node={1 if slurm.mode is LaunchMode.torchrun else slurm.gpus_per_node}",
+        # Slurm >= 22.05 no longer passes sbatch's --cpus-per-task on to srun
+        f"--cpus-per-task={_cpus_per_task(slurm)}",
+        "--kill-on-bad-exit=1",
+    ]
+    if slurm.container_image:
+        mounts = ",".join([f"{workdir}:{workdir}", *slurm.container_mounts])
+        srun += [
+            f"--container-image={shlex.quote(slurm.container_image)}",
+            f"--container-mounts={shlex.quote(mounts)}",
+            f"--container-workdir={workdir}",
+        ]
+    if slurm.mode is LaunchMode.srun:
+        train_cmd = ["python", "-m", TRAIN_MODULE, *train_args]
+        return "\n".join([_bash_array("train_cmd", train_cmd), _bash_array("srun_cmd", [*srun, '"${train_cmd[@]}"'])])
+
+    train_cmd = [
+        "torchrun",
+        '--nnodes="${SLURM_NNODES}"',
+        f"--nproc_per_node={slurm.gpus_per_node}",
+        "--rdzv_backend=c10d",
+        '--rdzv_endpoint="${head_node}:${rdzv_port}"',
+        '--rdzv_id="${SLURM_JOB_ID}"',
+        f"-m {TRAIN_MODULE}",
+        *train_args,
+    ]
+    ignored = " ".join(dict.fromkeys([*_forwarded_signals(slurm), "TERM"]))
+    agent_wrapper = f"bash -c 'trap \"\" {ignored}; exec \"$@\"' torchrun-agent"
+    return "\n".join(
+        [
+            _bash_array("train_cmd", train_cmd),
+            "# The signals are meant for the workers (their preemption handler checkpoints). torchrun's agent",
+            "# would die of SIGUSR1 and answer SIGTERM by killing the workers 30 s later, so the agent ignores",
+            "# them (the wrapper's `trap ''` survives exec) and SIGTERM is taken off torchrun's handled list.",
+            "# Slurm signals every process of the step (proctrack/cgroup), so the workers still receive them.",
+            'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"',
+            _bash_array("srun_cmd", [*srun, agent_wrapper, '"${train_cmd[@]}"']),
+        ]
+    )
+
+
+def _forwarded_signals(slurm: SlurmConfig) -> list[str]:
+    return [parse_signal_spec(slurm.signal)[0]] if slurm.signal is not None else []
+
+
+def _signal_lines(slurm: SlurmConfig) -> tuple[str, str]:
+    forwarded = _forwarded_signals(slurm)
+    if not forwarded:
+        return "# No early-warning signal is configured (slurm.signal=null).", "# (no signal to forward)"
+    name, seconds = parse_signal_spec(slurm.signal)
+    comment = (
+        f"# Slurm sends SIG{name} to this shell {seconds} s before the time limit (--signal=B:{name}@{seconds});\n"
+        "# the trap forwards it to srun, which passes it to every task."
+    )
+    return comment, f"trap 'forward_signal {name}' {name}"
+
+
+def render_sbatch_script(config: LaunchConfig) -> str:
+    """The complete batch script for ``config`` (validated first)."""
+    validate(config)
+    workdir = _workdir(config)
+    template_path = Path(config.template) if config.template else DEFAULT_TEMPLATE
+    if not template_path.is_file():
+        raise FileNotFoundError(f"sbatch template {template_path} not found (set template=<path> or leave it null)")
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(config)).rstrip("\n")
+    signal_comment, signal_traps = _signal_lines(config.slurm)
+    master_port = config.slurm.master_port
+    values = {
+        "sbatch_directives": "\n".join(_sbatch_directives(config, workdir)),
+        "launch_config_comment": "\n".join(f"#   {line}" for line in config_yaml.splitlines()),
+        "environment_setup": "\n".join(_environment_setup(config)),
+        "run_dir": run_dir_expression(config),
+        "master_port_expression": (
+            str(master_port) if master_port is not None
+            else f"$(({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))"
+        ),  # fmt: skip
+        "launch_block": _launch_block(config, workdir),
+        "signal_comment": signal_comment,
+        "signal_traps": signal_traps,
+    }
+    try:
+        return _SbatchTemplate(template_path.read_text()).substitute(values)
+    except KeyError as error:
+        raise ValueError(f"template {template_path} uses unknown placeholder {error}; known: {sorted(values)}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# submission
+
+
+def submit(config: LaunchConfig, script: str) -> list[str]:
+    """Write ``script`` under ``<runs_root>/slurm/`` and ``sbatch`` it ``num_chained_jobs`` times; return the ids."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise FileNotFoundError(
+            "sbatch not found on PATH: submit from a SLURM login node, or use dry_run=true to print the script"
+        )
+    if config.slurm.venv:
+        workdir = _workdir(config)
+        activate = (workdir / config.slurm.venv / "bin" / "activate").resolve()
+        if not activate.is_file():
+            raise FileNotFoundError(f"slurm.venv={config.slurm.venv!r}: {activate} does not exist")
+    slurm_dir = _workdir(config) / config.runs_root / "slurm"
+    (slurm_dir / "logs").mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output folder
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    script_path = slurm_dir / f"{default_job_name(config)}-{stamp}.sbatch"
+    script_path.write_text(script)
+    job_ids: list[str] = []
+    for _ in range(config.slurm.num_chained_jobs):
+        result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"sbatch {script_path} failed (status {result.returncode}): {result.stderr.strip()}"
+                + (f"; already submitted: {', '.join(job_ids)}" if job_ids else "")
+            )
+        job_ids.append(result.stdout.strip().split(";")[0])  # --parsable prints "<id>[;<cluster>]"
+    logger.info("script: %s", script_path)
+    logger.info("logs:   %s", slurm_dir / "logs" / f"{default_job_name(config)}-<job id>.out")
+    return job_ids
+
+
+def launch(config: LaunchConfig) -> list[str]:
+    """Render; print (dry run) or submit. Returns the submitted job ids (none for a dry run)."""
+    script = render_sbatch_script(config)
+    if config.check_train_config:
+        check_train_config(config, run_dir_expression(config))
+    if config.dry_run:
+        sys.stdout.write(script)
+        sys.stdout.flush()
+        return []
+    job_ids = submit(config, script)
+    for job_id in job_ids:
+        print(f"submitted job {job_id}", flush=True)
+    return job_ids
+
+
+@hydra.main(version_base=None, config_path=None, config_name=PRIMARY_CONFIG_NAME)
+def _hydra_main(cfg: DictConfig) -> None:
+    launch(OmegaConf.to_object(cfg))
+
+
+def main() -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="[nemofp4-launch] %(message)s")
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

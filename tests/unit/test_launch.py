@@ -1,0 +1,371 @@
+"""nemofp4-launch: the rendered sbatch script (syntax, options, commands, signal handling) and the app."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemofp4.cli.launch import (
+    CONFIG_DIR,
+    LaunchConfig,
+    LaunchMode,
+    SlurmConfig,
+    launch,
+    parse_signal_spec,
+    parse_slurm_time,
+    render_sbatch_script,
+    validate,
+)
+from nemofp4.training.dist_env import slurm_master_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(tmp_path, **slurm) -> LaunchConfig:
+    overrides = slurm.pop("overrides", [])
+    experiment = slurm.pop("experiment", "tiny_ue5m3")
+    return LaunchConfig(
+        slurm=SlurmConfig(**slurm),
+        experiment=experiment,
+        train_overrides=overrides,
+        workdir=str(tmp_path),
+        check_train_config=False,
+    )
+
+
+def _sbatch_options(script: str) -> list[str]:
+    return re.findall(r"^#SBATCH (\S+)$", script, flags=re.MULTILINE)
+
+
+def _bash_n(script: str, tmp_path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def _array(script: str, name: str) -> list[str]:
+    """The lines of bash array `name=( ... )` as rendered (one element per line)."""
+    match = re.search(rf"^{name}=\(\n(.*?)\n\)$", script, flags=re.MULTILINE | re.DOTALL)
+    assert match, f"no array {name} in script"
+    return [line.strip() for line in match.group(1).splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpus", "mode", "container"),
+    [
+        (1, 8, LaunchMode.torchrun, None),
+        (4, 8, LaunchMode.torchrun, None),
+        (2, 4, LaunchMode.srun, None),
+        (2, 8, LaunchMode.torchrun, "nvcr.io/nvidia/pytorch:25.01-py3"),
+    ],
+)
+def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, container):
+    config = _config(
+        tmp_path, nodes=nodes, gpus_per_node=gpus, mode=mode, container_image=container,
+        partition="batch", account="proj", time="1-00:00:00", overrides=["optim.lr=3e-4", "train.seed=7"],
+    )  # fmt: skip
+    script = render_sbatch_script(config)
+    _bash_n(script, tmp_path)
+    assert script.startswith("#!/bin/bash\n#SBATCH ")
+    assert "set -euo pipefail" in script
+    tasks = 1 if mode is LaunchMode.torchrun else gpus
+    cpus = 8 * gpus if mode is LaunchMode.torchrun else 8
+    options = _sbatch_options(script)
+    assert options[:6] == [
+        "--job-name=nemofp4-tiny_ue5m3", f"--nodes={nodes}", f"--ntasks-per-node={tasks}",
+        f"--gpus-per-node={gpus}", f"--cpus-per-task={cpus}", "--time=1-00:00:00",
+    ]  # fmt: skip
+    for option in ("--partition=batch", "--account=proj", "--exclusive", f"--chdir={tmp_path}",
+                   "--signal=B:USR1@120", "--requeue", "--open-mode=append"):  # fmt: skip
+        assert option in options
+    assert "--dependency=singleton" not in options
+    # every #SBATCH line comes before the first command (sbatch stops reading at the first one)
+    first_command = next(i for i, line in enumerate(script.splitlines()[1:], 1) if line and not line.startswith("#"))
+    assert max(i for i, line in enumerate(script.splitlines()) if line.startswith("#SBATCH")) < first_command
+    assert 'run_dir="runs/nemofp4-tiny_ue5m3-${SLURM_JOB_ID}"' in script
+    assert "git rev-parse HEAD" in script and 'log "command: ${train_cmd[*]}"' in script
+    assert "scontrol show hostnames \"${SLURM_JOB_NODELIST}\" | awk 'NR == 1'" in script
+
+    train_tail = ["experiment=tiny_ue5m3", "optim.lr=3e-4", "train.seed=7", 'run_dir="${run_dir}"']
+    srun = _array(script, "srun_cmd")
+    assert srun[:4] == [
+        'srun --nodes="${SLURM_NNODES}"', f"--ntasks-per-node={tasks}", f"--cpus-per-task={cpus}",
+        "--kill-on-bad-exit=1",
+    ]  # fmt: skip
+    assert srun[-1] == '"${train_cmd[@]}"'
+    if mode is LaunchMode.torchrun:
+        assert _array(script, "train_cmd") == [
+            "torchrun", '--nnodes="${SLURM_NNODES}"', f"--nproc_per_node={gpus}", "--rdzv_backend=c10d",
+            '--rdzv_endpoint="${head_node}:${rdzv_port}"', '--rdzv_id="${SLURM_JOB_ID}"', "-m nemofp4.train",
+            *train_tail,
+        ]  # fmt: skip
+        assert srun[-2] == "bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun-agent"
+        assert 'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"' in script
+    else:
+        assert _array(script, "train_cmd") == ["python", "-m", "nemofp4.train", *train_tail]
+        assert "torchrun" not in script.split("srun_cmd=(")[1]
+    if container:
+        assert f"--container-image={container}" in srun
+        assert f"--container-mounts={tmp_path}:{tmp_path}" in srun
+    else:
+        assert not any("--container" in item for item in srun)
+
+
+def test_singleton_chain_venv_env_and_extra_options(tmp_path):
+    config = _config(
+        tmp_path, singleton=True, num_chained_jobs=3, venv=".venv", job_name="ue5m3-8b", signal="TERM@300",
+        requeue=False, exclusive=False, extra_sbatch=["--constraint=h100", "--mem=0"],
+        env={"NCCL_DEBUG": "WARN", "WEIRD": "a b"}, master_port=29555,
+    )  # fmt: skip
+    script = render_sbatch_script(config)
+    _bash_n(script, tmp_path)
+    options = _sbatch_options(script)
+    for option in ("--dependency=singleton", "--no-requeue", "--signal=B:TERM@300", "--constraint=h100",
+                   "--mem=0", "--job-name=ue5m3-8b"):  # fmt: skip
+        assert option in options
+    assert "--exclusive" not in options and "--requeue" not in options
+    # chained jobs have different ids but continue one run
+    assert 'run_dir="runs/ue5m3-8b"' in script
+    assert 'source ".venv/bin/activate"' in script
+    assert "export NCCL_DEBUG=WARN" in script and "export WEIRD='a b'" in script
+    assert "rdzv_port=${MASTER_PORT:-29555}" in script
+    assert "trap 'forward_signal TERM' TERM" in script
+
+
+def test_no_signal(tmp_path):
+    script = render_sbatch_script(_config(tmp_path, signal=None))
+    _bash_n(script, tmp_path)
+    assert not any(o.startswith("--signal") for o in _sbatch_options(script))
+    assert "forward_signal USR1" not in script
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(time="4 hours"), "slurm.time"),
+        (dict(time="00:01:00", signal="USR1@120"), "fires 120s"),
+        (dict(signal="KILL@60"), "uncatchable"),
+        (dict(signal="USR1@soon"), "whole seconds"),
+        (dict(num_chained_jobs=2), "singleton"),
+        (dict(container_image="img", venv=".venv"), "not both"),
+        (dict(job_name="my job"), "job name"),
+        (dict(nodes=0), "slurm.nodes"),
+        (dict(extra_sbatch=["-N 2"]), "extra_sbatch"),
+        (dict(env={"BAD-NAME": "1"}), "slurm.env"),
+        (dict(overrides=["run_dir=/tmp/x"]), "run_dir"),
+        (dict(experiment="no_such_experiment"), "no_such_experiment"),
+    ],
+)
+def test_invalid_configs_are_rejected(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        validate(_config(tmp_path, **changes))
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 5400), ("30:15", 1815), ("04:00:00", 14400), ("2-0", 172800), ("1-12:30", 131400),
+     ("1-00:00:10", 86410), ("UNLIMITED", None)],
+)  # fmt: skip
+def test_parse_slurm_time(text, seconds):
+    assert parse_slurm_time(text) == seconds
+
+
+def test_parse_signal_spec():
+    assert parse_signal_spec("USR1@120") == ("USR1", 120)
+    assert parse_signal_spec("B:SIGUSR2@90") == ("USR2", 90)
+    assert parse_signal_spec("TERM") == ("TERM", 60)
+
+
+# ---------------------------------------------------------------------------------------------- running it
+
+FAKE_SRUN = """#!/bin/bash
+# Records srun's arguments, strips its options, runs the task command, and on the forwarded signal
+# records it and ends the step as a checkpointing trainer would (status 0).
+printf '%s\\n' "$@" > "$FAKE_DIR/srun.args"
+trap 'echo "$sig" >> "$FAKE_DIR/srun.signals"; kill -KILL "$child" 2>/dev/null; exit 0' USR1
+while [[ $# -gt 0 && $1 == --* ]]; do shift; done
+"$@" &
+child=$!
+while true; do wait "$child" && exit 0 || status=$?; (( status > 128 )) || exit "$status"; done
+"""
+FAKE_SRUN = FAKE_SRUN.replace('echo "$sig"', "echo USR1")
+
+FAKE_TASK = """#!{python}
+# Stands in for torchrun / python: records argv, ignored signals and the environment, then waits.
+import json, os, sys, time
+ignored = int(next(l for l in open("/proc/self/status") if l.startswith("SigIgn:")).split()[1], 16)
+record = dict(argv=sys.argv[1:], ignored=[s for s in (10, 15) if ignored >> (s - 1) & 1],
+              torchelastic_signals=os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE"),
+              master=(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")))
+with open(os.path.join(os.environ["FAKE_DIR"], "task.json"), "w") as f:
+    json.dump(record, f)
+time.sleep(60)
+"""
+
+
+def _executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def _fake_cluster(tmp_path) -> tuple[Path, dict]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _executable(bin_dir / "srun", FAKE_SRUN)
+    _executable(bin_dir / "torchrun", FAKE_TASK.format(python=sys.executable))
+    _executable(bin_dir / "python", FAKE_TASK.format(python=sys.executable))
+    _executable(bin_dir / "scontrol", '#!/bin/bash\nprintf "gpu-007\\ngpu-008\\n"\n')
+    _executable(bin_dir / "git", '#!/bin/bash\n[[ $1 == rev-parse ]] && echo 0123456789abcdef\nexit 0\n')
+    environ = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_DIR": str(tmp_path),
+        "SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": "nemofp4-tiny_ue5m3", "SLURM_JOB_NODELIST": "gpu-[007-008]",
+        "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "HOME": os.environ.get("HOME", str(tmp_path)),
+    }  # fmt: skip
+    return bin_dir, environ
+
+
+def _wait_for(path: Path, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", [LaunchMode.torchrun, LaunchMode.srun])
+def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, mode):
+    """Run the rendered script under bash with fake srun/torchrun/scontrol: the commands are expanded as
+    intended, torchrun's agent ignores USR1/TERM, and the batch shell outlives SIGTERM and forwards SIGUSR1."""
+    _, environ = _fake_cluster(tmp_path)
+    config = _config(tmp_path, nodes=2, gpus_per_node=4, mode=mode, cpus_per_task=16)
+    script_path = tmp_path / "job.sbatch"
+    script_path.write_text(render_sbatch_script(config))
+    job = subprocess.Popen(
+        ["bash", str(script_path)], cwd=tmp_path, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        _wait_for(tmp_path / "task.json")
+        job.send_signal(signal.SIGTERM)  # e.g. scancel: the shell must keep waiting for the step
+        time.sleep(0.3)
+        assert job.poll() is None, "the batch shell died of SIGTERM"
+        job.send_signal(signal.SIGUSR1)
+        output, _ = job.communicate(timeout=20)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output
+    assert (tmp_path / "srun.signals").read_text() == "USR1\n"
+    port = str(slurm_master_port("12345"))
+    task = json.loads((tmp_path / "task.json").read_text())
+    run_dir = "runs/nemofp4-tiny_ue5m3-12345"
+    assert (tmp_path / run_dir).is_dir()
+    assert task["master"] == ["gpu-007", port]
+    srun_args = (tmp_path / "srun.args").read_text().splitlines()
+    if mode is LaunchMode.torchrun:
+        assert srun_args[:4] == ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=16", "--kill-on-bad-exit=1"]
+        assert task["argv"] == [
+            "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d", f"--rdzv_endpoint=gpu-007:{port}",
+            "--rdzv_id=12345", "-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={run_dir}",
+        ]  # fmt: skip
+        assert task["ignored"] == [10, 15]  # SIGUSR1 and SIGTERM are ignored by the agent
+        assert task["torchelastic_signals"] == "SIGINT,SIGHUP,SIGQUIT"
+    else:
+        assert srun_args[:4] == ["--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=16", "--kill-on-bad-exit=1"]
+        assert task["argv"] == ["-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={run_dir}"]
+        assert task["ignored"] == []  # python tasks receive the signals directly
+    assert "git commit: 0123456789abcdef" in output
+    assert f"rendezvous: gpu-007:{port}" in output
+    assert "received SIGTERM" in output and "received SIGUSR1" in output
+    assert "training step exited with status 0" in output
+
+
+# ---------------------------------------------------------------------------------------------- submit / app
+
+
+def test_submit_writes_the_script_and_chains_jobs(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _executable(bin_dir / "sbatch", f'#!/bin/bash\necho "$@" >> "{tmp_path}/sbatch.calls"\necho "$((700 + $(wc -l < "{tmp_path}/sbatch.calls")));cluster"\n')  # fmt: skip
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    config = _config(tmp_path, singleton=True, num_chained_jobs=3)
+    config.dry_run = False
+    assert launch(config) == ["701", "702", "703"]
+    calls = (tmp_path / "sbatch.calls").read_text().splitlines()
+    assert len(set(calls)) == 1 and calls[0].startswith("--parsable ")
+    script_path = Path(calls[0].split()[1])
+    assert script_path.parent == tmp_path / "runs" / "slurm"
+    assert script_path.read_text() == render_sbatch_script(config)
+    assert (tmp_path / "runs" / "slurm" / "logs").is_dir()
+
+
+def test_submit_without_sbatch_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    config = _config(tmp_path)
+    config.dry_run = False
+    with pytest.raises(FileNotFoundError, match="dry_run=true"):
+        launch(config)
+
+
+def test_dry_run_prints_only_the_script(tmp_path, capsys):
+    config = _config(tmp_path)
+    config.dry_run = True
+    assert launch(config) == []
+    assert capsys.readouterr().out == render_sbatch_script(config)
+    assert not (tmp_path / "runs").exists()
+
+
+def _run_app(command: list[str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=180)
+
+
+def test_interface_command_prints_the_script(tmp_path):
+    """The documented interface, exactly, including the check of the trainer's config."""
+    executable = shutil.which("nemofp4-launch", path=str(Path(sys.executable).parent))
+    command = [executable] if executable else [sys.executable, "-m", "nemofp4.cli.launch"]
+    result = _run_app(
+        [*command, "slurm.nodes=4", "slurm.gpus_per_node=8", "experiment=nemotron_h_8b_ue5m3", "dry_run=true"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    _bash_n(script, tmp_path)
+    assert "--nnodes=\"${SLURM_NNODES}\"" in script and "--nproc_per_node=8" in script
+    assert "#SBATCH --nodes=4" in script and "experiment=nemotron_h_8b_ue5m3" in script
+    assert list(tmp_path.iterdir()) == [tmp_path / "job.sbatch"]  # the app itself wrote nothing
+
+
+def test_python_module_form_and_misspelled_override(tmp_path):
+    base = [sys.executable, "-m", "nemofp4.cli.launch", "check_train_config=false", "dry_run=true"]
+    result = _run_app([*base, "slurm.mode=srun", "slurm.gpus_per_node=4", "train_overrides=[optim.lr=1e-3]"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--ntasks-per-node=4" in result.stdout and "  optim.lr=1e-3" in result.stdout
+    bad = _run_app([*base, "slurm.gpu_per_node=4"], tmp_path)
+    assert bad.returncode != 0 and "gpu_per_node" in bad.stderr and bad.stdout == ""
+
+
+def test_hydra_submitit_launcher_config_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name="launch_schema", node=LaunchConfig)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose(
+            config_name="launch", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=batch"],
+            return_hydra_config=True,
+        )  # fmt: skip
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert type(OmegaConf.to_object(launcher)).__name__ == "SlurmQueueConf"  # typed: typos fail
+    assert (launcher.partition, launcher.tasks_per_node, launcher.gpus_per_node) == ("batch", 8, 8)
+    assert launcher.signal_delay_s == 120
