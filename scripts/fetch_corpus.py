@@ -250,7 +250,7 @@ def main() -> None:
 
     if args.no_tokenize:
         return
-    from nemofp4.data.preprocess import PreprocessConfig, preprocess
+    from nemofp4.data.preprocessing import PreprocessConfig, preprocess
     from nemofp4.data.tokenizer import train_bpe_tokenizer
 
     tokenizer_dir = args.out / "tokenizer"

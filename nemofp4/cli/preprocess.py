@@ -3,7 +3,7 @@
     nemofp4-preprocess input='corpus/*.jsonl' tokenizer=path/to/tokenizer output_prefix=out/web workers=8
     nemofp4-preprocess input=data/corpus/austen_train.jsonl.gz tokenizer=train output_prefix=/tmp/austen
 
-The settings are the fields of :class:`nemofp4.data.preprocess.PreprocessConfig`
+The settings are the fields of :class:`nemofp4.data.preprocessing.PreprocessConfig`
 (``configs/preprocess.yaml``); a misspelled override fails at start.
 """
 
@@ -16,7 +16,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from nemofp4.data.preprocess import PreprocessConfig, preprocess
+from nemofp4.data.preprocessing import PreprocessConfig, preprocess
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 ConfigStore.instance().store(name="preprocess_schema", node=PreprocessConfig)

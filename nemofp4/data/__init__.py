@@ -8,7 +8,7 @@ from nemofp4.data.config import DataConfig, DataSourceConfig
 from nemofp4.data.indexed import CorruptDataError, IndexedDataset, IndexedDatasetWriter, write_indexed_dataset
 from nemofp4.data.loader import TrainLoader, build_train_loader, build_validation_batches
 from nemofp4.data.manifest import TokenSource, open_token_source
-from nemofp4.data.preprocess import PreprocessConfig, preprocess
+from nemofp4.data.preprocessing import PreprocessConfig, preprocess
 from nemofp4.data.tokenizer import LoadedTokenizer, load_tokenizer, train_bpe_tokenizer
 
 __all__ = [
