@@ -88,7 +88,7 @@ def main() -> None:
 
     impls = {"ours (ssd_chunked)": ours, "transformers torch path": theirs}
     times = {name: [] for name in impls}
-    for name, fn in impls.items():  # warm-up
+    for fn in impls.values():  # warm-up
         time_fwd_bwd(fn, cfg, tensors, A)
     for _ in range(args.repeats):  # interleaved
         for name, fn in impls.items():

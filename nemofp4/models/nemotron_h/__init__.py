@@ -1,8 +1,15 @@
 """Nemotron-H hybrid Mamba-2 / attention model."""
 
 from .config import PRESETS, LayerType, NemotronHConfig, get_model_config, parse_pattern
-from .hf_adapter import export_hf, from_hf_config, from_hf_state_dict, import_hf, to_hf_config, to_hf_state_dict
-from .model import Attention, Block, Mamba2Mixer, MLP, NemotronHModel, build_model
+from .hf_adapter import (
+    export_hf,
+    from_hf_config,
+    from_hf_state_dict,
+    import_hf,
+    to_hf_config,
+    to_hf_state_dict,
+)
+from .model import MLP, Attention, Block, Mamba2Mixer, NemotronHModel, build_model
 from .ssd import ssd_chunked, ssd_reference, ssd_scan
 
 __all__ = [

@@ -235,8 +235,15 @@ class NemotronHConfig:
             if layer_type is LayerType.MAMBA:
                 matmul_params += d * self.mamba_in_proj_size + self.mamba_intermediate_size * d
                 q = min(self.chunk_size, seq_len)
-                n, g, p, h = self.ssm_state_size, self.mamba_num_groups, self.mamba_head_dim, self.mamba_num_heads
-                extra += 3 * (2 * q * n * g + 2 * q * p * h + 4 * n * p * h + 2 * self.conv_kernel * self.mamba_conv_dim)
+                n, g, p, h = (
+                    self.ssm_state_size,
+                    self.mamba_num_groups,
+                    self.mamba_head_dim,
+                    self.mamba_num_heads,
+                )
+                extra += 3 * (
+                    2 * q * n * g + 2 * q * p * h + 4 * n * p * h + 2 * self.conv_kernel * self.mamba_conv_dim
+                )
             elif layer_type is LayerType.ATTENTION:
                 q_width = self.num_attention_heads * self.attention_head_dim
                 kv_width = self.num_key_value_heads * self.attention_head_dim

@@ -225,8 +225,9 @@ def import_hf(
     model = NemotronHModel(config, device="meta", dtype=dtype)
     model.to_empty(device=device)
     expected = set(model.state_dict())
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if config.tie_word_embeddings and "embeddings.weight" in state:
+        # One shared tensor: the embedding is the source of truth (HF files may hold a copy).
+        state["lm_head.weight"] = state["embeddings.weight"]
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ValueError(f"HF weights do not match the config: missing {missing}, unexpected {unexpected}")
@@ -234,6 +235,8 @@ def import_hf(
         for name, tensor in model.state_dict().items():
             source_tensor = state[name]
             if source_tensor.shape != tensor.shape:
-                raise ValueError(f"{name}: HF shape {tuple(source_tensor.shape)} != ours {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"{name}: HF shape {tuple(source_tensor.shape)} != ours {tuple(tensor.shape)}"
+                )
             tensor.copy_(source_tensor)
     return model

@@ -31,6 +31,15 @@ except Exception:
     _causal_conv1d_fn = None
 
 
+def _copy_full_(param: torch.Tensor, value: torch.Tensor) -> None:
+    """param.copy_(value) where value is the full tensor, also when param is a sharded DTensor (FSDP2)."""
+    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value, param.device_mesh, param.placements)
+    param.copy_(value)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back to the input dtype (as transformers' NemotronH)."""
 
@@ -131,7 +140,8 @@ class Mamba2Mixer(nn.Module):
         )
         xBC_BLC = causal_depthwise_conv1d(xBC_BLC, self.conv1d.weight.squeeze(1), self.conv1d.bias)
         x_BLE, B_BLGN, C_BLGN = xBC_BLC.split(
-            [self.intermediate_size, self.num_groups * self.state_size, self.num_groups * self.state_size], dim=-1
+            [self.intermediate_size, self.num_groups * self.state_size, self.num_groups * self.state_size],
+            dim=-1,
         )
         x_BLHP = x_BLE.unflatten(-1, (self.num_heads, self.head_dim))
         B_BLGN = B_BLGN.unflatten(-1, (self.num_groups, self.state_size))
@@ -153,13 +163,13 @@ class Mamba2Mixer(nn.Module):
     def reset_parameters(self, config: NemotronHConfig, generator: torch.Generator | None = None) -> None:
         """transformers' NemotronH init: A_log = log(1..H), D = 1, dt_bias = softplus^-1(dt) with
         dt log-uniform in [time_step_min, time_step_max] floored at time_step_floor."""
-        heads = self.num_heads
-        self.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32, device=self.A_log.device)))
-        self.D.fill_(1.0)
-        u = torch.rand(heads, generator=generator, device=self.dt_bias.device)
+        heads, device = self.num_heads, self.dt_bias.device
+        _copy_full_(self.A_log, torch.log(torch.arange(1, heads + 1, dtype=torch.float32, device=device)))
+        nn.init.ones_(self.D)
+        u = torch.rand(heads, generator=generator, device=device)
         log_min, log_max = math.log(config.time_step_min), math.log(config.time_step_max)
         dt = torch.exp(u * (log_max - log_min) + log_min).clamp(min=config.time_step_floor)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        _copy_full_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
         self.norm.reset_parameters()
 
 
@@ -172,7 +182,11 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.attention_head_dim
-        d, q_width, kv_width = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        d, q_width, kv_width = (
+            config.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
         self.q_proj = nn.Linear(d, q_width, bias=False, **factory)
         self.k_proj = nn.Linear(d, kv_width, bias=False, **factory)
         self.v_proj = nn.Linear(d, kv_width, bias=False, **factory)
@@ -193,8 +207,12 @@ class MLP(nn.Module):
 
     def __init__(self, config: NemotronHConfig, device=None, dtype=None):
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False, device=device, dtype=dtype)
-        self.down_proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(
+            config.hidden_size, config.ffn_hidden_size, bias=False, device=device, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            config.ffn_hidden_size, config.hidden_size, bias=False, device=device, dtype=dtype
+        )
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.square(F.relu(self.up_proj(x_BLD))))
@@ -229,8 +247,17 @@ class NemotronHModel(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, **factory) for i in range(config.num_layers))
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
-        if config.tie_word_embeddings:
+        self._tie_weights()
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # to_empty()/to() may replace parameters one module at a time, which unties shared ones.
+        module = super()._apply(fn, recurse)
+        self._tie_weights()
+        return module
 
     def forward(self, input_ids_BL: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
         """Logits [B, L, vocab] in float32, or with ``return_hidden=True`` the final-normed hidden
@@ -286,7 +313,10 @@ def build_model(
     """Construct the model on ``device``. On "meta" nothing is allocated: call ``to_empty`` and
     ``init_weights`` after any module swaps. On a real device the weights are initialized here."""
     device = torch.device(device)
-    model = NemotronHModel(config, device=device, dtype=dtype)
+    # Always construct on meta: no allocation or default init is wasted, and the weights on a real
+    # device are exactly what to_empty() + init_weights() gives under the same seed.
+    model = NemotronHModel(config, device="meta", dtype=dtype)
     if device.type != "meta":
+        model.to_empty(device=device)
         model.init_weights()
     return model

@@ -137,9 +137,9 @@ def ssd_chunked(
     # 2. State each chunk adds, decayed to the chunk's end: [B, T, G, R*P, N].
     decay_to_end_BTGRQ = torch.exp(cum_BTGRQ[..., -1:] - cum_BTGRQ)
     chunk_input_BTGRPN = (
-        (xdt_BTGRQP * decay_to_end_BTGRQ[..., None]).transpose(-1, -2).reshape(
-            batch, num_chunks, groups, per_group * head_dim, chunk
-        )
+        (xdt_BTGRQP * decay_to_end_BTGRQ[..., None])
+        .transpose(-1, -2)
+        .reshape(batch, num_chunks, groups, per_group * head_dim, chunk)
         @ B_BTGQN
     ).reshape(batch, num_chunks, heads, head_dim, state_size)
 

@@ -1,0 +1,114 @@
+"""Parity with transformers' NemotronHForCausalLM through our export, and the state-dict round trip."""
+
+import json
+
+import pytest
+import torch
+
+from nemofp4.models import build_model, get_model_config
+from nemofp4.models.nemotron_h import (
+    export_hf,
+    from_hf_config,
+    from_hf_state_dict,
+    import_hf,
+    to_hf_config,
+    to_hf_state_dict,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def perturbed_tiny(seed=0, **overrides):
+    """tiny at random init, then every parameter moved off its init value (norm gains, D, A_log,
+    dt_bias, conv) so that a mismatch in any of them shows in the logits."""
+    torch.manual_seed(seed)
+    model = build_model(get_model_config("tiny", **overrides))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.03))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    model = perturbed_tiny()
+    out = export_hf(model, tmp_path_factory.mktemp("hf_tiny"))
+    hf, info = transformers.NemotronHForCausalLM.from_pretrained(out, output_loading_info=True)
+    return model, out, hf.eval(), info
+
+
+def test_export_loads_with_no_missing_or_unexpected_keys(exported):
+    _, out, hf, info = exported
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert hf.config.hybrid_override_pattern == "M-*-M-"
+
+
+def test_logits_match_transformers(exported):
+    model, _, hf, _ = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 150))  # 150: not a multiple of the chunk (64)
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert theirs.abs().max() > 1.0  # a meaningful scale, not an all-near-zero output
+    assert (ours - theirs).abs().max() <= 1e-4
+
+
+def test_state_dict_round_trip_is_exact(exported):
+    model, out, hf, _ = exported
+    ours = model.state_dict()
+    hf_state = to_hf_state_dict(ours)
+    # The released checkpoints' layout ("backbone."), which transformers renames to "model." on load.
+    assert {k.replace("backbone.", "model.", 1) for k in hf_state} == set(hf.state_dict())
+    back = from_hf_state_dict(hf_state)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    # transformers' in-memory names use "model." rather than "backbone.": both import.
+    for imported in (import_hf(out), import_hf(hf)):
+        got = imported.state_dict()
+        assert got.keys() == ours.keys() and all(torch.equal(got[k], ours[k]) for k in ours)
+        assert imported.config == model.config
+
+
+def test_hf_in_memory_names_map_onto_ours(exported):
+    model, _, hf, _ = exported
+    hf_names = set(from_hf_state_dict(hf.state_dict()))
+    assert hf_names == set(model.state_dict())
+
+
+def test_config_round_trip_and_legacy_keys():
+    cfg = get_model_config("nemotron_h_8b")
+    assert from_hf_config(to_hf_config(cfg)) == cfg
+    legacy = to_hf_config(cfg)
+    del legacy["hybrid_override_pattern"], legacy["n_groups"], legacy["head_dim"]
+    legacy["layers_block_type"] = ["mamba" if s == "M" else "attention" if s == "*" else "mlp"
+                                   for s in cfg.hybrid_layer_pattern]  # fmt: skip
+    legacy["mamba_n_groups"], legacy["attention_head_dim"] = 8, 128
+    assert from_hf_config(legacy) == cfg
+    with pytest.raises(ValueError, match="MoE"):
+        from_hf_config({**to_hf_config(cfg), "hybrid_override_pattern": "ME"})
+    with pytest.raises(ValueError, match="mlp_bias"):
+        from_hf_config({**to_hf_config(cfg), "mlp_bias": True})
+
+
+def test_import_rejects_mismatched_weights(tmp_path):
+    model = perturbed_tiny()
+    out = export_hf(model, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["hybrid_override_pattern"] = "M-*-M-M"
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="missing"):
+        import_hf(out)
+    with pytest.raises(FileNotFoundError):
+        import_hf(tmp_path / "nowhere")
+
+
+def test_tied_model_exports_and_matches(tmp_path):
+    model = perturbed_tiny(seed=3, tie_word_embeddings=True)
+    out = export_hf(model, tmp_path)
+    hf = transformers.NemotronHForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() <= 1e-4
+    back = import_hf(out)
+    assert back.lm_head.weight is back.embeddings.weight
+    assert torch.equal(back.embeddings.weight, model.embeddings.weight)
