@@ -34,12 +34,16 @@ def test_chunked_matches_step_by_step_reference_float64(groups, seq_len, chunk, 
     assert (state - state_ref).abs().max() <= 1e-10
 
 
-def test_chunked_float32_within_1e4_relative_of_reference():
+@pytest.mark.parametrize("chunk,nemotron_8b_like", [(32, False), (256, True)])
+def test_chunked_float32_within_1e4_relative_of_reference(chunk, nemotron_8b_like):
     x, dt, A, B, C, s0 = make_inputs(batch=2, seq_len=300, heads=8, head_dim=16, groups=2, state=32,
                                      with_state=True)  # fmt: skip
+    if nemotron_8b_like:  # A = -(1..128) as initialized, dt around the init range [1e-3, 1e-1]
+        A = -torch.linspace(1.0, 128.0, 8, dtype=torch.float64)
+        dt = torch.exp(torch.empty_like(dt).uniform_(-7.0, -2.3, generator=torch.Generator().manual_seed(3)))
     y_ref, state_ref = ssd_reference(x, dt, A, B, C, s0)
     x32, dt32, A32, B32, C32, s032 = (t.float() for t in (x, dt, A, B, C, s0))
-    y, state = ssd_chunked(x32, dt32, A32, B32, C32, 32, s032)
+    y, state = ssd_chunked(x32, dt32, A32, B32, C32, chunk, s032)
     assert y.dtype == torch.float32
     assert ((y.double() - y_ref).abs().max() / y_ref.abs().max()) <= 1e-4
     assert ((state.double() - state_ref).abs().max() / state_ref.abs().max()) <= 1e-4
