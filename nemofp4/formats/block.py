@@ -154,7 +154,6 @@ class QuantizedBlocks:
 
 def quantize_blocks(
     x: torch.Tensor,
-    *,
     scale_format: str = "ue5m3",
     block_size: int | None = None,
     two_d: bool = False,
@@ -162,6 +161,7 @@ def quantize_blocks(
     tensor_amax: torch.Tensor | float | None = None,
     rounding: str = "rne",
     generator: torch.Generator | None = None,
+    *,
     mx_scale_mode: str = "floor",
     name: str = "x",
 ) -> QuantizedBlocks:
@@ -175,7 +175,8 @@ def quantize_blocks(
         scale_target: T, the scale code the tensor reference g maps to (e4m3/ue5m3).
         tensor_amax: the held reference g; None measures the current amax of ``x``.
         rounding: payload rounding, "rne", "sr8" or "sr"; scale codes always use RNE.
-        generator: the only source of random bits for "sr8"/"sr".
+        generator: the only source of random bits for "sr8"/"sr" (one draw per element of
+            the padded tensor, in memory order).
         mx_scale_mode: ue8m0 only: "floor" (OCP reference) or "ceil" (never saturates).
         name: how error messages refer to ``x``.
     """
@@ -187,7 +188,7 @@ def quantize_blocks(
     shape = x.shape
 
     # ---- pad and view as blocks: [..., n_blocks, block] or [row_tiles, b, col_tiles, b]
-    x32 = x.detach().float()
+    x32 = x.detach().float().contiguous()  # no copy for a contiguous float32 input
     b = block_size
     if two_d:
         rows, cols = shape

@@ -40,26 +40,40 @@ def hadamard_matrix(
 def hadamard_transform(x: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
     """Apply ``diag(sign) @ H16 / 4`` to each group of 16 along the last dim; float32 result.
 
-    The result stays float32 (computed in float32) because it feeds the FP4 quantizer
-    directly; rounding it to the input dtype first would add an error the fused kernel
-    does not have. ``sign`` defaults to TE's fixed wgrad vector.
+    Row vector convention, as TE's reference: ``y = x @ (diag(sign) @ H16 / 4)``. Computed
+    in float32 with a butterfly (exact sign flips and 1/4 scaling, then 4 add/subtract
+    stages), not a matmul, so GPU TF32 settings cannot change it. The result stays float32
+    because it feeds the FP4 quantizer directly. ``sign`` defaults to TE's wgrad vector.
     """
-    return _apply(x, hadamard_matrix(sign, x.device))
+    groups = _groups(x)
+    return _walsh_hadamard(groups * (_check_sign(sign).to(groups.device) * 0.25)).reshape(x.shape)
 
 
 def inverse_hadamard_transform(y: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
-    """Undo ``hadamard_transform`` (multiply each group of 16 by the transpose); float32 result."""
-    return _apply(y, hadamard_matrix(sign, y.device).T)
+    """Undo ``hadamard_transform``: ``x = y @ (H16 @ diag(sign) / 4)``; float32 result."""
+    groups = _groups(y)
+    return (_walsh_hadamard(groups * 0.25) * _check_sign(sign).to(groups.device)).reshape(y.shape)
 
 
-def _apply(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+def _groups(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 0 or x.shape[-1] % HADAMARD_SIZE:
         raise ValueError(
             f"the Hadamard transform works on groups of {HADAMARD_SIZE} along the last dim; "
             f"got shape {tuple(x.shape)}"
         )
-    groups = x.float().reshape(-1, HADAMARD_SIZE)
-    return (groups @ matrix).reshape(x.shape)
+    return x.float().reshape(-1, HADAMARD_SIZE)
+
+
+def _walsh_hadamard(groups: torch.Tensor) -> torch.Tensor:
+    """``groups @ H16`` (Sylvester order, unnormalized) by the fast Walsh-Hadamard butterfly."""
+    out = groups
+    half = 1
+    while half < HADAMARD_SIZE:
+        pairs = out.view(-1, HADAMARD_SIZE // (2 * half), 2, half)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        out = torch.stack((a + b, a - b), dim=2).view(-1, HADAMARD_SIZE)
+        half *= 2
+    return out
 
 
 def _check_sign(sign: torch.Tensor | None) -> torch.Tensor:

@@ -290,6 +290,12 @@ def test_layout_and_decomposition():
     assert torch.equal(flat.codes.view(2, 3, 32), q.codes)
 
 
+def test_non_contiguous_input_and_positional_arguments():
+    x = make_input(64, 48)
+    q = quantize_blocks(x.T, "e4m3", 16)  # a transposed view
+    assert torch.equal(q.codes, quantize_blocks(x.T.contiguous(), scale_format="e4m3").codes)
+
+
 def test_two_d_tiles_commute_with_transpose():
     """Why weights use 16x16 tiles: the transposed weight quantizes to the transposed values."""
     w = make_input(40, 72)
@@ -414,6 +420,10 @@ def test_hadamard_transform_and_inverse():
     # both wgrad operands transformed along the contraction dim: their product is unchanged
     a, b = torch.randn(8, 64), torch.randn(4, 64)
     torch.testing.assert_close(hadamard_transform(a) @ hadamard_transform(b).T, a @ b.T, rtol=1e-5, atol=1e-5)
+    small_ints = torch.randint(-64, 64, (10, 32), generator=torch.Generator().manual_seed(7)).float()
+    exact = (small_ints.view(-1, 16) @ hadamard_matrix()).view(10, 32)  # every sum exact
+    assert torch.equal(hadamard_transform(small_ints), exact)
+    assert torch.equal(inverse_hadamard_transform(exact), small_ints)
     outlier = torch.zeros(16)
     outlier[5] = 8.0
     assert torch.equal(hadamard_transform(outlier).abs(), torch.full((16,), 2.0))  # spread evenly
