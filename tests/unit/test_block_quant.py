@@ -440,3 +440,17 @@ def test_hadamard_transform_and_inverse():
 def test_e4m3_format_is_the_scale_codebook():
     q = quantize_blocks(torch.randn(2, 32), scale_format="e4m3")
     assert torch.equal(q.block_scales(), E4M3.decode(q.scale_codes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_format", ["e4m3", "ue5m3", "ue8m0"])
+def test_cuda_matches_cpu_bit_for_bit(scale_format):
+    x = make_input(128, 200).bfloat16()
+    cpu = quantize_blocks(x, scale_format=scale_format)
+    gpu = quantize_blocks(x.cuda(), scale_format=scale_format)
+    assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scale_codes.cpu(), cpu.scale_codes)
+    assert torch.equal(gpu.dequantize().cpu(), cpu.dequantize())
+    sr = quantize_blocks(
+        x.cuda(), scale_format, rounding="sr8", generator=torch.Generator("cuda").manual_seed(0)
+    )
+    assert sr.codes.is_cuda
