@@ -295,12 +295,13 @@ def _mx_exponent(block_amax: torch.Tensor, mode: str) -> tuple[torch.Tensor, tor
     """Exact power-of-two block exponent (clamped to [-127, 127]) and the unclamped one."""
     if mode == "floor":
         mantissa, exp = torch.frexp(block_amax)  # amax = mantissa * 2^exp, mantissa in [0.5, 1)
-        unclamped = exp - 1 - _E2M1_EMAX
+        unclamped = torch.where(block_amax > 0, exp - 1 - _E2M1_EMAX, -127)
     else:
         decode = block_amax / _FP4_MAX
         mantissa, exp = torch.frexp(decode)
         unclamped = torch.where(mantissa == 0.5, exp - 1, exp)
-    unclamped = torch.where(block_amax > 0, unclamped, -127)
+        # amax / 6 can underflow to 0 for a non-zero block: TE's log2(0) = -inf clamps to -127
+        unclamped = torch.where(decode > 0, unclamped, torch.where(block_amax > 0, -128, -127))
     return unclamped.clamp(-127, 127), unclamped
 
 

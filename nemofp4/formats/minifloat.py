@@ -229,7 +229,7 @@ class FloatFormat:
     def _round_to_index(
         self, x32: torch.Tensor, rounding: str, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Magnitude index (== magnitude code, int64) and sign of each element of float32 ``x32``."""
+        """uint8 magnitude index (== magnitude code) and sign of each element of float32 ``x32``."""
         check_rounding(rounding)
         magnitude = x32.abs().nan_to_num(nan=0.0)
         negative = torch.signbit(x32) if self.signed else torch.zeros((), dtype=torch.bool)

@@ -102,6 +102,8 @@ def reference_mx(x, *, mode, block=32):
             exponents[index] = -127
         elif mode == "floor":
             exponents[index] = math.frexp(float(a))[1] - 1 - 2
+        elif F32(a) / F32(6.0) == 0:  # fp32(amax / 6) underflows: TE's log2(0) = -inf
+            exponents[index] = -127
         else:
             mantissa, e = math.frexp(float(F32(a) / F32(6.0)))
             exponents[index] = e - 1 if mantissa == 0.5 else e
@@ -192,6 +194,7 @@ def test_mx_matches_reference(mode):
     x = make_input(8, 100)
     x[4, :32] = 7.9  # floor mode saturates here: 7.9 / 2^(2-2+... ) lands in (6, 8)
     x[5, 32:64] = 2.0**-130  # float32 subnormals: exponent clamps at -127
+    x[6, :32] = 2.0**-149  # the smallest float32: amax / 6 underflows to 0 in ceil mode
     q = quantize_blocks(x, scale_format="ue8m0", mx_scale_mode=mode)
     codes, scale_codes = reference_mx(x.numpy(), mode=mode)
     np.testing.assert_array_equal(q.scale_codes.numpy(), scale_codes[:, ::32])
