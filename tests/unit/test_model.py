@@ -171,7 +171,7 @@ def test_conv_matches_direct_sum():
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("t", [1, 63, 64, 90])  # tiny's chunk is 64
+@pytest.mark.parametrize("t", [1, 64, 70])  # tiny's chunk is 64
 def test_mixers_are_causal(tiny, t):
     torch.manual_seed(0)
     randomize_(tiny)
@@ -181,7 +181,7 @@ def test_mixers_are_causal(tiny, t):
             assert_causal(mixer, torch.randn(2, 100, tiny.config.hidden_size), t)
 
 
-@pytest.mark.parametrize("t", [1, 50, 64, 99])
+@pytest.mark.parametrize("t", [1, 70])
 def test_model_is_causal(t):
     model = build_model(get_model_config("tiny"))
     randomize_(model, seed=1)

@@ -36,7 +36,7 @@ def test_chunked_matches_step_by_step_reference_float64(groups, seq_len, chunk, 
 
 @pytest.mark.parametrize("chunk,nemotron_8b_like", [(32, False), (256, True)])
 def test_chunked_float32_within_1e4_relative_of_reference(chunk, nemotron_8b_like):
-    x, dt, A, B, C, s0 = make_inputs(batch=2, seq_len=300, heads=8, head_dim=16, groups=2, state=32,
+    x, dt, A, B, C, s0 = make_inputs(batch=2, seq_len=280, heads=8, head_dim=16, groups=2, state=32,
                                      with_state=True)  # fmt: skip
     if nemotron_8b_like:  # A = -(1..128) as initialized, dt around the init range [1e-3, 1e-1]
         A = -torch.linspace(1.0, 128.0, 8, dtype=torch.float64)

@@ -128,12 +128,7 @@ class Mamba2Mixer(nn.Module):
         )
         self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False, **factory)
 
-    def forward(
-        self,
-        x_BLD: torch.Tensor,
-        initial_state_BHPN: torch.Tensor | None = None,
-        return_final_state: bool = False,
-    ):
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x_BLD.shape
         z_BLE, xBC_BLC, dt_BLH = self.in_proj(x_BLD).split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
@@ -151,13 +146,10 @@ class Mamba2Mixer(nn.Module):
         if self.dt_min_clamp > 0:
             dt_BLH = dt_BLH.clamp(min=self.dt_min_clamp)
         A_H = -torch.exp(self.A_log.float())
-        y_BLHP, final_state_BHPN = ssd_scan(
-            x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, self.chunk_size, initial_state_BHPN
-        )
+        y_BLHP, _ = ssd_scan(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, self.chunk_size)
         y_BLHP = y_BLHP.float() + self.D.float()[:, None] * x_BLHP.float()
         y_BLE = self.norm(y_BLHP.flatten(-2), z_BLE)
-        out_BLD = self.out_proj(y_BLE.to(x_BLD.dtype))
-        return (out_BLD, final_state_BHPN) if return_final_state else out_BLD
+        return self.out_proj(y_BLE.to(x_BLD.dtype))
 
     @torch.no_grad()
     def reset_parameters(self, config: NemotronHConfig, generator: torch.Generator | None = None) -> None:
