@@ -129,7 +129,6 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
-        batch, seq_len, _ = x_BLD.shape
         z_BLE, xBC_BLC, dt_BLH = self.in_proj(x_BLD).split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
