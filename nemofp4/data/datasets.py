@@ -52,8 +52,9 @@ def split_documents(num_documents: int, fraction: float, salt: int, validation: 
 class PackedSequences:
     """Samples of ``seq_len + 1`` tokens from one source's documents, in served order.
 
-    ``documents`` selects the source's documents (a split); ``split`` describes that selection
-    for the cache key. Item ``k`` is the ``k``-th served sample, as int64.
+    ``documents`` selects the source's documents (an id array, or a count for all of them);
+    ``split`` describes that selection for the cache key. Item ``k`` is the ``k``-th served
+    sample, as int64.
     """
 
     def __init__(
@@ -61,7 +62,7 @@ class PackedSequences:
         source: TokenSource,
         *,
         split: dict,
-        documents: np.ndarray,
+        documents: np.ndarray | int,
         seq_len: int,
         num_samples: int,
         seed: int,
@@ -72,11 +73,14 @@ class PackedSequences:
         if split.get("all"):
             tokens = source.num_tokens
         else:
-            tokens = int(sum(int(source.lengths_of(documents[i : i + HOLDOUT_CHUNK]).sum())
+            all_lengths = source.all_document_lengths()
+            tokens = int(sum(int(all_lengths[documents[i : i + HOLDOUT_CHUNK]].sum(dtype=np.int64))
                              for i in range(0, documents.size, HOLDOUT_CHUNK)))
+            del all_lengths
         if tokens == 0:
             raise ValueError(f"{source.name}: the {split} split has no tokens")
-        self.plan = plan_sample_index(tokens, documents.size, seq_len, num_samples)
+        count = documents if isinstance(documents, int) else documents.size
+        self.plan = plan_sample_index(tokens, count, seq_len, num_samples)
         description = {
             "source": source.identity,
             "split": split,
@@ -88,7 +92,10 @@ class PackedSequences:
 
         def build() -> dict[str, np.ndarray]:
             document_index = build_document_index(documents, self.plan.num_epochs, seed)
-            sample_index = build_sample_index(document_index, source.lengths_of, seq_len, self.plan.num_samples)
+            all_lengths = source.all_document_lengths()
+            sample_index = build_sample_index(
+                document_index, lambda docs: all_lengths[docs].astype(np.int64), seq_len, self.plan.num_samples
+            )
             shuffle_index = build_shuffle_index(self.plan.samples_per_window, self.plan.num_windows, seed)
             return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 

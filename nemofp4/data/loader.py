@@ -77,10 +77,10 @@ def _build_blend(
     datasets = []
     for (source, split), count in zip(prepared, needed):
         if split.get("all"):
-            documents = np.arange(source.num_documents, dtype=np.int32 if source.num_documents < 2**31 else np.int64)
+            documents = source.num_documents  # ids 0..n-1, never materialized
         else:
             documents = split_documents(source.num_documents, split["fraction"], split["salt"], split["holdout"] == "validation")
-        if documents.size == 0:
+        if (documents if isinstance(documents, int) else documents.size) == 0:
             raise ValueError(f"{source.name}: the {split} split selects no documents")
         datasets.append(
             PackedSequences(

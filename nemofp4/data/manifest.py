@@ -93,6 +93,17 @@ class TokenSource:
             out[mask] = self.shards[shard].document_lengths[local]
         return out
 
+    def all_document_lengths(self) -> np.ndarray:
+        """Every document's length, in global id order: the shard's memory map for one shard,
+        else one int32 (or int64) array of 4 (8) bytes per document, for index builds."""
+        if len(self.shards) == 1:
+            return self.shards[0].document_lengths
+        longest = max((int(s.document_lengths.max()) for s in self.shards if len(s)), default=0)
+        out = np.empty(self.num_documents, dtype=np.int32 if longest < 2**31 else np.int64)
+        for shard, start in zip(self.shards, self.shard_starts[:-1]):
+            out[start : start + len(shard)] = shard.document_lengths
+        return out
+
     def get(self, doc: int, offset: int, length: int) -> np.ndarray:
         shard, local = self.locate(doc)
         return shard.get(local, offset, length)

@@ -19,7 +19,9 @@ import logging
 import multiprocessing
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -191,6 +193,17 @@ def _tokenize_batch(texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int64) for ids in _WORKER_TOKENIZER.encode_batch(texts)]
 
 
+def _ordered_map(pool: ProcessPoolExecutor, fn, items: Iterator, window: int) -> Iterator:
+    """``map`` in input order with at most ``window`` tasks in flight (bounded memory)."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 def _batched(texts: Iterator[str], size: int) -> Iterator[list[str]]:
     batch: list[str] = []
     for text in texts:
@@ -290,9 +303,15 @@ def preprocess(cfg: PreprocessConfig) -> dict:
         next(texts, None)
 
     if cfg.workers > 1:
-        context = multiprocessing.get_context("spawn")  # fork after tokenizers' threads start can deadlock
-        pool = context.Pool(cfg.workers, initializer=_init_worker, initargs=(tokenizer.path, cfg.eod_token))
-        tokenized = pool.imap(_tokenize_batch, _batched(texts, cfg.batch_documents), chunksize=1)
+        # spawn: forking after tokenizers' threads have started can deadlock. An executor (not a
+        # Pool) so that a worker that dies raises BrokenProcessPool instead of hanging.
+        pool = ProcessPoolExecutor(
+            cfg.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(tokenizer.path, cfg.eod_token),
+        )
+        tokenized = _ordered_map(pool, _tokenize_batch, _batched(texts, cfg.batch_documents), 2 * cfg.workers)
     else:
         pool = None
         _init_worker(tokenizer.path, cfg.eod_token)
@@ -349,8 +368,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     finally:
         bar.close()
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
     progress["input_documents"] = consumed
     progress["empty_documents"] = empty
     seconds = time.perf_counter() - start

@@ -66,13 +66,19 @@ def plan_sample_index(tokens_per_epoch: int, num_documents: int, seq_len: int, n
     return SampleIndexPlan(seq_len, tokens_per_epoch, num_documents, window, -(-num_samples // window))
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, seed: int) -> np.ndarray:
-    """Epoch permutations of ``documents`` (ids), concatenated; int32 when the ids fit."""
-    dtype = np.int32 if documents.size == 0 or int(documents.max()) < 2**31 else np.int64
-    out = np.empty(documents.size * num_epochs, dtype=dtype)
+def build_document_index(documents: np.ndarray | int, num_epochs: int, seed: int) -> np.ndarray:
+    """Epoch permutations of ``documents`` (an array of ids, or a count ``n`` for ids ``0..n-1``),
+    concatenated; int32 when the ids fit."""
+    count = documents if isinstance(documents, int) else documents.size
+    largest = count - 1 if isinstance(documents, int) else (int(documents.max()) if count else 0)
+    dtype = np.int32 if largest < 2**31 else np.int64
+    out = np.empty(count * num_epochs, dtype=dtype)
     for epoch in range(num_epochs):
-        view = out[epoch * documents.size : (epoch + 1) * documents.size]
-        view[:] = documents
+        view = out[epoch * count : (epoch + 1) * count]
+        if isinstance(documents, int):
+            view[:] = np.arange(count, dtype=dtype)
+        else:
+            view[:] = documents
         _generator(seed, SEED_STREAM_DOCUMENTS, epoch).shuffle(view)
     return out
 

@@ -1,0 +1,241 @@
+#!/usr/bin/env python
+"""Data pipeline benchmark: sample-index build at paper scale, loader and tokenizer throughput.
+
+1. Index build. A synthetic 189B-token corpus of int32 tokens (Nemotron-H's vocabulary) is
+   written as real ``.idx`` files with *sparse* ``.bin`` files (holes, no disk use), in shards,
+   with log-normal document lengths (median 600, mean ~1,100 tokens, clipped to [16, 262,144]).
+   The sample index for the paper's budget (30,000 steps x 768 x 8,192 tokens) is built in a
+   fresh subprocess; its wall time and peak RSS (``ru_maxrss``, which includes the torch import
+   and the memory-mapped index pages it touched) are reported.
+2. Loader. A smaller corpus of real random int32 tokens (memory-mapped, page cache warm) is
+   served by ``build_train_loader`` (seq_len 8,192, one process, no workers): tokens/s.
+3. Tokenization. ``preprocess`` of the shipped corpus (repeated) with the shipped tokenizer,
+   workers=1 and 2: tokens/s in total and per worker.
+
+    python scripts/bench_data.py                        # everything (~4 GB of .idx files in --workdir)
+    python scripts/bench_data.py --tokens 2e9           # a quick smaller run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, GLOBAL_BATCH, SEQ_LEN = 30_000, 768, 8192
+
+
+def doc_lengths(rng: np.random.Generator, count: int) -> np.ndarray:
+    lengths = rng.lognormal(mean=np.log(600.0), sigma=1.1, size=count)
+    return np.clip(lengths, 16, 262_144).astype(np.int32)
+
+
+def write_idx(prefix: Path, lengths: np.ndarray, itemsize: int = 4, dtype_code: int = 4) -> int:
+    """Write <prefix>.idx for one-sequence documents and a sparse <prefix>.bin; return tokens."""
+    pointers = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, dtype_code, lengths.size, lengths.size + 1))
+        f.write(lengths.astype("<i4").tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.arange(lengths.size + 1, dtype="<i8").tobytes())
+    tokens = int(lengths.sum(dtype=np.int64))
+    with open(f"{prefix}.bin", "wb") as f:
+        f.truncate(tokens * itemsize)  # sparse: no blocks written
+    return tokens
+
+
+def write_manifest(prefix: Path, shard_prefixes: list[Path], shard_tokens: list[int], shard_docs: list[int]):
+    from nemofp4.data.indexed import file_sha256
+
+    records = []
+    for shard, tokens, docs in zip(shard_prefixes, shard_tokens, shard_docs):
+        records.append({
+            "prefix": shard.name, "documents": docs, "tokens": tokens, "max_token_id": 131071,
+            "bin_bytes": os.path.getsize(f"{shard}.bin"), "idx_bytes": os.path.getsize(f"{shard}.idx"),
+            "bin_sha256": "not-computed (sparse synthetic file)", "idx_sha256": file_sha256(f"{shard}.idx"),
+        })
+    manifest = {
+        "format": "nemofp4-token-manifest", "version": 1, "dtype": "int32", "tokenizer": {"hash": None},
+        "documents": sum(shard_docs), "tokens": sum(shard_tokens), "shards": records,
+    }
+    Path(f"{prefix}.manifest.json").write_text(json.dumps(manifest))
+
+
+def make_synthetic_corpus(folder: Path, total_tokens: float, num_shards: int, seed: int = 0) -> Path:
+    prefix = folder / "synthetic"
+    if Path(f"{prefix}.manifest.json").exists():
+        return prefix
+    rng = np.random.default_rng(seed)
+    per_shard = total_tokens / num_shards
+    shard_prefixes, shard_tokens, shard_docs = [], [], []
+    for shard in range(num_shards):
+        estimate = int(per_shard / 1100 * 1.05) + 16
+        lengths = doc_lengths(rng, estimate)
+        cut = int(np.searchsorted(np.cumsum(lengths, dtype=np.int64), per_shard)) + 1
+        lengths = lengths[: min(cut, lengths.size)]
+        shard_prefix = folder / f"synthetic_{shard:05d}"
+        shard_tokens.append(write_idx(shard_prefix, lengths))
+        shard_docs.append(int(lengths.size))
+        shard_prefixes.append(shard_prefix)
+    write_manifest(prefix, shard_prefixes, shard_tokens, shard_docs)
+    return prefix
+
+
+INDEX_CHILD = r"""
+import json, resource, sys, time
+from nemofp4.data.manifest import open_token_source
+from nemofp4.data.datasets import PackedSequences
+prefix, cache, num_samples, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+start = time.perf_counter()
+source = open_token_source(prefix, verify="sizes")
+opened = time.perf_counter()
+ds = PackedSequences(source, split={"all": True}, documents=source.num_documents, seq_len=seq_len,
+                     num_samples=num_samples, seed=1234, cache_dir=cache, vocab_size=131072)
+built = time.perf_counter()
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"open_s": opened - start, "build_s": built - opened, "peak_rss": rss,
+                  "documents": source.num_documents, "tokens": source.num_tokens, "samples": len(ds),
+                  "epochs": ds.epochs}))
+"""
+
+
+def bench_index(workdir: Path, total_tokens: float, num_shards: int) -> dict:
+    corpus_dir = workdir / "corpus"
+    corpus_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    prefix = make_synthetic_corpus(corpus_dir, total_tokens, num_shards)
+    setup_s = time.perf_counter() - start
+    num_samples = int(min(STEPS * GLOBAL_BATCH, (total_tokens * 0.998 - 1) // SEQ_LEN))
+    cache = workdir / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    out = subprocess.run(
+        [sys.executable, "-c", INDEX_CHILD, str(prefix), str(cache), str(num_samples), str(SEQ_LEN)],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["setup_s"] = setup_s
+    result["idx_bytes"] = sum(p.stat().st_size for p in corpus_dir.glob("*.idx"))
+    result["cache_bytes"] = sum(p.stat().st_size for p in cache.rglob("*.npy"))
+    return result
+
+
+def bench_loader(workdir: Path, loader_tokens: float, seconds: float) -> dict:
+    import torch
+
+    from nemofp4.data import DataConfig, DataSourceConfig, build_train_loader, write_indexed_dataset
+
+    rng = np.random.default_rng(1)
+    prefix = workdir / "real" / "tokens"
+    if not Path(f"{prefix}.idx").exists():
+        lengths = doc_lengths(rng, int(loader_tokens / 1100) + 1)
+
+        def docs():
+            for n in lengths:
+                yield rng.integers(0, 131072, size=int(n), dtype=np.int32)
+
+        write_indexed_dataset(prefix, docs(), np.int32)
+    tokenizer_dir = workdir / "tok131k"
+    if not (tokenizer_dir / "tokenizer.json").exists():  # a stand-in 131,072-token vocabulary
+        tokenizer_dir.mkdir(parents=True, exist_ok=True)
+        vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, 131072)}}
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")).save(str(tokenizer_dir / "tokenizer.json"))
+    cfg = DataConfig(sources=[DataSourceConfig(prefix=str(prefix))], tokenizer=str(tokenizer_dir),
+                     cache_dir=str(workdir / "real" / "cache"), verify="sizes")
+    micro = 4
+    loader = build_train_loader(cfg, seq_len=SEQ_LEN, global_batch=micro * 8, micro_batch=micro,
+                                num_samples=int(loader_tokens * 0.99) // SEQ_LEN // 32 * 32, seed=0)
+    for _ in zip(range(4), loader):  # warm the page cache
+        pass
+    loader = build_train_loader(cfg, seq_len=SEQ_LEN, global_batch=micro * 8, micro_batch=micro,
+                                num_samples=int(loader_tokens * 0.99) // SEQ_LEN // 32 * 32, seed=0)
+    start, served = time.perf_counter(), 0
+    checksum = torch.zeros((), dtype=torch.long)
+    for batch in loader:
+        served += batch["input_ids"].numel()
+        checksum += batch["input_ids"][0, 0]
+        if time.perf_counter() - start > seconds:
+            break
+    elapsed = time.perf_counter() - start
+    return {"tokens": served, "seconds": elapsed, "tokens_per_s": served / elapsed}
+
+
+def bench_tokenize(workdir: Path, repeat: int) -> list[dict]:
+    from nemofp4.data import PreprocessConfig, preprocess
+
+    source = REPO / "data" / "corpus" / "austen_train.jsonl.gz"
+    text = gzip.decompress(source.read_bytes())
+    bigger = workdir / "tok" / "austen_x.jsonl"
+    bigger.parent.mkdir(parents=True, exist_ok=True)
+    bigger.write_bytes(text * repeat)
+    results = []
+    for workers in (1, 2):
+        out = workdir / "tok" / f"w{workers}"
+        shutil.rmtree(out, ignore_errors=True)
+        manifest = preprocess(PreprocessConfig(
+            input=str(bigger), tokenizer=str(REPO / "data" / "tokenizer"), output_prefix=str(out / "x"),
+            workers=workers, progress=False,
+        ))
+        rate = manifest["throughput_tokens_per_s"]
+        results.append({"workers": workers, "tokens": manifest["tokens"], "tokens_per_s": rate,
+                        "per_worker": rate / workers})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=float, default=189e9, help="synthetic corpus size for the index build")
+    parser.add_argument("--shards", type=int, default=48)
+    parser.add_argument("--loader-tokens", type=float, default=2.5e8, help="real tokens for the loader bench")
+    parser.add_argument("--loader-seconds", type=float, default=20.0)
+    parser.add_argument("--tokenize-repeat", type=int, default=4, help="copies of the shipped corpus to tokenize")
+    parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temp dir, removed)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["index", "loader", "tokenize"])
+    args = parser.parse_args()
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="nemofp4-bench-data-"))
+    try:
+        rows = []
+        if "index" not in args.skip:
+            r = bench_index(workdir, args.tokens, args.shards)
+            rows += [
+                ("synthetic corpus", f"{r['tokens'] / 1e9:.2f}B tokens, {r['documents'] / 1e6:.1f}M documents, "
+                                     f"{args.shards} shards, .idx {r['idx_bytes'] / 2**30:.2f} GiB"),
+                ("samples (seq 8192)", f"{r['samples']:,} built ({r['epochs']} epoch(s)), cache {r['cache_bytes'] / 2**30:.2f} GiB"),
+                ("index build time", f"{r['build_s']:.1f} s (target <= 120 s); open {r['open_s']:.1f} s"),
+                ("index build peak RSS", f"{r['peak_rss'] / 2**30:.2f} GiB (target <= 4 GB)"),
+            ]
+        if "loader" not in args.skip:
+            r = bench_loader(workdir, args.loader_tokens, args.loader_seconds)
+            rows.append(("loader throughput", f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s (target >= 10M), "
+                                              f"{r['tokens'] / 1e6:.0f}M tokens in {r['seconds']:.1f} s"))
+        if "tokenize" not in args.skip:
+            for r in bench_tokenize(workdir, args.tokenize_repeat):
+                rows.append((f"tokenize, workers={r['workers']}",
+                             f"{r['tokens_per_s'] / 1e3:.0f}k tokens/s ({r['per_worker'] / 1e3:.0f}k per worker), "
+                             f"{r['tokens'] / 1e6:.1f}M tokens"))
+        width = max(len(name) for name, _ in rows)
+        print(f"{'measure'.ljust(width)} | result")
+        print(f"{'-' * width}-|-{'-' * 60}")
+        for name, value in rows:
+            print(f"{name.ljust(width)} | {value}")
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
