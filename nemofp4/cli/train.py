@@ -1,0 +1,62 @@
+"""`nemofp4-train`: the Hydra app over configs/ that builds a JobConfig and trains.
+
+Hydra stays here, at the edge: the rest of the code sees only typed dataclasses.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from nemofp4.training.config import JobConfig
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+
+
+def register_configs() -> None:
+    """Register the typed schema that every composed training config is validated against."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+def to_job_config(cfg: DictConfig) -> JobConfig:
+    """Resolve interpolations and convert to the typed config (runs each dataclass's validation)."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), container))
+
+
+def compose_job_config(overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Compose configs/ with command-line style overrides, as `nemofp4-train` would (for scripts, tests)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().set_config(cfg)
+        return to_job_config(cfg)
+
+
+@hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="train")
+def _hydra_main(cfg: DictConfig) -> None:
+    from nemofp4.training.trainer import train
+
+    logging.getLogger("nemofp4").setLevel(logging.INFO)
+    summary = train(to_job_config(cfg))
+    if summary.get("exit_code"):
+        sys.exit(summary["exit_code"])
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The typed job configuration: one dataclass per component, composed into `JobConfig`.
+
+Hydra composes YAML under `configs/` into this schema (registered in the ConfigStore by
+`nemofp4.cli.train`), so a misspelled key or a wrong type fails at start. Each component receives
+its own section, never the whole tree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nemofp4.data import DataConfig
+from nemofp4.models.nemotron_h.config import NemotronHConfig
+from nemofp4.recipes import PrecisionConfig
+from nemofp4.training.checkpoint import CheckpointConfig
+from nemofp4.training.metrics import LoggingConfig
+from nemofp4.training.nonfinite import NONFINITE_POLICIES
+from nemofp4.training.optim import OptimConfig
+from nemofp4.training.parallel import DistributedConfig
+from nemofp4.training.schedule import ScheduleConfig
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Budget, batch geometry and step policy."""
+
+    tokens: float = 0.0
+    """Token budget (e.g. 188.7e9). Steps = tokens / (global_batch * seq_len). 0: use max_steps."""
+    max_steps: int = 0
+    """Cap on optimizer steps below the budget (smoke runs); 0: no cap."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch: int = 16
+    """Sequences per forward/backward on one rank; the rest is gradient accumulation."""
+    seed: int = 42
+    dtype: str = "float32"
+    """Compute dtype: float32 (CPU default) or bfloat16 (autocast on GPU). Master weights stay FP32."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: measure only)."""
+    nonfinite: str = "stop"
+    """On a non-finite loss or gradient norm: 'stop' (name the step and first bad layer) or 'skip'
+    (drop the update, count it, go on)."""
+    max_skipped_steps: int = 10
+    """With nonfinite=skip: stop once this many steps were skipped in total."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"train.dtype={self.dtype!r}; valid: {COMPUTE_DTYPES}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"train.nonfinite={self.nonfinite!r}; valid: {NONFINITE_POLICIES}")
+        if self.tokens < 0 or self.max_steps < 0:
+            raise ValueError(f"train.tokens={self.tokens} and train.max_steps={self.max_steps} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Validation loss during training."""
+
+    interval: int = 0
+    """Evaluate every this many steps (0: only at the end)."""
+    num_sequences: int = 64
+    """Size of the fixed held-out stream, in sequences of train.seq_len tokens."""
+    batch_size: int = 8
+    at_start: bool = True
+    """Also evaluate before the first step of a fresh run (the starting loss)."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.num_sequences < 0 or self.batch_size < 1:
+            raise ValueError(
+                f"eval: interval={self.interval} and num_sequences={self.num_sequences} must be >= 0, "
+                f"batch_size={self.batch_size} >= 1"
+            )
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    """Fault injection for tests of resume and of the non-finite policy. All 0/empty = off."""
+
+    sigkill_at_step: int = 0
+    """SIGKILL this process right after finishing this step (and its checkpoint, if one is due)."""
+    sigkill_during_checkpoint_step: int = 0
+    """SIGKILL this process in the middle of writing the checkpoint of this step."""
+    nan_at_step: int = 0
+    """Before this step, fill `nan_param` with NaN."""
+    nan_param: str = ""
+
+
+@dataclass(kw_only=True)
+class Budget:
+    """Steps and accumulation derived from the token budget and the batch geometry."""
+
+    total_steps: int
+    grad_accum: int
+    tokens_per_step: int
+    budget_remainder_tokens: int
+    """Tokens of train.tokens that do not fill a whole step (reported, then dropped)."""
+
+
+def compute_budget(train: TrainConfig, dp_size: int) -> Budget:
+    """Steps and gradient accumulation; raises if the batch geometry does not divide."""
+    if train.tokens == 0 and train.max_steps == 0:
+        raise ValueError("no budget: set train.tokens > 0 or train.max_steps > 0")
+    per_step = train.micro_batch * dp_size
+    if train.global_batch % per_step:
+        raise ValueError(
+            f"train.global_batch={train.global_batch} is not a multiple of train.micro_batch x "
+            f"data-parallel ranks = {train.micro_batch} x {dp_size} = {per_step}"
+        )
+    tokens_per_step = train.global_batch * train.seq_len
+    if train.tokens > 0:
+        steps = math.floor(train.tokens / tokens_per_step)
+        remainder = int(round(train.tokens - steps * tokens_per_step))
+        if steps < 1:
+            raise ValueError(
+                f"train.tokens={train.tokens:g} is less than one step of {tokens_per_step} tokens "
+                f"(global_batch {train.global_batch} x seq_len {train.seq_len})"
+            )
+        if train.max_steps:
+            steps = min(steps, train.max_steps)
+    else:
+        steps, remainder = train.max_steps, 0
+    return Budget(
+        total_steps=steps,
+        grad_accum=train.global_batch // per_step,
+        tokens_per_step=tokens_per_step,
+        budget_remainder_tokens=remainder,
+    )
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything one training run needs."""
+
+    name: str = "run"
+    """Run name (wandb, logs); the default run_dir derives from it."""
+    run_dir: str = "runs/run"
+    """Where metrics, checkpoints and the resolved config go."""
+    resume: str = "auto"
+    """'auto': continue from the newest complete checkpoint in run_dir if any; 'none': start fresh;
+    or a path to a step folder / run directory."""
+    model: NemotronHConfig
+    precision: PrecisionConfig
+    data: DataConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)

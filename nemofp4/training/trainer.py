@@ -1,0 +1,371 @@
+"""The training loop.
+
+Build order (each arrow one call with a typed argument):
+data -> model on meta -> recipe swap -> parallelize -> materialize + init -> optimizer ->
+checkpoint load. Per step: tick the quantizers' reference schedule, forward/backward with gradient
+accumulation, clip, optimizer step, metrics, periodic eval, periodic checkpoint, preemption check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from nemofp4.data import build_train_loader, build_validation_batches
+from nemofp4.models import build_model, param_groups
+from nemofp4.quant import load_reference_state_dict, quant_stats, reference_state_dict, set_step
+from nemofp4.recipes import apply_recipe, recipe_from_config
+from nemofp4.training.checkpoint import CheckpointError, CheckpointManager
+from nemofp4.training.config import JobConfig, compute_budget
+from nemofp4.training.dist_env import destroy_distributed, detect_dist_env, init_distributed
+from nemofp4.training.metrics import MetricsLogger, peak_tflops
+from nemofp4.training.nonfinite import (
+    NonFiniteError,
+    first_nonfinite_gradient,
+    first_nonfinite_module,
+    first_nonfinite_parameter,
+)
+from nemofp4.training.optim import build_optimizer, set_lr
+from nemofp4.training.parallel import parallelize
+from nemofp4.training.preemption import PreemptionHandler
+from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
+from nemofp4.training.schedule import lr_multiplier
+
+log = logging.getLogger("nemofp4")
+
+
+def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value
+
+
+def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in float32 over all positions."""
+    logits = model(input_ids)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
+             autocast: Any) -> dict[str, float]:
+    """Token-weighted mean loss over a fixed list of batches (all ranks see the same batches)."""
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for batch in batches:
+        input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        with autocast():
+            loss = lm_loss(model, input_ids, labels)
+        total += loss.double().cpu() * labels.numel()
+        count += labels.numel()
+    model.train(was_training)
+    val_loss = (total / max(count, 1)).item()
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": count}
+
+
+class Trainer:
+    """One training run; `run()` trains to the budget (or until preempted) and returns a summary."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.env = init_distributed(detect_dist_env())
+        self.rank, self.world = self.env.rank, self.env.world_size
+        self.device = torch.device(f"cuda:{self.env.local_rank}" if torch.cuda.is_available() else "cpu")
+        self.run_dir = Path(cfg.run_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.budget = compute_budget(cfg.train, self.world)
+        if self.budget.budget_remainder_tokens:
+            log.warning(
+                "train.tokens=%g is not a whole number of steps of %d tokens: %d tokens are left over and "
+                "will not be trained on (%d steps)",
+                cfg.train.tokens, self.budget.tokens_per_step, self.budget.budget_remainder_tokens,
+                self.budget.total_steps,
+            )
+        self._build()
+
+    # ------------------------------------------------------------------------------------ build
+    def _build(self) -> None:
+        cfg = self.cfg
+        seed_everything(cfg.train.seed)
+        self.loader = build_train_loader(
+            cfg.data,
+            seq_len=cfg.train.seq_len,
+            global_batch=cfg.train.global_batch,
+            micro_batch=cfg.train.micro_batch,
+            num_samples=self.budget.total_steps * cfg.train.global_batch,
+            seed=cfg.train.seed,
+            dp_rank=self.rank,
+            dp_size=self.world,
+        )
+        self.val_batches = (
+            build_validation_batches(
+                cfg.data, seq_len=cfg.train.seq_len, num_sequences=cfg.eval.num_sequences,
+                batch_size=cfg.eval.batch_size,
+            )
+            if cfg.eval.num_sequences
+            else []
+        )
+        model = build_model(cfg.model, device="meta")
+        self.recipe = recipe_from_config(cfg.precision)
+        self.layer_table = apply_recipe(model, self.recipe)
+        if self.rank == 0:
+            log.info("precision recipe %s, per-layer table:\n%s", cfg.precision.name, _format_table(self.layer_table))
+        dist_cfg = cfg.distributed
+        if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model:
+            model.to_empty(device=self.device)
+            torch.manual_seed(cfg.train.seed)
+            model.init_weights()
+            model = parallelize(model, dist_cfg, device_type=self.device.type)
+        else:
+            model = parallelize(model, dist_cfg, device_type=self.device.type)
+            model.to_empty(device=self.device)
+            torch.manual_seed(cfg.train.seed)
+            model.init_weights()
+        if self.world > 1 and dist_cfg.backend == "none":
+            raise ValueError(
+                f"{self.world} processes were launched but distributed.backend=none; "
+                "use distributed=fsdp (or a deepspeed_zero* backend)"
+            )
+        self.model = model
+        self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
+        if cfg.train.dtype == "bfloat16":
+            self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+        else:
+            self.autocast = contextlib.nullcontext
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps = 0
+        self.wandb_id: str | None = None
+        self.resumed_from: Path | None = None
+        self._maybe_resume()
+        self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
+        self.peak_flops = peak_tflops(cfg.logging) * 1e12
+
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _maybe_resume(self) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        candidates = self.ckpt.candidates(self.cfg.resume)
+        for folder in candidates:
+            state = self._dcp_state()
+            try:
+                trainer_state, rng = self.ckpt.load(folder, dcp_state=state)
+            except CheckpointError as err:
+                if self.cfg.resume != "auto":
+                    raise
+                log.warning("%s; falling back to the previous complete checkpoint", err)
+                continue
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            self._restore(trainer_state, rng)
+            self.resumed_from = folder
+            if self.rank == 0:
+                log.info("resumed from %s at step %d (%d tokens seen)", folder, self.step, self.tokens_seen)
+            return
+        if candidates and self.cfg.resume == "auto":
+            log.warning("no loadable checkpoint in %s; starting fresh", self.ckpt.root)
+
+    def _restore(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.skipped_steps = state["skipped_steps"]
+        self.wandb_id = state.get("wandb_id")
+        self.loader.load_state_dict(state["loader"])
+        if self.cfg.precision.restore_references:
+            load_reference_state_dict(self.model, state["references"])
+        if rng is not None:
+            set_rng_state(rng)
+        elif self.rank == 0:
+            log.warning("checkpoint has no RNG state for rank %d (written by fewer ranks); keeping the seed's", self.rank)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+            "loader": self.loader.state_dict(),
+            "references": reference_state_dict(self.model),
+            "schedule": asdict(self.cfg.schedule),
+            "wandb_id": self.metrics.wandb_id if self.metrics else self.wandb_id,
+            "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
+            "world_size": self.world,
+        }
+
+    def save_checkpoint(self) -> Path:
+        if self.cfg.debug.sigkill_during_checkpoint_step == self.step:
+            return self._save_then_die()
+        return self.ckpt.save(
+            self.step, dcp_state=self._dcp_state(), trainer_state=self._trainer_state(), rng_state=rng_state()
+        )
+
+    def _save_then_die(self) -> Path:
+        """Fault injection: write part of the checkpoint, then die as a node failure would."""
+        def die_mid_write(tmp: Path) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return self.ckpt.save(
+            self.step, dcp_state=self._dcp_state(), trainer_state=self._trainer_state(), rng_state=rng_state(),
+            extra_files=die_mid_write,
+        )
+
+    # ------------------------------------------------------------------------------------ loop
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        total = self.budget.total_steps
+        self.metrics = MetricsLogger(
+            self.run_dir, cfg.logging, rank=self.rank, run_name=cfg.name,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg)), total_steps=total,
+            resume_step=self.step, wandb_id=self.wandb_id,
+        )
+        if self.rank == 0:
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            print(f"run directory: {self.run_dir.resolve()}", flush=True)
+        last_eval: dict[str, float] = {}
+        if self.step == 0 and cfg.eval.at_start and self.val_batches:
+            last_eval = self._eval()
+        data_iter = iter(self.loader)
+        stop_reason = "budget"
+        with PreemptionHandler() as preemption:
+            while self.step < total:
+                self.step += 1
+                self._train_step(data_iter)
+                interval_due = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
+                if cfg.eval.interval and self.step % cfg.eval.interval == 0 and self.step < total and self.val_batches:
+                    last_eval = self._eval()
+                preempted = preemption.should_stop()
+                if interval_due or (preempted and cfg.checkpoint.save_final):
+                    self.save_checkpoint()
+                if cfg.debug.sigkill_at_step == self.step:
+                    self.ckpt.wait()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if preempted:
+                    stop_reason = "preempted"
+                    break
+            if stop_reason == "budget":
+                if self.val_batches:
+                    last_eval = self._eval()
+                if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
+                    self.save_checkpoint()
+            self.ckpt.wait()
+            exit_code = preemption.requeue_and_exit_code() if stop_reason == "preempted" else 0
+        self.metrics.log("event", self.step, {"event": stop_reason, "tokens_seen": self.tokens_seen})
+        self.metrics.close()
+        return {"step": self.step, "stop_reason": stop_reason, "exit_code": exit_code, **last_eval}
+
+    def _eval(self) -> dict[str, float]:
+        result = evaluate(self.model, self.val_batches, device=self.device, autocast=self.autocast)
+        self.metrics.log("eval", self.step, result)
+        return result
+
+    def _train_step(self, data_iter) -> None:
+        cfg = self.cfg
+        step = self.step
+        if cfg.debug.nan_at_step == step and cfg.debug.nan_param:
+            with torch.no_grad():
+                dict(self.model.named_parameters())[cfg.debug.nan_param].fill_(float("nan"))
+        set_step(self.model, step, seed=cfg.train.seed, rank=self.rank)
+        lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, self.budget.total_steps)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.device)
+        first_batch = None
+        for _ in range(self.budget.grad_accum):
+            batch = next(data_iter)
+            input_ids = batch["input_ids"].to(self.device, non_blocking=True)
+            labels = batch["labels"].to(self.device, non_blocking=True)
+            first_batch = first_batch or (input_ids, labels)
+            with self.autocast():
+                loss = lm_loss(self.model, input_ids, labels)
+            (loss / self.budget.grad_accum).backward()
+            loss_sum += loss.detach()
+        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        loss_avg = _all_reduce_mean(loss_sum / self.budget.grad_accum)
+        finite = bool(torch.isfinite(loss_avg)) and bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        else:
+            self._handle_nonfinite(loss_avg, grad_norm, first_batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        self.tokens_seen += self.budget.tokens_per_step
+        tokens_per_s = self.budget.tokens_per_step / elapsed
+        record = {
+            "loss": loss_avg.item(),
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": elapsed,
+            "tokens_seen": self.tokens_seen,
+        }
+        if not finite:
+            record["skipped"] = True
+        if self.device.type == "cuda":
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if self.peak_flops:
+                record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
+        self.metrics.log("train", step, record)
+        if cfg.logging.quant_stats_interval and step % cfg.logging.quant_stats_interval == 0:
+            self.metrics.log("quant", step, {"layers": quant_stats(self.model)})
+
+    def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch) -> None:
+        if self.cfg.train.nonfinite == "skip":
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss %s / grad norm %s; update skipped (%d so far)",
+                        self.step, loss.item(), grad_norm.item(), self.skipped_steps)
+            if self.skipped_steps <= self.cfg.train.max_skipped_steps:
+                return
+        culprit = first_nonfinite_parameter(self.model)
+        where = f"parameter {culprit}" if culprit else None
+        if where is None:
+            input_ids, labels = batch
+            module = first_nonfinite_module(self.model, lambda: self.model(input_ids))
+            where = f"output of {module}" if module else None
+        if where is None:
+            grad = first_nonfinite_gradient(self.model)
+            where = f"gradient of {grad}" if grad else "no single layer (the loss itself)"
+        raise NonFiniteError(
+            f"step {self.step}: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}); "
+            f"first non-finite value: {where}"
+            + (f"; {self.skipped_steps} steps were skipped, above train.max_skipped_steps" if self.skipped_steps else "")
+        )
+
+    def close(self) -> None:
+        destroy_distributed()
+
+
+def _format_table(table: Any) -> str:
+    return table.format() if hasattr(table, "format") else str(table)
+
+
+def train(cfg: JobConfig) -> dict[str, Any]:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
