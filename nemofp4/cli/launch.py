@@ -110,7 +110,8 @@ class LaunchConfig:
     experiment: str | None = None
     """Experiment preset passed to the trainer as ``experiment=<name>`` (``configs/experiment/``)."""
     train_overrides: list[str] = field(default_factory=list)
-    """More Hydra overrides for ``nemofp4-train``, e.g. ``[precision=nvfp4,optim.lr=3e-4]``."""
+    """More Hydra overrides for ``nemofp4-train``; on the command line quote each one, since Hydra
+    reads `=` inside a list as syntax: ``'train_overrides=["precision=nvfp4","optim.lr=3e-4"]'``."""
     dry_run: bool = False
     """Print the rendered script to standard output and submit nothing."""
     check_train_config: bool = True
@@ -264,20 +265,33 @@ def train_arguments(config: LaunchConfig, run_dir_expression: str) -> list[str]:
 
 
 def check_train_config(config: LaunchConfig, run_dir: str) -> None:
-    """Compose the trainer's config with the same overrides (run_dir made concrete) and validate it."""
+    """Compose the trainer's config with the same overrides (run_dir made concrete) and validate it
+    through the trainer's own schema and conversion (``nemofp4.cli.train``)."""
+    from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
-    from nemofp4.cli.train import compose_job_config  # heavy: only when asked
+    from nemofp4.cli.train import register_configs as register_train_configs  # heavy: only when asked
+    from nemofp4.cli.train import to_job_config
 
+    overrides = [f"experiment={config.experiment}"] if config.experiment else []
+    overrides += [*config.train_overrides, f"run_dir={run_dir.replace('${SLURM_JOB_ID}', '0')}"]
     # The launcher's own Hydra context is finished with (its config is already a LaunchConfig);
     # composing the trainer's config needs a fresh one.
     GlobalHydra.instance().clear()
-    overrides = [f"experiment={config.experiment}"] if config.experiment else []
-    overrides += [*config.train_overrides, f"run_dir={run_dir.replace('${SLURM_JOB_ID}', '0')}"]
+    register_train_configs()
     try:
-        compose_job_config(overrides)
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)  # serves ${hydra:...} interpolations such as the run name
+            with open_dict(cfg):
+                del cfg["hydra"]  # its sweep fields only resolve inside a real multirun
+            to_job_config(cfg)
     except Exception as error:  # Hydra and the schema raise several types; all mean "bad overrides"
         raise ValueError(f"the trainer rejects overrides {overrides}: {error}") from error
+    finally:
+        GlobalHydra.instance().clear()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,7 +396,7 @@ def _launch_block(config: LaunchConfig, workdir: Path) -> str:
             f"--container-workdir={workdir}",
         ]
     if slurm.mode is LaunchMode.srun:
-        train_cmd = ["python", "-m", TRAIN_MODULE, *train_args]
+        train_cmd = [f"python -m {TRAIN_MODULE}", *train_args]
         return "\n".join([_bash_array("train_cmd", train_cmd), _bash_array("srun_cmd", [*srun, '"${train_cmd[@]}"'])])
 
     train_cmd = [

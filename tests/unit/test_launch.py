@@ -15,12 +15,14 @@ import pytest
 
 from nemofp4.cli.launch import (
     CONFIG_DIR,
+    PRIMARY_CONFIG_NAME,
     LaunchConfig,
     LaunchMode,
     SlurmConfig,
     launch,
     parse_signal_spec,
     parse_slurm_time,
+    register_configs,
     render_sbatch_script,
     validate,
 )
@@ -111,7 +113,7 @@ def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, conta
         assert srun[-2] == "bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun-agent"
         assert 'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"' in script
     else:
-        assert _array(script, "train_cmd") == ["python", "-m", "nemofp4.train", *train_tail]
+        assert _array(script, "train_cmd") == ["python -m nemofp4.train", *train_tail]
         assert "torchrun" not in script.split("srun_cmd=(")[1]
     if container:
         assert f"--container-image={container}" in srun
@@ -189,9 +191,9 @@ def test_parse_signal_spec():
 
 FAKE_SRUN = """#!/bin/bash
 # Records srun's arguments, strips its options, runs the task command, and on the forwarded signal
-# records it and ends the step as a checkpointing trainer would (status 0).
+# records it and ends the step as a checkpointing trainer would (with status $FAKE_EXIT).
 printf '%s\\n' "$@" > "$FAKE_DIR/srun.args"
-trap 'echo "$sig" >> "$FAKE_DIR/srun.signals"; kill -KILL "$child" 2>/dev/null; exit 0' USR1
+trap 'echo "$sig" >> "$FAKE_DIR/srun.signals"; kill -KILL "$child" 2>/dev/null; exit "$FAKE_EXIT"' USR1
 while [[ $# -gt 0 && $1 == --* ]]; do shift; done
 "$@" &
 child=$!
@@ -245,6 +247,8 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
     """Run the rendered script under bash with fake srun/torchrun/scontrol: the commands are expanded as
     intended, torchrun's agent ignores USR1/TERM, and the batch shell outlives SIGTERM and forwards SIGUSR1."""
     _, environ = _fake_cluster(tmp_path)
+    step_status = 0 if mode is LaunchMode.torchrun else 3  # the script must exit with the step's status
+    environ["FAKE_EXIT"] = str(step_status)
     config = _config(tmp_path, nodes=2, gpus_per_node=4, mode=mode, cpus_per_task=16)
     script_path = tmp_path / "job.sbatch"
     script_path.write_text(render_sbatch_script(config))
@@ -262,7 +266,7 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
     finally:
         if job.poll() is None:
             job.kill()
-    assert job.returncode == 0, output
+    assert job.returncode == step_status, output
     assert (tmp_path / "srun.signals").read_text() == "USR1\n"
     port = str(slurm_master_port("12345"))
     task = json.loads((tmp_path / "task.json").read_text())
@@ -285,7 +289,7 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
     assert "git commit: 0123456789abcdef" in output
     assert f"rendezvous: gpu-007:{port}" in output
     assert "received SIGTERM" in output and "received SIGUSR1" in output
-    assert "training step exited with status 0" in output
+    assert f"training step exited with status {step_status}" in output
 
 
 # ---------------------------------------------------------------------------------------------- submit / app
@@ -323,6 +327,14 @@ def test_dry_run_prints_only_the_script(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+def test_misspelled_trainer_override_fails_before_submission(tmp_path, capsys):
+    config = _config(tmp_path, overrides=["optim.lrr=1e-3"])
+    config.check_train_config, config.dry_run = True, True
+    with pytest.raises(ValueError, match="optim.lrr"):
+        launch(config)
+    assert capsys.readouterr().out == ""
+
+
 def _run_app(command: list[str], cwd) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=180)
 
@@ -343,13 +355,25 @@ def test_interface_command_prints_the_script(tmp_path):
     assert list(tmp_path.iterdir()) == [tmp_path / "job.sbatch"]  # the app itself wrote nothing
 
 
-def test_python_module_form_and_misspelled_override(tmp_path):
+def test_python_module_form(tmp_path):
     base = [sys.executable, "-m", "nemofp4.cli.launch", "check_train_config=false", "dry_run=true"]
-    result = _run_app([*base, "slurm.mode=srun", "slurm.gpus_per_node=4", "train_overrides=[optim.lr=1e-3]"], tmp_path)
+    result = _run_app([*base, "slurm.mode=srun", "slurm.gpus_per_node=4", 'train_overrides=["optim.lr=1e-3"]'], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "--ntasks-per-node=4" in result.stdout and "  optim.lr=1e-3" in result.stdout
-    bad = _run_app([*base, "slurm.gpu_per_node=4"], tmp_path)
-    assert bad.returncode != 0 and "gpu_per_node" in bad.stderr and bad.stdout == ""
+
+
+def test_misspelled_launch_key_fails():
+    from hydra import compose, initialize
+    from hydra.errors import ConfigCompositionException
+
+    register_configs()
+    with initialize(version_base=None, config_path=None):
+        cfg = compose(config_name=PRIMARY_CONFIG_NAME, overrides=["slurm.nodes=2", "slurm.mode=srun"])
+        assert cfg.slurm.nodes == 2 and cfg.slurm.mode is LaunchMode.srun
+        with pytest.raises(ConfigCompositionException, match="gpu_per_node"):
+            compose(config_name=PRIMARY_CONFIG_NAME, overrides=["slurm.gpu_per_node=4"])
+        with pytest.raises(ConfigCompositionException, match="mode"):
+            compose(config_name=PRIMARY_CONFIG_NAME, overrides=["slurm.mode=mpirun"])
 
 
 def test_hydra_submitit_launcher_config_composes():
