@@ -188,3 +188,19 @@ def test_data_yaml_validates_against_the_schema(name):
     assert isinstance(cfg.sources[0], DataSourceConfig)
     if name == "olmo_mix_189b":
         assert cfg.seq_len == 8192 and len(cfg.sources) == 7
+
+
+def test_explicit_cpu_device_gives_the_same_batches(cfg):
+    assert same([b["labels"] for b in loader(cfg)],
+                [b["labels"] for b in build_train_loader(cfg, seq_len=SEQ, global_batch=GLOBAL, micro_batch=4,
+                                                         num_samples=SAMPLES, seed=0, device="cpu")])
+
+
+@pytest.mark.gpu
+def test_cuda_prefetch_gives_the_same_batches(cfg):
+    host = [b["input_ids"] for b in loader(cfg)]
+    ld = build_train_loader(cfg, seq_len=SEQ, global_batch=GLOBAL, micro_batch=4, num_samples=SAMPLES, seed=0,
+                            device="cuda")
+    device = [b["input_ids"] for b in ld]
+    assert all(d.is_cuda for d in device)
+    assert same(host, [d.cpu() for d in device])
