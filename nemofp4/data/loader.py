@@ -73,7 +73,8 @@ def _build_blend(
         prepared.append((source, split))
         identities.append({"source": source.identity, "split": split, "weight": source_cfg.weight})
     blend_description = {"sources": identities, "seed": seed, "seq_len": seq_len}
-    needed = BlendedSequences.samples_needed(weights, num_samples, cfg.cache_dir, blend_description)
+    cache_dir = str(resolve_path(cfg.cache_dir))
+    needed = BlendedSequences.samples_needed(weights, num_samples, cache_dir, blend_description)
     datasets = []
     for (source, split), count in zip(prepared, needed):
         if split.get("all"):
@@ -85,13 +86,13 @@ def _build_blend(
         datasets.append(
             PackedSequences(
                 source, split=split, documents=documents, seq_len=seq_len, num_samples=count, seed=seed,
-                cache_dir=str(resolve_path(cfg.cache_dir)), vocab_size=tokenizer.vocab_size,
+                cache_dir=cache_dir, vocab_size=tokenizer.vocab_size,
             )
         )
         if validation and datasets[-1].epochs > 1:
             log.warning("%s: %d validation sequences of %d tokens repeat its documents (%d passes)",
                         source.name, count, seq_len, datasets[-1].epochs)
-    return BlendedSequences(datasets, weights, num_samples, cfg.cache_dir, blend_description), identities
+    return BlendedSequences(datasets, weights, num_samples, cache_dir, blend_description), identities
 
 
 def _to_batch(samples: list[np.ndarray]) -> dict[str, torch.Tensor]:
