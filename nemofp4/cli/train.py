@@ -11,7 +11,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemofp4.training.config import JobConfig
 
@@ -25,8 +25,10 @@ def register_configs() -> None:
 
 def to_job_config(cfg: DictConfig) -> JobConfig:
     """Resolve interpolations and convert to the typed config (runs each dataclass's validation)."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.pop("hydra", None)  # Hydra's own node has interpolations that only resolve inside a job
     container = OmegaConf.to_container(cfg, resolve=True)
-    container.pop("hydra", None)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), container))
 
 

@@ -5,7 +5,8 @@ Layout under `<run_dir>/checkpoints/`:
     step-<N>/                  one complete checkpoint
         .metadata, __<r>_0.distcp   DCP: model + optimizer, sharded as the run was (reshardable)
         trainer_state.pt       rank 0: step, tokens, loader, schedule, amax references, wandb id, config
-        rng/rank-<r>.pt        per rank: Python, NumPy, torch and CUDA generator states
+        rank/rank-<r>.pt       per rank: generator states (Python, NumPy, torch, CUDA) and the
+                               quantizers' held tensor references
         COMPLETE.json          written last: file sizes and CRC32s; its presence makes the folder valid
     latest                     text file naming the newest complete step folder
 
@@ -141,7 +142,7 @@ def _files_owned_by(folder: Path, rank: int, world: int) -> list[Path]:
         name = path.name
         if name.startswith("__") and name.endswith(".distcp"):
             owner = int(name[2:].split("_")[0]) % world
-        elif path.parent.name == "rng" and name.startswith("rank-"):
+        elif path.parent.name == "rank" and name.startswith("rank-"):
             owner = int(name[5:-3]) % world
         else:
             owner = 0
@@ -184,13 +185,17 @@ class CheckpointManager:
         self,
         step: int,
         *,
-        dcp_state: dict[str, Any],
+        dcp_state: dict[str, Any] | None,
         trainer_state: dict[str, Any],
-        rng_state: dict[str, Any],
+        rank_state: dict[str, Any],
+        write_collective: Callable[[Path], None] | None = None,
         extra_files: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write checkpoint `step`; returns the final folder (complete once this returns, or, with
-        async_save, once `wait()` or the next save returns)."""
+        async_save, once `wait()` or the next save returns).
+
+        `dcp_state` goes through DCP; `write_collective(folder)` is called on every rank for state
+        with its own format (DeepSpeed); `extra_files(folder)` on rank 0 only."""
         self.wait()
         final = self.root / f"{STEP_PREFIX}{step}"
         tmp = self.root / f"{TMP_PREFIX}{step}"
@@ -200,9 +205,9 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             if final.exists():  # a complete checkpoint of this step already exists: replace it
                 shutil.rmtree(final)
-            (tmp / "rng").mkdir(parents=True)
+            (tmp / "rank").mkdir(parents=True)
         _barrier()
-        torch.save(rng_state, tmp / "rng" / f"rank-{rank:05d}.pt")
+        torch.save(rank_state, tmp / "rank" / f"rank-{rank:05d}.pt")
         if rank == 0:
             torch.save(trainer_state, tmp / TRAINER_STATE)
             if extra_files is not None:
@@ -211,12 +216,15 @@ class CheckpointManager:
         def finalize() -> None:
             self._finalize(step, tmp, final)
 
-        if self.cfg.async_save and world > 1:
+        if write_collective is not None:
+            write_collective(tmp)
+        if dcp_state is not None and self.cfg.async_save and world > 1:
             future = dcp.async_save(dcp_state, checkpoint_id=str(tmp))
             self._pending = (future, finalize)
-        else:
+            return final
+        if dcp_state is not None:
             dcp.save(dcp_state, checkpoint_id=str(tmp))
-            finalize()
+        finalize()
         return final
 
     def wait(self) -> None:
@@ -292,19 +300,30 @@ class CheckpointManager:
         if problems:
             raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
 
-    def load(self, folder: Path, *, dcp_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Verify `folder`, load DCP state in place, return (trainer_state, this rank's rng state or None
-        when the checkpoint was written by fewer ranks)."""
+    def load(
+        self,
+        folder: Path,
+        *,
+        dcp_state: dict[str, Any] | None,
+        read_collective: Callable[[Path], None] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any], bool]:
+        """Verify `folder` and load DCP state in place (resharding as needed). Returns (trainer_state,
+        rank_state, own): this rank's saved rank state, or rank 0's when the checkpoint was written by
+        fewer ranks (own=False)."""
         folder = Path(folder)
         self.verify(folder)
         try:
-            dcp.load(dcp_state, checkpoint_id=str(folder))
+            if dcp_state is not None:
+                dcp.load(dcp_state, checkpoint_id=str(folder))
+            if read_collective is not None:
+                read_collective(folder)
             trainer_state = torch.load(folder / TRAINER_STATE, weights_only=False)
         except Exception as err:  # DCP raises several types for damaged data
             raise CheckpointError(f"checkpoint {folder} could not be loaded: {err}") from err
-        rng_path = folder / "rng" / f"rank-{_rank():05d}.pt"
-        rng_state = torch.load(rng_path, weights_only=False) if rng_path.is_file() else None
-        return trainer_state, rng_state
+        own_path = folder / "rank" / f"rank-{_rank():05d}.pt"
+        own = own_path.is_file()
+        rank_state = torch.load(own_path if own else folder / "rank" / "rank-00000.pt", weights_only=False)
+        return trainer_state, rank_state, own
 
     def candidates(self, resume: str) -> list[Path]:
         """Folders to try for a resume setting: 'none' -> [], 'auto' -> newest complete first,

@@ -25,8 +25,16 @@ from omegaconf import OmegaConf
 
 from nemofp4.data import build_train_loader, build_validation_batches
 from nemofp4.models import build_model, param_groups
-from nemofp4.quant import load_reference_state_dict, quant_stats, reference_state_dict, set_step
+from nemofp4.quant import (
+    load_reference_state_dict,
+    quant_stats,
+    reference_state_dict,
+    reset_references,
+    set_amax_reduce_group,
+    set_step,
+)
 from nemofp4.recipes import apply_recipe, recipe_from_config
+from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager
 from nemofp4.training.config import JobConfig, compute_budget
 from nemofp4.training.dist_env import destroy_distributed, detect_dist_env, init_distributed
@@ -142,8 +150,21 @@ class Trainer:
                 f"{self.world} processes were launched but distributed.backend=none; "
                 "use distributed=fsdp (or a deepspeed_zero* backend)"
             )
+        if self.world > 1 and dist_cfg.reduce_references:
+            set_amax_reduce_group(model, dist.group.WORLD)
         self.model = model
         self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
+        self.engine = None  # a DeepSpeed engine when distributed.backend=deepspeed_zero*
+        if dist_cfg.backend.startswith("deepspeed"):
+            if cfg.train.nonfinite == "skip":
+                raise ValueError("train.nonfinite=skip is not supported with DeepSpeed (its step cannot be "
+                                 "undone after the fact); use train.nonfinite=stop")
+            ds_config = deepspeed_engine.deepspeed_config(
+                stage=deepspeed_engine.zero_stage(dist_cfg.backend), micro_batch=cfg.train.micro_batch,
+                grad_accum=self.budget.grad_accum, world_size=self.world, grad_clip=cfg.train.grad_clip,
+                bf16=cfg.train.dtype == "bfloat16" and self.device.type == "cuda",
+            )
+            self.engine = deepspeed_engine.initialize(model, self.optimizer, ds_config)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
         if cfg.train.dtype == "bfloat16":
             self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -158,9 +179,11 @@ class Trainer:
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
         self.peak_flops = peak_tflops(cfg.logging) * 1e12
 
-    def _dcp_state(self) -> dict[str, Any]:
+    def _dcp_state(self) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if self.engine is not None:
+            return None  # DeepSpeed writes model and optimizer in its own format
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
@@ -171,14 +194,19 @@ class Trainer:
         for folder in candidates:
             state = self._dcp_state()
             try:
-                trainer_state, rng = self.ckpt.load(folder, dcp_state=state)
+                trainer_state, rank_state, own = self.ckpt.load(
+                    folder, dcp_state=state,
+                    read_collective=(lambda f: deepspeed_engine.load(self.engine, f)) if self.engine else None,
+                )
             except CheckpointError as err:
                 if self.cfg.resume != "auto":
                     raise
                 log.warning("%s; falling back to the previous complete checkpoint", err)
                 continue
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            self._restore(trainer_state, rng)
+            if state is not None:
+                set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optim"])
+            self._restore(trainer_state, rank_state, own)
             self.resumed_from = folder
             if self.rank == 0:
                 log.info("resumed from %s at step %d (%d tokens seen)", folder, self.step, self.tokens_seen)
@@ -186,18 +214,22 @@ class Trainer:
         if candidates and self.cfg.resume == "auto":
             log.warning("no loadable checkpoint in %s; starting fresh", self.ckpt.root)
 
-    def _restore(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
+    def _restore(self, state: dict[str, Any], rank_state: dict[str, Any], own: bool) -> None:
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.skipped_steps = state["skipped_steps"]
         self.wandb_id = state.get("wandb_id")
         self.loader.load_state_dict(state["loader"])
         if self.cfg.precision.restore_references:
-            load_reference_state_dict(self.model, state["references"])
-        if rng is not None:
-            set_rng_state(rng)
-        elif self.rank == 0:
-            log.warning("checkpoint has no RNG state for rank %d (written by fewer ranks); keeping the seed's", self.rank)
+            # references agree across ranks when reduced; a rank new to the run takes rank 0's
+            load_reference_state_dict(self.model, rank_state["references"])
+        else:
+            reset_references(self.model)
+        if own:
+            set_rng_state(rank_state["rng"])
+        else:
+            log.warning("rank %d is new to this run (checkpoint written by %d ranks): its generators keep the "
+                        "seed's state", self.rank, state["world_size"])
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -205,28 +237,41 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "skipped_steps": self.skipped_steps,
             "loader": self.loader.state_dict(),
-            "references": reference_state_dict(self.model),
             "schedule": asdict(self.cfg.schedule),
             "wandb_id": self.metrics.wandb_id if self.metrics else self.wandb_id,
             "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
             "world_size": self.world,
         }
 
-    def save_checkpoint(self) -> Path:
-        if self.cfg.debug.sigkill_during_checkpoint_step == self.step:
-            return self._save_then_die()
-        return self.ckpt.save(
-            self.step, dcp_state=self._dcp_state(), trainer_state=self._trainer_state(), rng_state=rng_state()
-        )
+    def _rank_state(self) -> dict[str, Any]:
+        return {"rng": rng_state(), "references": reference_state_dict(self.model)}
 
-    def _save_then_die(self) -> Path:
-        """Fault injection: write part of the checkpoint, then die as a node failure would."""
-        def die_mid_write(tmp: Path) -> None:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def full_model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded FP32 weights on CPU (collective under FSDP2 / ZeRO-3)."""
+        if self.engine is not None:
+            return {k: v.cpu() for k, v in deepspeed_engine.full_model_state_dict(self.engine).items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_checkpoint(self, *, final: bool = False) -> Path:
+        weights = self.full_model_state_dict() if final and self.cfg.checkpoint.export_safetensors else None
+
+        def extra_files(folder: Path) -> None:
+            if weights is not None:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+            if self.cfg.debug.sigkill_during_checkpoint_step == self.step:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die mid-write, like a node failure
 
         return self.ckpt.save(
-            self.step, dcp_state=self._dcp_state(), trainer_state=self._trainer_state(), rng_state=rng_state(),
-            extra_files=die_mid_write,
+            self.step,
+            dcp_state=self._dcp_state(),
+            trainer_state=self._trainer_state(),
+            rank_state=self._rank_state(),
+            write_collective=(lambda f: deepspeed_engine.save(self.engine, f)) if self.engine else None,
+            extra_files=extra_files,
         )
 
     # ------------------------------------------------------------------------------------ loop
@@ -265,8 +310,9 @@ class Trainer:
             if stop_reason == "budget":
                 if self.val_batches:
                     last_eval = self._eval()
-                if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
-                    self.save_checkpoint()
+                already_saved = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
+                if cfg.checkpoint.save_final and (not already_saved or cfg.checkpoint.export_safetensors):
+                    self.save_checkpoint(final=True)
             self.ckpt.wait()
             exit_code = preemption.requeue_and_exit_code() if stop_reason == "preempted" else 0
         self.metrics.log("event", self.step, {"event": stop_reason, "tokens_seen": self.tokens_seen})
@@ -286,29 +332,38 @@ class Trainer:
                 dict(self.model.named_parameters())[cfg.debug.nan_param].fill_(float("nan"))
         set_step(self.model, step, seed=cfg.train.seed, rank=self.rank)
         lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, self.budget.total_steps)
-        set_lr(self.optimizer, lr)
-        self.optimizer.zero_grad(set_to_none=True)
+        set_lr(self.engine.optimizer if self.engine is not None else self.optimizer, lr)
+        if self.engine is None:
+            self.optimizer.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
+        forward = self.engine if self.engine is not None else self.model
         for _ in range(self.budget.grad_accum):
             batch = next(data_iter)
             input_ids = batch["input_ids"].to(self.device, non_blocking=True)
             labels = batch["labels"].to(self.device, non_blocking=True)
             first_batch = first_batch or (input_ids, labels)
             with self.autocast():
-                loss = lm_loss(self.model, input_ids, labels)
-            (loss / self.budget.grad_accum).backward()
+                loss = lm_loss(forward, input_ids, labels)
+            if self.engine is not None:
+                self.engine.backward(loss)  # scales by 1/grad_accum itself
+                self.engine.step()  # clips and steps at the accumulation boundary
+            else:
+                (loss / self.budget.grad_accum).backward()
             loss_sum += loss.detach()
-        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
         loss_avg = _all_reduce_mean(loss_sum / self.budget.grad_accum)
-        finite = bool(torch.isfinite(loss_avg)) and bool(torch.isfinite(grad_norm))
-        if finite:
-            self.optimizer.step()
+        if self.engine is not None:
+            grad_norm = torch.as_tensor(float(self.engine.get_global_grad_norm()))
         else:
+            max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+        finite = bool(torch.isfinite(loss_avg)) and bool(torch.isfinite(grad_norm))
+        if finite and self.engine is None:
+            self.optimizer.step()
+        elif not finite:
             self._handle_nonfinite(loss_avg, grad_norm, first_batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize()

@@ -16,13 +16,14 @@ from nemofp4.training.checkpoint import (
 
 def _save(mgr, step, value):
     state = {"model": {"w": torch.full((64,), float(value))}}
-    return mgr.save(step, dcp_state=state, trainer_state={"step": step}, rng_state={"seed": step})
+    return mgr.save(step, dcp_state=state, trainer_state={"step": step}, rank_state={"seed": step})
 
 
 def _load(mgr, folder):
     state = {"model": {"w": torch.zeros(64)}}
-    trainer_state, rng = mgr.load(folder, dcp_state=state)
-    return state["model"]["w"], trainer_state, rng
+    trainer_state, rank_state, own = mgr.load(folder, dcp_state=state)
+    assert own
+    return state["model"]["w"], trainer_state, rank_state
 
 
 def test_save_publishes_complete_folder_and_latest_pointer(tmp_path):
@@ -34,7 +35,7 @@ def test_save_publishes_complete_folder_and_latest_pointer(tmp_path):
     assert torch.equal(w, torch.full((64,), 1.5))
     assert trainer_state == {"step": 5} and rng == {"seed": 5}
     marker = json.loads((folder / MARKER).read_text())
-    assert {"trainer_state.pt", "rng/rank-00000.pt", ".metadata"} <= set(marker["files"])
+    assert {"trainer_state.pt", "rank/rank-00000.pt", ".metadata"} <= set(marker["files"])
 
 
 def test_keep_last_k_prunes_oldest(tmp_path):

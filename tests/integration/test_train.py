@@ -1,0 +1,113 @@
+"""The training job end to end, in subprocesses: exact resume after SIGKILL, a kill during a
+checkpoint write, corrupt checkpoints, the non-finite policy, and the main command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemofp4.training.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Small and fast: the tiny model on short sequences (a step takes tens of milliseconds).
+FAST = [
+    "model=tiny",
+    "data=tiny",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "eval.num_sequences=8",
+    "eval.batch_size=4",
+    "eval.interval=0",
+    "logging.wandb=false",
+    "logging.console=false",
+    "optim.lr=3e-3",
+]
+
+
+def run_train(run_dir: Path, *overrides: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "nemofp4.train", *FAST, f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != expect_rc:
+        raise AssertionError(f"exit {proc.returncode} (expected {expect_rc})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def train_curve(run_dir: Path) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir, "train")}
+
+
+@pytest.mark.parametrize(
+    "precision, steps, kill_at",
+    [
+        ("bf16", 12, 6),
+        # ue5m3 holds references for 50 steps: kill at 40 (references sampled at step 1), resume, and cross the
+        # refresh at step 51 in the resumed process.
+        ("ue5m3", 60, 40),
+    ],
+)
+def test_sigkill_then_auto_resume_matches_uninterrupted_run(tmp_path, precision, steps, kill_at):
+    common = [f"precision={precision}", f"train.max_steps={steps}", f"checkpoint.interval={kill_at}"]
+    run_train(tmp_path / "straight", *common)
+    killed = tmp_path / "killed"
+    run_train(killed, *common, f"debug.sigkill_at_step={kill_at}", expect_rc=-9)
+    assert max(train_curve(killed)) == kill_at
+    resumed = run_train(killed, *common)  # the same command again: resume=auto is the default
+    assert f"resumed from {killed / 'checkpoints' / f'step-{kill_at}'}" in resumed.stdout + resumed.stderr
+    straight, again = train_curve(tmp_path / "straight"), train_curve(killed)
+    assert sorted(again) == list(range(1, steps + 1))
+    for step in range(kill_at + 1, steps + 1):
+        assert again[step] == straight[step], f"step {step}: {again[step]} != {straight[step]}"
+    final_eval = [r for r in read_metrics(killed, "eval") if r["step"] == steps]
+    straight_eval = [r for r in read_metrics(tmp_path / "straight", "eval") if r["step"] == steps]
+    assert final_eval[0]["val_loss"] == straight_eval[0]["val_loss"]
+
+
+def test_kill_during_checkpoint_write_keeps_previous_and_resumes(tmp_path):
+    common = ["precision=bf16", "train.max_steps=8", "checkpoint.interval=4"]
+    run_train(tmp_path, *common, "debug.sigkill_during_checkpoint_step=8", expect_rc=-9)
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "step-4" / "COMPLETE.json").is_file()
+    assert (ckpts / ".tmp-step-8").is_dir() and not (ckpts / "step-8").exists()
+    assert (ckpts / "latest").read_text().strip() == "step-4"
+    resumed = run_train(tmp_path, *common)
+    assert "resumed from" in resumed.stdout + resumed.stderr and "step-4" in resumed.stdout + resumed.stderr
+    assert (ckpts / "step-8" / "COMPLETE.json").is_file()
+
+
+def test_corrupt_checkpoint_falls_back_under_auto_and_is_named_otherwise(tmp_path):
+    common = ["precision=bf16", "train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last_k=0"]
+    run_train(tmp_path, *common)
+    shard = next((tmp_path / "checkpoints" / "step-4").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    explicit = run_train(tmp_path, *common, f"resume={tmp_path / 'checkpoints' / 'step-4'}", expect_rc=1)
+    assert "is damaged" in explicit.stderr and shard.name in explicit.stderr
+    auto = run_train(tmp_path, *common)
+    log = auto.stdout + auto.stderr
+    assert "is damaged" in log and "resumed from" in log and "step-2" in log
+
+
+def test_injected_nan_stops_and_names_the_layer(tmp_path):
+    proc = run_train(
+        tmp_path, "precision=bf16", "train.max_steps=5", "debug.nan_at_step=3",
+        "debug.nan_param=layers.2.mixer.q_proj.weight", expect_rc=1,
+    )
+    assert "step 3: non-finite" in proc.stderr and "layers.2.mixer.q_proj.weight" in proc.stderr
+
+
+def test_nan_policy_skip_drops_the_update_and_counts(tmp_path):
+    # a NaN input to one step only is simulated by a NaN weight that the skipped update leaves in place, so
+    # the run stops after max_skipped_steps, naming the layer
+    proc = run_train(
+        tmp_path, "precision=bf16", "train.max_steps=6", "debug.nan_at_step=2", "train.nonfinite=skip",
+        "train.max_skipped_steps=2", "debug.nan_param=layers.0.mixer.in_proj.weight", expect_rc=1,
+    )
+    rows = read_metrics(tmp_path, "train")
+    assert [r["step"] for r in rows if r.get("skipped")] == [2, 3]
+    assert "step 4: non-finite" in proc.stderr and "3 steps were skipped" in proc.stderr
