@@ -1,0 +1,151 @@
+"""Triton quantization of QuantLinear's GEMM operands, in the quant module's own types.
+
+:func:`triton_quantize_operand` is a drop-in for :func:`nemofp4.quant.blocks.quantize_operand`
+(same arguments, same :class:`~nemofp4.quant.blocks.BlockOperand`, bitwise equal for RNE), and
+:func:`triton_quantize_operand_pair` quantizes X for fprop and X^T for wgrad (blocks along the
+tokens) in one launch. The quant module is imported lazily, at call time: quant will import
+this package to dispatch, and the reverse import at module level would be a cycle.
+
+Stochastic rounding takes its Philox seed from the operand's torch generator with one draw on
+the generator's device (no host synchronization), so a generator reseeded per step by
+``set_step`` gives the same bits on a rerun, as the PyTorch path does (the bits themselves
+differ from that path's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .quantize import TritonQuantized, triton_quantize
+
+__all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
+
+_TOKEN_MULTIPLE = 16  # QuantLinear pads the tokens of wgrad operands to this multiple
+
+
+def triton_quantize_operand(
+    x: torch.Tensor,
+    op,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    two_d: bool | None = None,
+    pack: bool = False,
+    stats: bool = True,
+):
+    """Same contract as ``nemofp4.quant.blocks.quantize_operand`` (2-D ``x``, an ``OperandQuant``)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
+    two_d = op.two_d if two_d is None else two_d
+    rows, _ = triton_quantize(
+        x,
+        scale_format=op.scale_format,
+        block_size=op.block_size,
+        two_d=two_d,
+        scale_target=op.scale_target,
+        tensor_amax=tensor_amax,
+        rounding=op.rounding,
+        seed=_seed(op.rounding, generator, x.device),
+        scaled_dtype=torch.float32,
+        stats=stats,
+    )
+    return _block_operand(rows, tuple(x.shape), pack, stats)
+
+
+def triton_quantize_operand_pair(
+    x_TK: torch.Tensor,
+    op_x,
+    op_xt,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pack_x: bool = False,
+    pack_xt: bool = True,
+    stats: bool = True,
+):
+    """(X quantized along K as ``op_x`` says, X^T [K, Tp] quantized along the tokens as ``op_xt``
+    says) from one read of ``x_TK``: what QuantLinear's forward computes as ``quantize(Role.X,
+    x_TK)`` and ``quantize(Role.X_WGRAD, pad_tokens(x_TK).t(), pack=True)``, bitwise (RNE).
+
+    Both share one tensor reference (the ``x`` reference of the recipe) and must agree on the
+    scale format, block size and rounding; a Hadamard transform on X^T cannot be fused here.
+    """
+    if x_TK.dim() != 2:
+        raise ValueError(f"x_TK must be 2-D [tokens, features], got shape {tuple(x_TK.shape)}")
+    for field in ("scale_format", "block_size", "rounding"):
+        if getattr(op_x, field) != getattr(op_xt, field):
+            raise ValueError(
+                f"X and X^T quantizations must share {field} to fuse: {getattr(op_x, field)!r} vs "
+                f"{getattr(op_xt, field)!r}; quantize them separately"
+            )
+    if op_x.two_d or op_xt.two_d or op_x.hadamard or op_xt.hadamard:
+        raise ValueError("fused X/X^T quantization supports 1-D blocks without a Hadamard transform only")
+    tokens, features = x_TK.shape
+    rows, cols = triton_quantize(
+        x_TK,
+        scale_format=op_x.scale_format,
+        block_size=op_x.block_size,
+        scale_target=op_x.scale_target,
+        tensor_amax=tensor_amax,
+        rounding=op_x.rounding,
+        seed=_seed(op_x.rounding, generator, x_TK.device),
+        transposed=True,
+        transposed_scale_target=op_xt.scale_target,
+        scaled_dtype=torch.float32,
+        stats=stats,
+    )
+    padded_tokens = tokens + (-tokens % _TOKEN_MULTIPLE)
+    return (
+        _block_operand(rows, (tokens, features), pack_x, stats),
+        _block_operand(cols, (features, padded_tokens), pack_xt, stats),
+    )
+
+
+def _seed(rounding: str, generator: torch.Generator | None, device: torch.device) -> int | torch.Tensor:
+    if rounding == "rne":
+        return 0
+    return torch.randint(
+        -(2**63), 2**63 - 1, (1,), generator=generator, device=device if generator is None else generator.device,
+        dtype=torch.int64,
+    ).to(device)  # fmt: skip
+
+
+def _block_operand(q: TritonQuantized, shape: tuple[int, int], pack: bool, stats: bool):
+    """The quant module's BlockOperand for ``q``: fields and counters mirror what
+    ``quantize_operand`` fills in (a test compares the two, so a change there is caught)."""
+    from nemofp4.quant.blocks import BlockOperand, PackedOperand
+
+    fields = {f.name for f in dataclasses.fields(BlockOperand)}
+    per_element_counts = "num_elements" in fields  # older layout: clipped elements counted too
+    packed = None
+    if pack:
+        packed = PackedOperand(
+            codes=q.codes,
+            scale_codes=q.scale_codes,
+            tensor_scale=q.tensor_scale,
+            tensor_amax=q.tensor_amax,
+            scale_format=q.scale_format,
+            shape=shape,
+            padded_shape=tuple(q.padded_shape),
+            block_size=q.block_size,
+            two_d=q.two_d,
+        )
+    counts = {}
+    if stats:
+        names = ("saturated_blocks", "underflow_blocks", "zero_blocks", "clipped_elements")
+        counts = {name: q.counts[i] for i, name in enumerate(names[: 4 if per_element_counts else 3])}
+    extra = {"num_elements": shape[0] * shape[1]} if per_element_counts else {}
+    return BlockOperand(
+        scaled=q.scaled,
+        tensor_scale=q.tensor_scale,
+        tensor_amax=q.tensor_amax,
+        shape=shape,
+        block_size=q.block_size,
+        two_d=q.two_d,
+        counts=counts,
+        num_blocks=q.num_blocks,
+        packed=packed,
+        **extra,
+    )

@@ -1,0 +1,429 @@
+"""Fused Triton FP4 block quantization, bit-identical to :func:`nemofp4.formats.quantize_blocks`.
+
+One launch reads the input once and writes packed E2M1 codes, block-scale codes and the tensor
+scale, and with ``also_transposed=True`` the quantization of ``x.T`` too (blocks along the first
+dim, the tokens: the wgrad operand), from the same tile. The tensor amax is a separate
+reduction (:func:`triton_amax`) and runs only when no held reference is passed: between
+refreshes of the UE5M3 recipe's sample-and-hold reference the input is read exactly once.
+
+For ``rounding="rne"`` every output equals the PyTorch reference bit for bit (codes, scale
+codes, tensor scale, tensor amax, statistics). ``"sr8"``/``"sr"`` use the same rounding rule
+with Philox random bits (``tl.randint4x``) instead of the torch generator, so the bits differ
+from the reference; :func:`triton_quantize_with_draws` returns the draws so a test can check
+the rule exactly. The stream layout is documented in ``_quantize_kernels``.
+
+Two deliberate differences from the reference: no NaN/Inf check (it would synchronize the
+host; a NaN input makes the amax, and so every scale, NaN, which the trainer's non-finite
+checks catch), and a tensor ``tensor_amax`` is not validated for the same reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from nemofp4.formats import SCALE_FORMATS, QuantizedBlocks
+
+
+__all__ = [
+    "TritonQuantized",
+    "triton_amax",
+    "triton_quantize",
+    "triton_quantize_blocks",
+    "triton_quantize_with_draws",
+]
+
+DEFAULT_BLOCK_SIZE = {"e4m3": 16, "ue5m3": 16, "ue5m3_cuda": 16, "ue8m0": 32}
+SUPPORTED_BLOCK_SIZES = (2, 4, 8, 16, 32, 64)
+_ROUNDING_CODES = {"rne": 0, "sr8": 1, "sr": 2}
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MX_SCALE_MODES = ("floor", "ceil")
+_STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks", "clipped_elements")
+
+
+@dataclass(kw_only=True)
+class TritonQuantized:
+    """Everything one direction of a launch produced (row-wise, or the transposed ``x.T``)."""
+
+    codes: torch.Tensor
+    """uint8 packed E2M1 codes, [*padded_shape[:-1], padded_shape[-1] // 2]."""
+    scale_codes: torch.Tensor
+    tensor_scale: torch.Tensor
+    tensor_amax: torch.Tensor
+    counts: torch.Tensor
+    """int32 [4]: saturated blocks, underflowed blocks, zero blocks, clipped elements."""
+    shape: torch.Size
+    padded_shape: torch.Size
+    block_size: int
+    two_d: bool
+    scale_format: str
+    num_blocks: int
+    scaled: torch.Tensor | None = None
+    """E2M1 value x block scale, padded shape (only when asked for: ``scaled_dtype``)."""
+    draws: torch.Tensor | None = None
+    """int64 random draws per padded element (debug output for sr8/sr)."""
+
+    def blocks(self) -> QuantizedBlocks:
+        """The reference's result type (codes, scale codes, tensor scale, statistics)."""
+        return QuantizedBlocks(
+            codes=self.codes,
+            scale_codes=self.scale_codes,
+            tensor_scale=self.tensor_scale,
+            tensor_amax=self.tensor_amax,
+            shape=self.shape,
+            padded_shape=self.padded_shape,
+            block_size=self.block_size,
+            two_d=self.two_d,
+            scale_format=self.scale_format,
+            _counts={name: self.counts[i] for i, name in enumerate(_STAT_NAMES)},
+            _num_blocks=self.num_blocks,
+            _num_elements=math.prod(self.shape),
+        )
+
+
+# ------------------------------------------------------------------------------------ amax
+def triton_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor on x's device (exact; NaN if x has a NaN); no host sync."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"triton_amax: expected a float32/bfloat16/float16 tensor, got {_describe(x)}")
+    if x.numel() == 0:
+        raise ValueError("amax of an empty tensor is undefined")
+    flat = x.detach().contiguous().view(-1)
+    out = torch.zeros(1, dtype=torch.int32, device=x.device)
+    block = 4096
+    programs = triton_cdiv(flat.numel(), block)
+    if interpreting(x.device):
+        programs = min(programs, 4)
+    else:
+        programs = min(programs, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    _kernels().amax_kernel[(programs,)](flat, flat.numel(), out, BLOCK=block)
+    return out.view(torch.float32).reshape(())
+
+
+# ------------------------------------------------------------------------------------ quantize
+def triton_quantize_blocks(
+    x: torch.Tensor,
+    *,
+    scale_format: str = "ue5m3",
+    block_size: int | None = None,
+    two_d: bool = False,
+    scale_target: float = 448.0,
+    tensor_amax: torch.Tensor | float | None = None,
+    rounding: str = "rne",
+    seed: int | torch.Tensor = 0,
+    also_transposed: bool = False,
+    transposed_scale_target: float | None = None,
+    mx_scale_mode: str = "floor",
+) -> QuantizedBlocks | tuple[QuantizedBlocks, QuantizedBlocks]:
+    """Quantize ``x`` as ``quantize_blocks(x, scale_format, block_size, two_d, scale_target,
+    tensor_amax, rounding)`` does, in one Triton launch (plus the amax reduction when
+    ``tensor_amax`` is None and the format has a tensor scale).
+
+    Args:
+        seed: Philox seed for ``sr8``/``sr`` (an int, or an int64 one-element device tensor, e.g.
+            drawn from a torch generator on the GPU, which avoids a host sync).
+        also_transposed: also quantize ``x.T`` (2-D ``x``; blocks along dim 0, zero-padded to the
+            block) in the same launch, with the same tensor reference; returns ``(q, q_t)`` where
+            ``q_t`` equals ``quantize_blocks(x.T, ...)``. Its random bits are independent of ``q``'s.
+        transposed_scale_target: T for ``x.T`` when it differs (the UE5M3 recipe's T = 2048 for
+            the wgrad dY of some layers); default ``scale_target``.
+    """
+    out = triton_quantize(
+        x,
+        scale_format=scale_format,
+        block_size=block_size,
+        two_d=two_d,
+        scale_target=scale_target,
+        tensor_amax=tensor_amax,
+        rounding=rounding,
+        seed=seed,
+        transposed=also_transposed,
+        transposed_scale_target=transposed_scale_target,
+        mx_scale_mode=mx_scale_mode,
+    )
+    rows, cols = out
+    return (rows.blocks(), cols.blocks()) if also_transposed else rows.blocks()
+
+
+def triton_quantize_with_draws(x: torch.Tensor, **kwargs) -> tuple[TritonQuantized, TritonQuantized | None]:
+    """:func:`triton_quantize` with the random draws written out (``.draws``), for testing the
+    stochastic rounding rule exactly. Same keyword arguments as :func:`triton_quantize`."""
+    if kwargs.get("rounding", "rne") == "rne":
+        raise ValueError("triton_quantize_with_draws needs rounding='sr8' or 'sr' (rne draws nothing)")
+    return triton_quantize(x, _write_draws=True, **kwargs)
+
+
+def triton_quantize(
+    x: torch.Tensor,
+    *,
+    scale_format: str = "ue5m3",
+    block_size: int | None = None,
+    two_d: bool = False,
+    scale_target: float = 448.0,
+    tensor_amax: torch.Tensor | float | None = None,
+    rounding: str = "rne",
+    seed: int | torch.Tensor = 0,
+    rowwise: bool = True,
+    transposed: bool = False,
+    transposed_scale_target: float | None = None,
+    mx_scale_mode: str = "floor",
+    scaled_dtype: torch.dtype | None = None,
+    stats: bool = True,
+    _write_draws: bool = False,
+) -> tuple[TritonQuantized | None, TritonQuantized | None]:
+    """The full launch: ``(row-wise result or None, transposed result or None)``.
+
+    ``scaled_dtype`` (float32 or bfloat16) also writes E2M1 value x block scale, padded, which
+    is exact in either dtype: what a GEMM on block-scaled operands consumes directly.
+    ``stats=False`` skips the four statistics counters (their atomics).
+    """
+    block_size = _check_args(
+        x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode,
+        rowwise, transposed, transposed_scale_target, scaled_dtype,
+    )  # fmt: skip
+    device = x.device
+    fmt = SCALE_FORMATS[scale_format]
+    is_mx = scale_format == "ue8m0"
+    b = block_size
+    shape = x.shape
+    cols = shape[-1]
+    x2d = x.detach().reshape(-1, cols)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    rows = x2d.shape[0]
+    cols_p = cols + (-cols % b)
+    rows_p = rows + (-rows % b)
+    rows_out = rows_p if two_d else rows
+
+    # ---- the tensor reference g
+    measure_amax = False
+    amax_out = _dummy(device, torch.int32)
+    if is_mx:
+        if tensor_amax is None:
+            measure_amax = True
+            amax_out = torch.zeros(1, dtype=torch.int32, device=device)
+            g = amax_out.view(torch.float32)
+        else:
+            g = torch.as_tensor(tensor_amax, dtype=torch.float32).to(device).reshape(1)
+    elif tensor_amax is None:
+        g = triton_amax(x2d).reshape(1)
+    else:
+        g = torch.as_tensor(tensor_amax, dtype=torch.float32).to(device).reshape(1)
+    seed_t = _seed_tensor(seed, device)
+
+    def outputs(n_rows: int, n_cols: int, scale_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        return {
+            "codes": torch.empty(n_rows, n_cols // 2, dtype=torch.uint8, device=device),
+            "scales": torch.empty(scale_shape, dtype=torch.uint8, device=device),
+            "scaled": (
+                torch.empty(n_rows, n_cols, dtype=scaled_dtype, device=device)
+                if scaled_dtype is not None
+                else _dummy(device, torch.float32)
+            ),
+            "draws": (
+                torch.empty(n_rows, n_cols, dtype=torch.int64, device=device)
+                if _write_draws
+                else _dummy(device, torch.int64)
+            ),
+            "counts": torch.zeros(4, dtype=torch.int32, device=device),
+            "ts": torch.ones(1, dtype=torch.float32, device=device),
+        }
+
+    dummy = {
+        k: _dummy(device, dt)
+        for k, dt in (("codes", torch.uint8), ("scales", torch.uint8), ("scaled", torch.float32),
+                      ("draws", torch.int64), ("counts", torch.int32), ("ts", torch.float32))
+    }  # fmt: skip
+    row_scale_shape = (rows_p // b, cols_p // b) if two_d else (rows, cols_p // b)
+    r = outputs(rows_out, cols_p, row_scale_shape) if rowwise else dummy
+    t = outputs(cols, rows_p, (cols, rows_p // b)) if transposed else dummy
+
+    config = _tile_config(b, two_d, transposed, interpreting(device))
+    grid_rows = max(rows_out if rowwise else 0, rows_p if transposed else 0)
+    grid_cols = cols_p if rowwise else cols
+    grid = (triton_cdiv(grid_rows, config["BM"]), triton_cdiv(grid_cols, config["BK"]))
+    target_t = scale_target if transposed_scale_target is None else transposed_scale_target
+    _kernels().quantize_kernel[grid](
+        x2d, g, seed_t, amax_out,
+        r["codes"], r["scales"], r["scaled"], r["draws"], r["counts"], r["ts"],
+        t["codes"], t["scales"], t["scaled"], t["draws"], t["counts"], t["ts"],
+        rows, cols, x2d.stride(0), rows_out, cols_p, rows_p,
+        _fp32(scale_target * 6.0), _fp32(target_t * 6.0),
+        BS=b,
+        IS_MX=is_mx,
+        MX_CEIL=mx_scale_mode == "ceil",
+        SCALE_MAX=0.0 if is_mx else fmt.max_finite,
+        SCALE_BIAS=fmt.bias,
+        SCALE_MANT=fmt.mantissa_bits,
+        SCALE_MIN_NORMAL=fmt.min_normal,
+        SCALE_SUB_STEP=fmt.min_subnormal,
+        ZERO_CODE_TO_ONE=scale_format != "e4m3",
+        ROUNDING=_ROUNDING_CODES[rounding],
+        TWO_D=two_d,
+        ROWWISE=rowwise,
+        TRANSPOSED=transposed,
+        WRITE_SCALED=scaled_dtype is not None,
+        WRITE_DRAWS=_write_draws,
+        STATS=stats,
+        MEASURE_AMAX=measure_amax,
+        **config,
+    )  # fmt: skip
+
+    g0 = g.reshape(())
+    row_result = col_result = None
+    if rowwise:
+        padded = torch.Size([*shape[:-1], cols_p])
+        row_result = TritonQuantized(
+            codes=r["codes"] if two_d else r["codes"].view(*shape[:-1], cols_p // 2),
+            scale_codes=r["scales"] if two_d else r["scales"].view(*shape[:-1], cols_p // b),
+            tensor_scale=r["ts"].reshape(()),
+            tensor_amax=g0,
+            counts=r["counts"],
+            shape=shape,
+            padded_shape=torch.Size([rows_p, cols_p]) if two_d else padded,
+            block_size=b,
+            two_d=two_d,
+            scale_format=scale_format,
+            num_blocks=r["scales"].numel(),
+            scaled=None if scaled_dtype is None else r["scaled"].view(*(padded if not two_d else (rows_p, cols_p))),
+            draws=r["draws"] if _write_draws else None,
+        )
+    if transposed:
+        col_result = TritonQuantized(
+            codes=t["codes"],
+            scale_codes=t["scales"],
+            tensor_scale=t["ts"].reshape(()),
+            tensor_amax=g0,
+            counts=t["counts"],
+            shape=torch.Size([cols, rows]),
+            padded_shape=torch.Size([cols, rows_p]),
+            block_size=b,
+            two_d=False,
+            scale_format=scale_format,
+            num_blocks=t["scales"].numel(),
+            scaled=t["scaled"] if scaled_dtype is not None else None,
+            draws=t["draws"] if _write_draws else None,
+        )
+    return row_result, col_result
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _kernels():
+    """The kernel module, imported on first use: importing triton decides, once per process, whether
+    kernels compile or run in the interpreter (``TRITON_INTERPRET``), so nothing imports it early."""
+    from . import _quantize_kernels
+
+    return _quantize_kernels
+
+
+def interpreting(device: torch.device) -> bool:
+    """True when Triton kernels run in its CPU interpreter (CPU tensors, or TRITON_INTERPRET=1)."""
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to float32 (RNE), as ``torch.tensor(value, dtype=float32)`` rounds it."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+_DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element buffer for pointer arguments a launch does not use."""
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _DUMMIES[key]
+
+
+def _seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError(f"seed tensor must hold one int64, got dtype {seed.dtype}, shape {tuple(seed.shape)}")
+        return seed.reshape(1).to(device)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must be an int in the int64 range or an int64 tensor, got {seed!r}")
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
+def _tile_config(block_size: int, two_d: bool, transposed: bool, interpret: bool) -> dict[str, int]:
+    """Tile sizes: rows a multiple of the block (and of 16, the SR lane group) when tiles or the
+    transposed blocks run along rows; 128 columns keep each row's bf16 loads 256 B long."""
+    if two_d or transposed:
+        bm = max(64 if transposed else 32, block_size)
+        bk = max(64 if transposed else 128, block_size)
+    else:
+        bm, bk = 32, max(128, block_size)
+    config = {"BM": bm, "BK": bk}
+    if not interpret:
+        config["num_warps"] = 8 if transposed else 4
+    return config
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of dtype {x.dtype}"
+    return type(x).__name__
+
+
+def _check_args(
+    x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode,
+    rowwise, transposed, transposed_scale_target, scaled_dtype,
+) -> int:  # fmt: skip
+    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"x must be a float32/bfloat16/float16 tensor, got {_describe(x)}")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"x has shape {tuple(x.shape)}; need >= 1 dim and >= 1 element")
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"unknown scale_format {scale_format!r}; valid: {', '.join(SCALE_FORMATS)}")
+    block_size = DEFAULT_BLOCK_SIZE[scale_format] if block_size is None else block_size
+    if block_size not in SUPPORTED_BLOCK_SIZES or isinstance(block_size, bool):
+        raise ValueError(
+            f"block_size {block_size!r} is not supported by the Triton kernels; valid: {SUPPORTED_BLOCK_SIZES} "
+            "(the PyTorch reference nemofp4.formats.quantize_blocks takes any even size)"
+        )
+    if two_d and x.dim() != 2:
+        raise ValueError(f"two_d=True needs a 2-D tensor; x has shape {tuple(x.shape)}")
+    if transposed and (x.dim() != 2 or two_d):
+        raise ValueError(
+            f"also_transposed needs a 2-D x with 1-D blocks (16x16 tiles are their own transpose); "
+            f"got shape {tuple(x.shape)}, two_d={two_d}"
+        )
+    if not (rowwise or transposed):
+        raise ValueError("nothing to do: rowwise=False and transposed=False")
+    for name, target in (("scale_target", scale_target), ("transposed_scale_target", transposed_scale_target)):
+        if target is None and name == "transposed_scale_target":
+            continue
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not (
+            math.isfinite(target) and target > 0
+        ):
+            raise ValueError(f"{name} must be a finite positive number, got {target!r}")
+    if rounding not in _ROUNDING_CODES:
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(_ROUNDING_CODES)}")
+    if mx_scale_mode not in _MX_SCALE_MODES:
+        raise ValueError(f"unknown mx_scale_mode {mx_scale_mode!r}; valid: {', '.join(_MX_SCALE_MODES)}")
+    if scaled_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"scaled_dtype must be None, torch.float32 or torch.bfloat16, got {scaled_dtype}")
+    if not isinstance(tensor_amax, (type(None), torch.Tensor)):
+        if isinstance(tensor_amax, bool) or not isinstance(tensor_amax, (int, float)):
+            raise ValueError(f"tensor_amax must be None, a number or a tensor, got {type(tensor_amax).__name__}")
+        if not (math.isfinite(tensor_amax) and tensor_amax >= 0):
+            raise ValueError(f"tensor_amax must be finite and >= 0, got {tensor_amax}")
+    elif isinstance(tensor_amax, torch.Tensor) and tensor_amax.numel() != 1:
+        raise ValueError(f"tensor_amax must have one element, got shape {tuple(tensor_amax.shape)}")
+    if scale_format == "ue8m0" and (scale_target != 448.0 or transposed_scale_target is not None):
+        warnings.warn("scale_target has no effect with scale_format='ue8m0' (no tensor scale)", stacklevel=4)
+    if scale_format == "ue8m0" and tensor_amax is not None:
+        warnings.warn("tensor_amax has no effect with scale_format='ue8m0' (no tensor scale)", stacklevel=4)
+    if scale_format != "ue8m0" and mx_scale_mode != "floor":
+        warnings.warn(f"mx_scale_mode has no effect with scale_format={scale_format!r}", stacklevel=4)
+    return block_size
