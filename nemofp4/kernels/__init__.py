@@ -192,7 +192,9 @@ def quantize_operand_pair(
             pack_x=pack_x, pack_xt=pack_xt, stats=stats,
         )  # fmt: skip
     if op_xt.hadamard:
-        raise ValueError("quantize_operand_pair does not apply the Hadamard transform; quantize X^T separately")
+        raise ValueError(
+            "quantize_operand_pair does not apply the Hadamard transform; quantize X^T separately"
+        )
     pad = -x_TK.shape[0] % 16
     xt_KTp = torch.nn.functional.pad(x_TK, (0, 0, 0, pad)).t() if pad else x_TK.t()
     first = quantize_operand(
@@ -212,9 +214,7 @@ def hardware_gemm(a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = 
     device_tensor = getattr(a_q, "codes", None)
     if device_tensor is None:
         device_tensor = a_q.packed.codes if getattr(a_q, "packed", None) is not None else a_q.tensor_scale
-    has_codes = all(
-        hasattr(q, "codes") or getattr(q, "packed", None) is not None for q in (a_q, b_q)
-    )
+    has_codes = all(hasattr(q, "codes") or getattr(q, "packed", None) is not None for q in (a_q, b_q))
     if _use_triton_for(device_tensor) and has_codes:
         return triton_hardware_gemm(a_q, b_q, b_transposed=b_transposed, lattice_snap=lattice_snap)
     return hardware_gemm_torch(a_q, b_q, b_transposed=b_transposed, lattice_snap=lattice_snap)

@@ -124,4 +124,6 @@ def hardware_gemm_kernel(
         acc = _round_half_even(acc * 1024.0) * (1.0 / 1024.0)
     alpha = tl.load(a_ts_ptr) * tl.load(b_ts_ptr)
     out = acc * alpha
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :]
+    )

@@ -355,10 +355,14 @@ def quantize_kernel(
             tl.store(scales_ptr + offs_tile * (cols_p // BS) + offs_blk, code.to(tl.uint8), mask=block_ok)
         else:
             block_ok = (m2 < rows_out) & (offs_blk < cols_p // BS)
-            tl.store(scales_ptr + m2.to(tl.int64) * (cols_p // BS) + offs_blk, code.to(tl.uint8), mask=block_ok)
+            tl.store(
+                scales_ptr + m2.to(tl.int64) * (cols_p // BS) + offs_blk, code.to(tl.uint8), mask=block_ok
+            )
         if WRITE_SCALED:
             if TWO_D:
-                scale_e = tl.reshape(tl.broadcast_to(scale[:, None, :, None], (BM // BS, BS, NB, BS)), (BM, BK))
+                scale_e = tl.reshape(
+                    tl.broadcast_to(scale[:, None, :, None], (BM // BS, BS, NB, BS)), (BM, BK)
+                )
             else:
                 scale_e = tl.reshape(tl.broadcast_to(scale[:, :, None], (BM, NB, BS)), (BM, BK))
             value = _e2m1_value(mag)

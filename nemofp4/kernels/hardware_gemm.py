@@ -43,7 +43,9 @@ _FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 # ------------------------------------------------------------------------------------ reference
-def hardware_gemm_reference(a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = False) -> torch.Tensor:
+def hardware_gemm_reference(
+    a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = False
+) -> torch.Tensor:
     """float32 ``[M, N]``: A @ B^T under the probe-matched model, step by step and exactly (slow:
     test-sized operands only). ``a_q``/``b_q`` are 2-D quantized operands with blocks along K."""
     a = _scaled_f64(a_q, transposed=False)
@@ -140,7 +142,9 @@ def _scaled_f64(q, *, transposed: bool, device: str | None = "cpu") -> torch.Ten
     elif hasattr(q, "unpack"):
         scaled = q.unpack().scaled_values()
     else:
-        raise ValueError(f"expected a quantized operand (QuantizedBlocks or packed operand), got {type(q).__name__}")
+        raise ValueError(
+            f"expected a quantized operand (QuantizedBlocks or packed operand), got {type(q).__name__}"
+        )
     if scaled.dim() != 2:
         raise ValueError(f"the hardware GEMM takes 2-D operands, got padded shape {tuple(scaled.shape)}")
     scaled = scaled.detach().double()
@@ -152,7 +156,9 @@ def _scaled_f64(q, *, transposed: bool, device: str | None = "cpu") -> torch.Ten
 
 def _check_k(a_q, b_q, b_transposed: bool) -> None:
     if b_transposed and not b_q.two_d:
-        raise ValueError("b_transposed=True needs a 16x16-tiled (two_d) operand: 1-D blocks run along one dim only")
+        raise ValueError(
+            "b_transposed=True needs a 16x16-tiled (two_d) operand: 1-D blocks run along one dim only"
+        )
     k_a = a_q.shape[1]
     k_b = b_q.shape[0] if b_transposed else b_q.shape[1]
     if k_a != k_b:
@@ -193,7 +199,9 @@ def triton_hardware_gemm(
         if len(q.shape) != 2:
             raise ValueError(f"{name}: the hardware GEMM takes 2-D operands, got shape {tuple(q.shape)}")
         if q.block_size not in HARDWARE_BLOCK_SIZES:
-            raise ValueError(f"{name}: block_size {q.block_size} not supported; valid: {HARDWARE_BLOCK_SIZES}")
+            raise ValueError(
+                f"{name}: block_size {q.block_size} not supported; valid: {HARDWARE_BLOCK_SIZES}"
+            )
     if a.codes.device != b.codes.device:
         raise ValueError(f"operands on different devices: {a.codes.device} and {b.codes.device}")
     device = a.codes.device

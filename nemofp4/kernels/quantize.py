@@ -28,7 +28,6 @@ import torch
 
 from nemofp4.formats import SCALE_FORMATS, QuantizedBlocks
 
-
 __all__ = [
     "TritonQuantized",
     "triton_amax",
@@ -289,7 +288,9 @@ def triton_quantize(
             two_d=two_d,
             scale_format=scale_format,
             num_blocks=r["scales"].numel(),
-            scaled=None if scaled_dtype is None else r["scaled"].view(*(padded if not two_d else (rows_p, cols_p))),
+            scaled=None
+            if scaled_dtype is None
+            else r["scaled"].view(*(padded if not two_d else (rows_p, cols_p))),
             draws=r["draws"] if _write_draws else None,
         )
     if transposed:
@@ -348,7 +349,9 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def _seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(seed, torch.Tensor):
         if seed.dtype != torch.int64 or seed.numel() != 1:
-            raise ValueError(f"seed tensor must hold one int64, got dtype {seed.dtype}, shape {tuple(seed.shape)}")
+            raise ValueError(
+                f"seed tensor must hold one int64, got dtype {seed.dtype}, shape {tuple(seed.shape)}"
+            )
         return seed.reshape(1).to(device)
     if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
         raise ValueError(f"seed must be an int in the int64 range or an int64 tensor, got {seed!r}")
@@ -400,11 +403,16 @@ def _check_args(
         )
     if not (rowwise or transposed):
         raise ValueError("nothing to do: rowwise=False and transposed=False")
-    for name, target in (("scale_target", scale_target), ("transposed_scale_target", transposed_scale_target)):
+    for name, target in (
+        ("scale_target", scale_target),
+        ("transposed_scale_target", transposed_scale_target),
+    ):
         if target is None and name == "transposed_scale_target":
             continue
-        if isinstance(target, bool) or not isinstance(target, (int, float)) or not (
-            math.isfinite(target) and target > 0
+        if (
+            isinstance(target, bool)
+            or not isinstance(target, (int, float))
+            or not (math.isfinite(target) and target > 0)
         ):
             raise ValueError(f"{name} must be a finite positive number, got {target!r}")
     if rounding not in _ROUNDING_CODES:
@@ -415,7 +423,9 @@ def _check_args(
         raise ValueError(f"scaled_dtype must be None, torch.float32 or torch.bfloat16, got {scaled_dtype}")
     if not isinstance(tensor_amax, (type(None), torch.Tensor)):
         if isinstance(tensor_amax, bool) or not isinstance(tensor_amax, (int, float)):
-            raise ValueError(f"tensor_amax must be None, a number or a tensor, got {type(tensor_amax).__name__}")
+            raise ValueError(
+                f"tensor_amax must be None, a number or a tensor, got {type(tensor_amax).__name__}"
+            )
         if not (math.isfinite(tensor_amax) and tensor_amax >= 0):
             raise ValueError(f"tensor_amax must be finite and >= 0, got {tensor_amax}")
     elif isinstance(tensor_amax, torch.Tensor) and tensor_amax.numel() != 1:
