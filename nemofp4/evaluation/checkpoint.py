@@ -1,0 +1,136 @@
+"""Load a trained model for evaluation or export: our DCP checkpoints and transformers folders.
+
+A checkpoint of ours is rebuilt exactly as the trainer built it: the model from the run's
+saved config on the meta device, the run's precision recipe applied (so the FP4 linears are
+there for the inference policies), then only the ``model`` part of the DCP state is read. The
+optimizer state, usually twice the model's size, is never loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from nemofp4.models import NemotronHModel, build_model
+from nemofp4.models.nemotron_h import import_hf
+from nemofp4.recipes import PrecisionConfig, apply_recipe, recipe_from_config
+from nemofp4.training.checkpoint import (
+    MARKER,
+    STEP_PREFIX,
+    TRAINER_STATE,
+    CheckpointConfig,
+    CheckpointManager,
+    is_complete,
+    latest_checkpoint,
+)
+from nemofp4.training.config import JobConfig
+
+__all__ = [
+    "is_hf_folder",
+    "job_config_from_yaml",
+    "load_checkpoint_model",
+    "load_hf_model",
+    "resolve_checkpoint",
+    "resolve_device",
+]
+
+log = logging.getLogger("nemofp4")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto' -> the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A transformers model folder: config.json next to safetensors weights."""
+    path = Path(path)
+    return (path / "config.json").is_file() and (
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    )
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The complete step folder meant by a step folder, a checkpoints folder or a run directory
+    (the newest complete checkpoint, as named by ``latest``)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint={str(path)!r}: no such step folder or run directory")
+    if path.name.startswith(STEP_PREFIX):
+        if not is_complete(path):
+            raise FileNotFoundError(f"checkpoint {path} is incomplete (no {MARKER}): it was never finished")
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise FileNotFoundError(
+        f"checkpoint={str(path)!r}: no complete checkpoint found; pass a step-<N> folder (with {MARKER}), "
+        "a checkpoints folder or a run directory that contains one"
+    )
+
+
+def job_config_from_yaml(text: str) -> JobConfig:
+    """The typed JobConfig of a run from its resolved YAML (``trainer_state['config']`` or
+    ``<run_dir>/config.yaml``); validation runs as at training time."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(text)))
+
+
+def load_checkpoint_model(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    precision: PrecisionConfig | str | None = None,
+    verify: bool = True,
+) -> tuple[NemotronHModel, JobConfig, dict[str, Any]]:
+    """(model, the run's JobConfig, trainer_state) of a checkpoint of ours, in eval mode.
+
+    Args:
+        path: a step folder, a checkpoints folder or a run directory (its latest complete step).
+        device: where the model is materialized.
+        precision: apply this recipe (name or PrecisionConfig) instead of the run's own, e.g. "bf16"
+            to evaluate FP4-trained weights in high precision.
+        verify: check the files' sizes and checksums against the checkpoint's marker first.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    folder = resolve_checkpoint(path)
+    if verify:
+        CheckpointManager(folder.parent, CheckpointConfig(verify_checksums=True)).verify(folder)
+    trainer_state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=False)
+    if "config" not in trainer_state:
+        raise ValueError(f"{folder / TRAINER_STATE} has no 'config': not written by nemofp4's trainer")
+    cfg = job_config_from_yaml(trainer_state["config"])
+    if isinstance(precision, str):
+        precision = PrecisionConfig(name=precision)
+    model = build_model(cfg.model, device="meta")
+    apply_recipe(model, recipe_from_config(precision or cfg.precision), log=False)
+    model.to_empty(device=device)
+    model_state = get_model_state_dict(model)
+    dcp.load({"model": model_state}, checkpoint_id=str(folder))  # the optimizer state is not read
+    set_model_state_dict(model, model_state)
+    model.eval()
+    log.info("loaded %s (step %s, recipe %s)", folder, trainer_state.get("step"), (precision or cfg.precision).name)
+    return model, cfg, trainer_state
+
+
+def load_hf_model(
+    path: str | Path, *, device: str | torch.device = "cpu", precision: PrecisionConfig | str = "bf16"
+) -> NemotronHModel:
+    """Our model from a transformers NemotronH folder, with ``precision`` applied, in eval mode."""
+    if isinstance(precision, str):
+        precision = PrecisionConfig(name=precision)
+    imported = import_hf(path, device="cpu")
+    model = build_model(imported.config, device="meta")
+    apply_recipe(model, recipe_from_config(precision), log=False)
+    model.to_empty(device=device)
+    model.load_state_dict(imported.state_dict(), strict=True)
+    model.eval()
+    return model
