@@ -8,7 +8,7 @@ and the PyTorch path otherwise:
     from nemofp4 import kernels
     q = kernels.quantize_blocks(x, scale_format="ue5m3")          # QuantizedBlocks
     op = kernels.quantize_operand(x, op_quant, tensor_amax=g)      # quant's BlockOperand
-    c = kernels.hardware_gemm(qa, qb)                              # float32 A @ B^T
+    c = kernels.gemm_hardware(qa, qb)                              # float32 A @ B^T
     kernels.use_triton(False)                                      # force the reference path
 
 The switch starts from the environment variable ``NEMOFP4_TRITON`` (``0`` disables Triton).
@@ -29,7 +29,7 @@ import torch
 
 __all__ = [
     "amax",
-    "hardware_gemm",
+    "gemm_hardware",
     "quantize_blocks",
     "quantize_operand",
     "quantize_operand_pair",
@@ -206,7 +206,7 @@ def quantize_operand_pair(
     return first, second
 
 
-def hardware_gemm(a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = False) -> torch.Tensor:
+def gemm_hardware(a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = False) -> torch.Tensor:
     """float32 ``A @ B^T`` under the probe-matched hardware model: the Triton kernel on CUDA
     (operands need packed codes), else the vectorized PyTorch twin (same numerics)."""
     from .hardware_gemm import hardware_gemm_torch, triton_hardware_gemm

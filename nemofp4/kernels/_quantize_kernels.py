@@ -123,7 +123,7 @@ def _minifloat_scale(
     rb = (vb + ((1 << (DROP - 1)) - 1) + ((vb >> DROP) & 1)) >> DROP  # exponent and kept mantissa
     code_normal = ((((rb >> SCALE_MANT) & 0xFF) - 127 + SCALE_BIAS) << SCALE_MANT) | (rb & MANT_MASK)
     # subnormals: v / min_subnormal < 2^SCALE_MANT, rounded to an integer by one fp32 addition (RNE)
-    steps = v * (1.0 / SCALE_SUB_STEP)
+    steps = tl.minimum(v, SCALE_MIN_NORMAL) * (1.0 / SCALE_SUB_STEP)  # the min only tames the unused lanes
     code_sub = ((steps + TWO_POW_23) - TWO_POW_23).to(tl.int32)
     code = tl.where(v < SCALE_MIN_NORMAL, code_sub, code_normal)
     underflow = (code == 0) & (block_amax > 0.0)
@@ -153,7 +153,7 @@ def _pow2_scale(block_amax, MX_CEIL: tl.constexpr):
         d = block_amax
     db = d.to(tl.int32, bitcast=True)
     is_subnormal = db < 0x00800000
-    sb = (d * TWO_POW_64).to(tl.int32, bitcast=True)  # subnormals become normal, exactly
+    sb = (tl.minimum(d, 1.0) * TWO_POW_64).to(tl.int32, bitcast=True)  # subnormals become normal, exactly
     exponent = tl.where(is_subnormal, ((sb >> 23) & 0xFF) - 191, ((db >> 23) & 0xFF) - 127)
     if MX_CEIL:
         mantissa = tl.where(is_subnormal, sb & 0x7FFFFF, db & 0x7FFFFF)

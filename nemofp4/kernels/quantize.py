@@ -366,10 +366,9 @@ def _tile_config(block_size: int, two_d: bool, transposed: bool, interpret: bool
         bk = max(64 if transposed else 128, block_size)
     else:
         bm, bk = 32, max(128, block_size)
-    config = {"BM": bm, "BK": bk}
-    if not interpret:
-        config["num_warps"] = 8 if transposed else 4
-    return config
+    if interpret:  # the interpreter's cost is per program: fewer, larger tiles (same results)
+        return {"BM": bm if (two_d or transposed) else 128, "BK": bk}
+    return {"BM": bm, "BK": bk, "num_warps": 8 if transposed else 4}
 
 
 def _describe(x) -> str:

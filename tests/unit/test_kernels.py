@@ -1,0 +1,347 @@
+"""Triton FP4 quantization kernels, run by Triton's CPU interpreter: bitwise equal to
+``nemofp4.formats.quantize_blocks`` for RNE (codes, scale codes, tensor scale, statistics) on
+random and edge-case inputs, the fused transposed quantization, the amax reduction, stochastic
+rounding (exact 8-bit rule given the kernel's own draws, unbiasedness, determinism), the
+quant-operand adapter and the dispatch switch.
+
+TRITON_INTERPRET=1 must be set before triton is first imported in the process (it decides
+whether kernels compile or interpret). If something imported triton earlier without it, this
+module skips rather than run compiled kernels on CPU tensors; run it on its own then.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from nemofp4 import kernels  # noqa: E402
+from nemofp4.formats import E2M1, SCALE_FORMATS, amax, quantize_blocks, unpack_fp4  # noqa: E402
+from nemofp4.kernels import _quantize_kernels  # noqa: E402
+from nemofp4.kernels.quantize import (  # noqa: E402
+    triton_amax,
+    triton_quantize,
+    triton_quantize_blocks,
+    triton_quantize_with_draws,
+)
+
+if not isinstance(_quantize_kernels.quantize_kernel, InterpretedFunction):
+    pytest.skip(
+        "triton was imported before this module without TRITON_INTERPRET=1; run this file in its own process",
+        allow_module_level=True,
+    )
+
+# x * enc overflowing to inf (then saturating to +-6) is part of the reference's arithmetic too
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+
+FORMATS = ["e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"]
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def make_input(rows: int, cols: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Gaussian rows with log-normal magnitudes, an outlier, a zero block, a tiny block (subnormal
+    or underflowing scales), fp32-subnormal values, negative zeros and a mixed block."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp(2 * torch.randn(rows, 1, generator=g))
+    x[0, 3] = 40.0
+    x[1, :16] = 0.0
+    x[1, 5] = -0.0
+    x[2, 16:32] = torch.randn(16, generator=g) * 1e-6
+    x[3, :8] = 1e-30
+    x[4, :4] = 1e-41  # float32 subnormals
+    return x.to(dtype)
+
+
+def assert_same(ours, ref) -> None:
+    """Every field a GEMM or the statistics read, bit for bit."""
+    assert ours.shape == ref.shape and ours.padded_shape == ref.padded_shape
+    assert ours.block_size == ref.block_size and ours.two_d == ref.two_d
+    assert ours.codes.shape == ref.codes.shape and ours.scale_codes.shape == ref.scale_codes.shape
+    mismatch = (ours.codes != ref.codes).nonzero()
+    assert mismatch.numel() == 0, f"codes differ at {mismatch[:4].tolist()}"
+    mismatch = (ours.scale_codes != ref.scale_codes).nonzero()
+    assert mismatch.numel() == 0, f"scale codes differ at {mismatch[:4].tolist()}"
+    assert ours.tensor_scale.dim() == 0 and ours.tensor_amax.dim() == 0
+    assert torch.equal(ours.tensor_scale.view(torch.int32), ref.tensor_scale.view(torch.int32))
+    assert torch.equal(ours.tensor_amax.view(torch.int32), ref.tensor_amax.float().view(torch.int32))
+    assert ours.stats() == ref.stats()
+    assert torch.equal(ours.dequantize(), ref.dequantize())
+
+
+# --------------------------------------------------------------------------- RNE: bitwise
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("two_d", [False, True], ids=["1d", "2d"])
+def test_rne_matches_reference_bitwise(scale_format, two_d):
+    dtype = [torch.bfloat16, torch.float32, torch.float16][FORMATS.index(scale_format) % 3]
+    x = make_input(45, 83, seed=FORMATS.index(scale_format), dtype=dtype)
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    assert_same(
+        triton_quantize_blocks(x, scale_format=scale_format, two_d=two_d),
+        quantize_blocks(x, scale_format, two_d=two_d),
+    )
+    if scale_format != "ue8m0":  # a held reference 300x too small: saturating blocks (UE5M3 holds 137x)
+        g = float(x.float().abs().max()) / 300
+        ours = triton_quantize_blocks(x, scale_format=scale_format, two_d=two_d, tensor_amax=g)
+        ref = quantize_blocks(x, scale_format, two_d=two_d, tensor_amax=g)
+        assert ref.stats()["saturated_blocks"] > 0
+        assert_same(ours, ref)
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+def test_transposed_in_the_same_launch_matches_quantizing_the_transpose(scale_format):
+    """also_transposed=True: blocks along dim 0 (the tokens), zero-padded, same reference, and an
+    optional separate scale target (the recipe's T = 2048 on some wgrad dY)."""
+    x = make_input(37, 50, seed=10 + FORMATS.index(scale_format), dtype=torch.bfloat16)
+    q, q_t = triton_quantize_blocks(x, scale_format=scale_format, also_transposed=True)
+    assert_same(q, quantize_blocks(x, scale_format))
+    assert_same(q_t, quantize_blocks(x.t(), scale_format))
+    if scale_format != "ue8m0":
+        g = torch.tensor(float(x.float().abs().max()) / 3)
+        q, q_t = triton_quantize_blocks(
+            x, scale_format=scale_format, also_transposed=True, tensor_amax=g, transposed_scale_target=2048.0
+        )
+        assert_same(q, quantize_blocks(x, scale_format, tensor_amax=g))
+        assert_same(q_t, quantize_blocks(x.t(), scale_format, tensor_amax=g, scale_target=2048.0))
+
+
+def test_edge_cases_match_reference():
+    # all zeros: g = 0 (e4m3: G = FLT_MAX, zero scale codes; UE5M3: G = 1, codes of 1.0)
+    zeros = torch.zeros(3, 40)
+    for scale_format in FORMATS:
+        assert_same(
+            triton_quantize_blocks(zeros, scale_format=scale_format), quantize_blocks(zeros, scale_format)
+        )
+    # every E2M1 tie (enc = 1 exactly: block amax 6, g = 448 * 6) and their negatives, -0
+    ties = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.1, 5.9]
+    x = torch.tensor([ties, [-v for v in ties[:15]] + [-0.0]])
+    for scale_format in ("e4m3", "ue5m3"):
+        ours = triton_quantize_blocks(x, scale_format=scale_format, tensor_amax=2688.0)
+        assert_same(ours, quantize_blocks(x, scale_format, tensor_amax=2688.0))
+    assert unpack_fp4(ours.codes)[0, 1:8].tolist() == [0, 2, 2, 4, 4, 6, 6]  # ties to even codes
+    assert unpack_fp4(ours.codes)[1, 15] == 8  # -0 keeps its sign bit
+    # extreme magnitudes: near FLT_MAX, fp32 subnormals, and a held reference far too small / large
+    x = make_input(20, 64, seed=3)
+    x[5, :] = 3.0e38
+    x[6, :] = 1e-44
+    for scale_format in FORMATS:
+        assert_same(triton_quantize_blocks(x, scale_format=scale_format), quantize_blocks(x, scale_format))
+    for g in (1e-30, 1e30):
+        for scale_format in ("e4m3", "ue5m3"):
+            ours = triton_quantize_blocks(x, scale_format=scale_format, tensor_amax=g)
+            assert_same(ours, quantize_blocks(x, scale_format, tensor_amax=g))
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64])
+def test_block_sizes_leading_dims_and_mx_ceil(block_size):
+    x = make_input(3 * 7, 100, seed=block_size).view(3, 7, 100)
+    for scale_format in ("ue5m3", "ue8m0"):
+        assert_same(
+            triton_quantize_blocks(x, scale_format=scale_format, block_size=block_size),
+            quantize_blocks(x, scale_format, block_size),
+        )
+    x2 = x.reshape(21, 100)
+    x2[0, :block_size] = 1e-45  # amax / 6 underflows to 0 in float32
+    for mode in ("floor", "ceil"):
+        ours = triton_quantize_blocks(x2, scale_format="ue8m0", block_size=block_size, mx_scale_mode=mode)
+        assert_same(ours, quantize_blocks(x2, "ue8m0", block_size, mx_scale_mode=mode))
+
+
+def test_scaled_output_is_value_times_block_scale():
+    """The optional fused output a block-scaled GEMM consumes: exact in float32 and in bf16."""
+    x = make_input(33, 70, seed=5, dtype=torch.bfloat16)
+    ref = quantize_blocks(x, "ue5m3")
+    for dtype in (torch.float32, torch.bfloat16):
+        rows, cols = triton_quantize(x, scale_format="ue5m3", transposed=True, scaled_dtype=dtype)
+        assert torch.equal(rows.scaled.float(), ref.scaled_values())
+        assert torch.equal(cols.scaled.float(), quantize_blocks(x.t(), "ue5m3").scaled_values())
+    rows, _ = triton_quantize(
+        x.float()[:32, :64], scale_format="e4m3", two_d=True, scaled_dtype=torch.float32
+    )
+    assert torch.equal(rows.scaled, quantize_blocks(x.float()[:32, :64], "e4m3", two_d=True).scaled_values())
+
+
+def test_amax_reduction():
+    x = make_input(50, 77, seed=8, dtype=torch.bfloat16)
+    assert triton_amax(x).dim() == 0 and triton_amax(x).dtype == torch.float32
+    assert torch.equal(triton_amax(x), amax(x))
+    assert torch.equal(triton_amax(-x.abs()), amax(x))
+    big = torch.randn(5 * 4096 + 3)  # several programs, each looping over several chunks
+    big[-1] = -9.5
+    assert float(triton_amax(big)) == 9.5
+    y = x.clone()
+    y[7, 7] = math.nan
+    assert torch.isnan(triton_amax(y))  # NaN wins: a poisoned tensor is not silently scaled
+    with pytest.raises(ValueError, match="empty"):
+        triton_amax(torch.zeros(0))
+
+
+# --------------------------------------------------------------------------- stochastic rounding
+def _expected_sr8(x_pad: np.ndarray, encode: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """E2M1 codes by the paper's rule, in float64 from y = fp32(x * enc): away iff
+    frac + (2r + 1) / 512 >= 1."""
+    y = (x_pad.astype(np.float32) * encode.astype(np.float32)).astype(np.float64)
+    grid = np.array(E2M1._magnitude_values_f64)
+    a = np.minimum(np.abs(y), 6.0)
+    lower = np.searchsorted(grid, a, side="right") - 1
+    upper = np.minimum(lower + 1, grid.size - 1)
+    spacing = np.where(upper > lower, grid[upper] - grid[lower], 1.0)
+    frac = (a - grid[lower]) / spacing
+    magnitude = np.where(frac + (2 * draws + 1) / 512 >= 1, upper, lower)
+    return (magnitude | (np.signbit(y) << 3)).astype(np.uint8)
+
+
+def _encode_per_element(ref, b: int) -> np.ndarray:
+    """min(1 / (scale * tensor_scale), FLT_MAX) per element of the padded tensor, float32."""
+    scale = ref.block_scales().numpy().astype(np.float32)
+    ts = np.float32(ref.tensor_scale)
+    with np.errstate(divide="ignore"):
+        encode = np.minimum(np.float32(1) / (scale * ts), FLT_MAX)
+    return np.repeat(encode, b, axis=-1)
+
+
+@pytest.mark.parametrize("scale_format", ["ue5m3", "e4m3"])
+def test_sr8_follows_the_8bit_rule_given_the_kernels_draws(scale_format):
+    x = make_input(40, 56, seed=21)
+    rows, cols = triton_quantize_with_draws(
+        x, scale_format=scale_format, rounding="sr8", seed=1234, transposed=True
+    )
+    for ours, source in ((rows, x), (cols, x.t())):
+        ref = quantize_blocks(source, scale_format)  # scale codes never depend on the payload rounding
+        assert torch.equal(ours.scale_codes, ref.scale_codes)
+        draws = ours.draws.numpy()
+        assert draws.min() >= 0 and draws.max() <= 255
+        x_pad = np.zeros(ref.padded_shape, dtype=np.float32)
+        x_pad[: source.shape[0], : source.shape[1]] = source.numpy()
+        expected = _expected_sr8(x_pad, _encode_per_element(ref, 16), draws)
+        np.testing.assert_array_equal(unpack_fp4(ours.codes).numpy(), expected)
+    # the two directions draw independent streams; the draws look uniform on 0..255, per lane too
+    assert not np.array_equal(rows.draws[:40, :40].numpy(), cols.draws[:40, :40].numpy().T)
+    draws = np.concatenate([rows.draws.numpy().ravel(), cols.draws.numpy().ravel()]).astype(np.float64)
+    sigma = math.sqrt((256**2 - 1) / 12)
+    assert abs(draws.mean() - 127.5) <= 4 * sigma / math.sqrt(draws.size)
+    lanes = rows.draws.numpy().reshape(-1, 16).astype(np.float64)
+    assert np.all(np.abs(lanes.mean(0) - 127.5) <= 4 * sigma / math.sqrt(lanes.shape[0]))
+
+
+@pytest.mark.parametrize("rounding", ["sr8", "sr"])
+def test_stochastic_rounding_is_unbiased(rounding):
+    """The reference's test: mean of many draws vs the exact expectation, within 4 standard
+    errors (60 checks at 4 sigma, fixed seed). Each 16-block starts with a 6 and the reference is
+    g = 448 * 6, so enc = 1 exactly and y = x; the other 15 elements sit at random fractions
+    between E2M1 grid points, and each row draws fresh bits for them."""
+    rng = np.random.default_rng(3)
+    grid = np.array(E2M1._magnitude_values_f64)
+    lower = rng.integers(0, grid.size - 1, size=(4, 15))
+    frac = rng.uniform(0, 1, size=(4, 15))
+    values = (grid[lower] + frac * (grid[lower + 1] - grid[lower])).astype(np.float32)
+    row = np.concatenate([np.full((4, 1), 6.0, dtype=np.float32), values], axis=1).reshape(-1)  # 64
+    draws = 2048
+    x = torch.from_numpy(np.tile(row, (draws, 1)))
+    q = triton_quantize_blocks(x, scale_format="e4m3", tensor_amax=2688.0, rounding=rounding, seed=1)
+    samples = q.dequantize().double().numpy().reshape(draws, 4, 16)[:, :, 1:]
+    exact_frac = (values.astype(np.float64) - grid[lower]) / (grid[lower + 1] - grid[lower])
+    p_up = exact_frac if rounding == "sr" else np.floor(exact_frac * 256 + 0.5) / 256
+    spacing = grid[lower + 1] - grid[lower]
+    expected = grid[lower] + p_up * spacing
+    std_error = spacing * np.sqrt(np.maximum(p_up * (1 - p_up), 1e-12) / draws)
+    assert np.all(np.abs(samples.mean(0) - expected) <= 4 * std_error + 1e-12)
+    assert set(np.unique(samples)) <= set(grid)
+
+
+def test_stochastic_rounding_is_deterministic_per_seed():
+    x = make_input(32, 64, seed=2)
+    run = lambda seed, rounding="sr8": triton_quantize_blocks(x, rounding=rounding, seed=seed).codes
+    assert torch.equal(run(5), run(5)) and not torch.equal(run(5), run(6))
+    assert torch.equal(run(5), run(torch.tensor([5])))  # a device-tensor seed (no host sync)
+    assert torch.equal(run(5, "sr"), run(5, "sr")) and not torch.equal(run(5, "sr"), run(6, "sr"))
+    rne = triton_quantize_blocks(x).codes
+    assert not torch.equal(run(5), rne) and (run(5) == rne).float().mean() > 0.3
+    # on-grid values never move
+    on_grid = torch.tensor([[6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0] * 2] * 8)
+    q = triton_quantize_blocks(on_grid, scale_format="e4m3", tensor_amax=2688.0, rounding="sr8", seed=3)
+    assert torch.equal(q.dequantize(), on_grid)
+
+
+# --------------------------------------------------------------------------- errors
+def test_bad_arguments_raise():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="block_size 12"):
+        triton_quantize_blocks(x, block_size=12)
+    with pytest.raises(ValueError, match="also_transposed needs a 2-D"):
+        triton_quantize_blocks(x.view(2, 2, 32), also_transposed=True)
+    with pytest.raises(ValueError, match="also_transposed needs a 2-D"):
+        triton_quantize_blocks(x, two_d=True, also_transposed=True)
+    with pytest.raises(ValueError, match="valid: e4m3, ue5m3, ue5m3_cuda, ue8m0"):
+        triton_quantize_blocks(x, scale_format="e8m0")
+    with pytest.raises(ValueError, match="rne, sr8, sr"):
+        triton_quantize_blocks(x, rounding="stochastic")
+    with pytest.raises(ValueError, match="tensor_amax must be finite"):
+        triton_quantize_blocks(x, tensor_amax=math.inf)
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+        triton_quantize_blocks(x.double())
+    with pytest.raises(ValueError, match="seed"):
+        triton_quantize_blocks(x, rounding="sr8", seed=2**64)
+    with pytest.raises(ValueError, match="needs rounding='sr8' or 'sr'"):
+        triton_quantize_with_draws(x)
+    with pytest.warns(UserWarning, match="no effect"):
+        triton_quantize_blocks(x, scale_format="ue8m0", tensor_amax=1.0)
+
+
+# --------------------------------------------------------------------------- quant adapter, dispatch
+def test_quant_operand_adapter_matches_quantize_operand():
+    from nemofp4.kernels.operand import triton_quantize_operand, triton_quantize_operand_pair
+    from nemofp4.quant.blocks import quantize_operand
+    from nemofp4.quant.config import OperandQuant
+
+    x = make_input(50, 72, seed=4, dtype=torch.bfloat16)
+    ops = [
+        OperandQuant(scale_format="ue5m3", reference_interval=50),
+        OperandQuant(scale_format="e4m3", two_d=True),
+        OperandQuant(scale_format="ue8m0", block_size=32),
+    ]
+    for op in ops:
+        ref = quantize_operand(x, op, pack=True)
+        ours = triton_quantize_operand(x, op, pack=True)
+        assert torch.equal(ours.scaled, ref.scaled) and ours.shape == ref.shape
+        assert ours.stats() == ref.stats() and ours.num_blocks == ref.num_blocks
+        assert torch.equal(ours.packed.codes, ref.packed.codes)
+        assert torch.equal(ours.packed.scale_codes, ref.packed.scale_codes)
+        assert ours.packed.padded_shape == ref.packed.padded_shape
+        assert torch.equal(ours.tensor_scale, ref.tensor_scale)
+    # X for fprop and X^T (tokens padded to 16) for wgrad from one read, T = 2048 on X^T
+    op_x, op_xt = ops[0], OperandQuant(scale_format="ue5m3", reference_interval=50, scale_target=2048.0)
+    g = torch.tensor(3.0)
+    qx, qxt = triton_quantize_operand_pair(x, op_x, op_xt, tensor_amax=g)
+    rx = quantize_operand(x, op_x, tensor_amax=g)
+    rxt = quantize_operand(torch.nn.functional.pad(x, (0, 0, 0, 14)).t(), op_xt, tensor_amax=g, pack=True)
+    assert torch.equal(qx.scaled, rx.scaled) and torch.equal(qxt.scaled, rxt.scaled)
+    assert qxt.shape == rxt.shape and qxt.stats() == rxt.stats() and qx.stats() == rx.stats()
+    assert torch.equal(qxt.packed.codes, rxt.packed.codes)
+
+
+def test_dispatch_and_switch(monkeypatch):
+    x = make_input(8, 32, seed=1)
+    assert kernels.triton_available()  # importable, and TRITON_INTERPRET=1 here
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kernels.triton_available() == torch.cuda.is_available()
+    # CPU tensors always take the PyTorch reference (the interpreter is for tests only)
+    calls = []
+    monkeypatch.setattr("nemofp4.kernels.quantize.triton_quantize_blocks", lambda *a, **k: calls.append(1))
+    assert_same(kernels.quantize_blocks(x, "ue5m3"), quantize_blocks(x, "ue5m3"))
+    assert torch.equal(kernels.amax(x), amax(x)) and not calls
+    assert kernels.triton_enabled()
+    with kernels.using_triton(False):
+        assert not kernels.triton_enabled()
+    assert kernels.triton_enabled()
+    assert set(SCALE_FORMATS) == set(FORMATS)
