@@ -1,1 +1,50 @@
-"""nemofp4.quant"""
+"""FP4 training linears: QuantLinear (one autograd.Function, three quantized GEMMs), the tensor
+reference (amax) state, and the model-level controls the trainer calls.
+
+    from nemofp4.quant import QuantLinear, set_step, reference_state_dict, load_reference_state_dict
+    set_step(model, step, seed=seed, rank=rank)   # once per optimizer step, before forward
+"""
+
+from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
+from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
+from .linear import FP32Linear, QuantLinear
+from .reference import HeldReference, ReferenceState
+from .state import (
+    load_reference_state_dict,
+    quant_linears,
+    quant_stats,
+    reference_state_dict,
+    reset_references,
+    set_amax_reduce_group,
+    set_quant_stats,
+    set_step,
+)
+from .te_linear import TENVFP4Linear, transformer_engine_status
+
+__all__ = [
+    "GEMM_MODES",
+    "ROUNDING_MODES",
+    "SCALE_FORMATS",
+    "FP32Linear",
+    "GemmOperand",
+    "HeldReference",
+    "LinearQuantConfig",
+    "OperandQuant",
+    "QuantLinear",
+    "ReferenceState",
+    "Role",
+    "TENVFP4Linear",
+    "decoded_gemm",
+    "gemm",
+    "load_reference_state_dict",
+    "quant_linears",
+    "quant_stats",
+    "reference_gemm",
+    "reference_state_dict",
+    "reset_references",
+    "scaled_gemm",
+    "set_amax_reduce_group",
+    "set_quant_stats",
+    "set_step",
+    "transformer_engine_status",
+]

@@ -1,1 +1,38 @@
-"""nemofp4.recipes"""
+"""Precision recipes: registered, data-only descriptions of how every linear trains.
+
+    from nemofp4.recipes import get_recipe, apply_recipe
+    recipe = get_recipe("ue5m3")          # or "bf16", "nvfp4", "nvfp4_te", "ue5m3_te_settings", ...
+    table = apply_recipe(model, recipe)   # swaps in nemofp4.quant.QuantLinear; returns the table
+
+Recipes are data (parts + ordered rules); the numerics live in :mod:`nemofp4.quant`.
+"""
+
+from .apply import LayerRow, LayerTable, RecipeUnavailableError, apply_recipe, resolve_recipe
+from .config import PrecisionConfig, recipe_from_config
+from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4, part_kind
+from .registry import get_recipe, list_recipes, recipe_knobs, register_recipe
+from .rules import LayerSpan, Rule, first_layers, last_layers, layer_indices
+
+__all__ = [
+    "HighPrecision",
+    "LayerRow",
+    "LayerSpan",
+    "LayerTable",
+    "Part",
+    "PrecisionConfig",
+    "Recipe",
+    "RecipeUnavailableError",
+    "Rule",
+    "TransformerEngineNVFP4",
+    "apply_recipe",
+    "first_layers",
+    "get_recipe",
+    "last_layers",
+    "layer_indices",
+    "list_recipes",
+    "part_kind",
+    "recipe_from_config",
+    "recipe_knobs",
+    "register_recipe",
+    "resolve_recipe",
+]

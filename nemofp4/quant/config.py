@@ -1,0 +1,198 @@
+"""How one FP4 linear quantizes each operand of its three GEMMs.
+
+A linear layer runs three GEMMs, and each has two operands that are quantized along that
+GEMM's reduction dimension:
+
+=========  ===================  =====================================  ==================
+GEMM       product              operand (role)                          blocks run along
+=========  ===================  =====================================  ==================
+fprop      Y  = X  . W^T        X (``x``), W (``w``)                   in-features
+dgrad      dX = dY . W          dY (``dy_dgrad``), W^T (``w``)         out-features
+wgrad      dW = dY^T . X        dY^T (``dy_wgrad``), X^T (``x_wgrad``)  tokens
+=========  ===================  =====================================  ==================
+
+W appears in fprop and dgrad with one :class:`OperandQuant` (``w``): with 16x16 tiles
+(``two_d=True``) the dgrad operand is the fprop one transposed, which is exactly the 2-D
+quantization of W^T; with 1-D blocks W^T is quantized afresh from the high-precision weight.
+
+Each quantization divides by a tensor reference (an amax). References belong to *tensors*,
+not to roles: X, W and dY each have one, and a Hadamard-transformed wgrad operand (whose amax
+differs) has its own (``x_rht``, ``dy_rht``). So the two dY quantizations of the UE5M3 recipe
+share one held reference, as in the paper. Roles that share a reference must agree on its
+refresh interval.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "ELEMENT_FORMATS",
+    "GEMM_MODES",
+    "ROUNDING_MODES",
+    "SCALE_FORMATS",
+    "LinearQuantConfig",
+    "OperandQuant",
+    "Role",
+]
+
+ELEMENT_FORMATS = ("e2m1",)
+SCALE_FORMATS = ("e4m3", "ue5m3", "ue5m3_cuda", "ue8m0")
+ROUNDING_MODES = ("rne", "sr8", "sr")
+GEMM_MODES = ("scaled", "decoded")
+
+
+class Role(str, enum.Enum):
+    """The five quantized operands of a linear layer (W serves fprop and dgrad)."""
+
+    X = "x"
+    W = "w"
+    DY_DGRAD = "dy_dgrad"
+    DY_WGRAD = "dy_wgrad"
+    X_WGRAD = "x_wgrad"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperandQuant:
+    """Quantization of one GEMM operand: element and scale format, blocks, rounding, reference."""
+
+    element_format: str = "e2m1"
+    """Element (payload) format; FP4 E2M1 is the only one the block quantizer implements."""
+    scale_format: str
+    """Block-scale format: 'e4m3' (NVFP4), 'ue5m3' (paper, max 61,440), 'ue5m3_cuda'
+    (CUDA encoding, max 114,688) or 'ue8m0' (OCP MX power-of-two scales, no tensor scale)."""
+    block_size: int = 16
+    """Elements per block along the reduction dimension (16 NVFP4/UE5M3, 32 MXFP4)."""
+    two_d: bool = False
+    """block_size x block_size tiles (weights only), so W and W^T quantize identically."""
+    rounding: str = "rne"
+    """'rne' (ties to even), 'sr8' (8-bit midpoint stochastic rounding) or 'sr' (exact SR)."""
+    hadamard: bool = False
+    """16x16 random Hadamard transform along the reduction dimension before quantizing.
+    Only meaningful for wgrad operands, where it cancels in the product (H H^T = I)."""
+    scale_target: float = 448.0
+    """T: the block code a block whose amax equals the tensor reference is mapped to."""
+    reference_interval: int = 0
+    """0: current scaling, the reference is the amax of the tensor being quantized, at every
+    quantization (Transformer Engine's NVFP4 semantics). D >= 1: sample-and-hold, the amax is
+    sampled at the first use of a step and held until D steps have passed (refreshes at
+    steps 1, D+1, 2D+1, ...); with gradient accumulation the first micro-batch samples it."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.element_format not in ELEMENT_FORMATS:
+            errors.append(f"element_format={self.element_format!r} (valid: {ELEMENT_FORMATS})")
+        if self.scale_format not in SCALE_FORMATS:
+            errors.append(f"scale_format={self.scale_format!r} (valid: {SCALE_FORMATS})")
+        if self.rounding not in ROUNDING_MODES:
+            errors.append(f"rounding={self.rounding!r} (valid: {ROUNDING_MODES})")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            errors.append(f"block_size={self.block_size!r} (must be a positive int)")
+        elif self.hadamard and self.block_size % 16 != 0:
+            errors.append(f"block_size={self.block_size} with hadamard=True (must be a multiple of 16)")
+        if not self.scale_target > 0:
+            errors.append(f"scale_target={self.scale_target!r} (must be > 0)")
+        interval = self.reference_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            errors.append(f"reference_interval={interval!r} (0 = current scaling, or D >= 1)")
+        if errors:
+            raise ValueError("invalid OperandQuant: " + "; ".join(errors))
+
+    @property
+    def uses_tensor_reference(self) -> bool:
+        """UE8M0 (MX) scales are absolute powers of two: no tensor reference is involved."""
+        return self.scale_format != "ue8m0"
+
+    def summary(self) -> str:
+        """Short human-readable form for the per-layer table."""
+        parts = [f"{self.element_format}/{self.scale_format}", f"b{self.block_size}"]
+        if self.two_d:
+            parts[-1] = f"{self.block_size}x{self.block_size}"
+        parts.append(self.rounding)
+        if self.hadamard:
+            parts.append("rht")
+        if self.uses_tensor_reference:
+            parts.append(f"T={self.scale_target:g}")
+            parts.append("cur" if self.reference_interval == 0 else f"D={self.reference_interval}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearQuantConfig:
+    """Everything one FP4 linear needs: the five operand quantizations and the GEMM mode."""
+
+    x: OperandQuant
+    w: OperandQuant
+    dy_dgrad: OperandQuant
+    dy_wgrad: OperandQuant
+    x_wgrad: OperandQuant
+    gemm: str = "scaled"
+    """'scaled': block-scaled operands (FP4 value x block scale, exact in BF16) multiplied
+    with FP32 accumulation, tensor scales applied after the product (fast). 'decoded': fully
+    dequantized FP32 operands multiplied in FP32 (the paper's decoded-Torch control)."""
+
+    def __post_init__(self) -> None:
+        if self.gemm not in GEMM_MODES:
+            raise ValueError(f"gemm={self.gemm!r} is not a GEMM mode; valid modes are {GEMM_MODES}")
+        for role in (Role.X, Role.DY_DGRAD, Role.DY_WGRAD, Role.X_WGRAD):
+            if self.operand(role).two_d:
+                raise ValueError(f"{role.value}: two_d tiles are for weights only (activations use 1-D blocks)")
+        for role in (Role.X, Role.W, Role.DY_DGRAD):
+            if self.operand(role).hadamard:
+                raise ValueError(
+                    f"{role.value}: hadamard=True is only supported on the wgrad operands (dy_wgrad, x_wgrad), "
+                    "where the transform cancels in the product; on fprop/dgrad it would change the result"
+                )
+        if self.dy_wgrad.hadamard != self.x_wgrad.hadamard:
+            raise ValueError(
+                "dy_wgrad.hadamard and x_wgrad.hadamard must agree: the transform only cancels "
+                "(H H^T = I) when both wgrad operands carry it"
+            )
+        if self.dy_wgrad.hadamard and self.dy_wgrad.block_size != self.x_wgrad.block_size:
+            raise ValueError("with hadamard=True the wgrad operands must use the same block_size")
+        for ref, roles in self.reference_roles().items():
+            intervals = {self.operand(r).reference_interval for r in roles}
+            if len(intervals) > 1:
+                names = ", ".join(r.value for r in roles)
+                raise ValueError(
+                    f"roles {names} share the {ref!r} tensor reference but ask for different "
+                    f"reference_interval values {sorted(intervals)}"
+                )
+
+    def operand(self, role: Role) -> OperandQuant:
+        return getattr(self, Role(role).value)
+
+    @staticmethod
+    def reference_of(role: Role, operand: OperandQuant) -> str:
+        """Name of the tensor reference a role reads: 'x', 'w', 'dy', 'x_rht' or 'dy_rht'."""
+        base = {Role.X: "x", Role.X_WGRAD: "x", Role.W: "w", Role.DY_DGRAD: "dy", Role.DY_WGRAD: "dy"}[Role(role)]
+        return f"{base}_rht" if operand.hadamard else base
+
+    def reference_roles(self) -> dict[str, list[Role]]:
+        """Tensor reference name -> roles that read it (only roles that use a tensor reference)."""
+        refs: dict[str, list[Role]] = {}
+        for role in Role:
+            op = self.operand(role)
+            if op.uses_tensor_reference:
+                refs.setdefault(self.reference_of(role, op), []).append(role)
+        return refs
+
+    def reference_interval(self, reference: str) -> int:
+        roles = self.reference_roles()[reference]
+        return self.operand(roles[0]).reference_interval
+
+    def replace_operands(self, **changes) -> LinearQuantConfig:
+        """A copy with the same field changes applied to all five operands (e.g. reference_interval)."""
+        from dataclasses import replace
+
+        return replace(self, **{role.value: replace(self.operand(role), **changes) for role in Role})
+
+    def summary(self) -> str:
+        """One line per distinct operand setting, for the per-layer table."""
+        groups: dict[str, list[str]] = {}
+        for role in Role:
+            groups.setdefault(self.operand(role).summary(), []).append(role.value)
+        body = "; ".join(f"{','.join(roles)}: {desc}" for desc, roles in groups.items())
+        return f"{body}; gemm={self.gemm}"
+

@@ -1,0 +1,297 @@
+"""QuantLinear: a drop-in ``nn.Linear`` whose three GEMMs run on FP4 block-quantized operands.
+
+Forward and backward are one ``autograd.Function``:
+
+* fprop ``Y = X W^T``: X ``[T, K]`` quantized along K (role ``x``); W ``[N, K]`` along K
+  (role ``w``, 16x16 tiles in the NVFP4/UE5M3 recipes).
+* dgrad ``dX = dY W``: dY ``[T, N]`` along N (``dy_dgrad``, stochastic rounding in the FP4
+  recipes); W^T along N: the fprop tiles transposed when W is 2-D (square tiles make that
+  exactly the quantization of W^T), else W^T quantized afresh from the high-precision weight.
+* wgrad ``dW = dY^T X``: dY^T ``[N, T]`` and X^T ``[K, T]`` quantized along the tokens (roles
+  ``dy_wgrad``, ``x_wgrad``), after an optional 16x16 Hadamard transform along the tokens.
+  Tokens (the product of the leading dims) are zero-padded to a multiple of 16 first.
+
+Every operand is quantized from the high-precision tensor in the layout of its own GEMM;
+quantized data is never re-quantized. X^T is quantized for wgrad already in the forward pass,
+so what is saved for backward is its packed FP4 codes and scale codes (4.5 bits per element
+instead of 16), plus the 2-D weight's codes or, for 1-D weights, the weight parameter itself.
+
+Stochastic rounding draws from one generator per module, seeded from (seed, rank, step,
+module index) by :func:`set_step`, so a resumed run reproduces the same random bits.
+
+Tensor legend: T tokens (product of leading dims), K in-features, N out-features,
+Tp tokens padded to a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemofp4.formats import hadamard_transform
+
+from .blocks import BlockOperand, PackedOperand, quantize_operand
+from .config import LinearQuantConfig, OperandQuant, Role
+from .gemm import GemmOperand, gemm
+from .reference import ReferenceState
+
+__all__ = ["FP32Linear", "QuantLinear"]
+
+_TOKEN_MULTIPLE = 16
+_EMPTY_F32 = torch.empty(0)
+
+
+def _mix_seed(*values: int) -> int:
+    """A well-mixed 63-bit seed from a tuple of ints (splitmix64 chained over the values)."""
+    mask = (1 << 64) - 1
+    state = 0x9E3779B97F4A7C15
+    for v in values:
+        state = (state ^ (int(v) & mask)) & mask
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        state = z ^ (z >> 31)
+    return state >> 1
+
+
+def _pad_tokens(x_TD: torch.Tensor) -> torch.Tensor:
+    pad = -x_TD.shape[0] % _TOKEN_MULTIPLE
+    return F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
+
+
+class _Quantizer:
+    """Quantizes the operands of one forward/backward call, resolving each tensor reference once."""
+
+    def __init__(self, layer: QuantLinear, generator: torch.Generator | None) -> None:
+        self.layer = layer
+        self.config = layer.quant_config
+        self.generator = generator
+        self.references: dict[str, torch.Tensor] = {}
+
+    def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> BlockOperand:
+        op: OperandQuant = self.config.operand(role)
+        amax = None
+        if op.uses_tensor_reference:
+            ref = LinearQuantConfig.reference_of(role, op)
+            if ref not in self.references:
+                self.references[ref] = self.layer._references.get(ref, x, training=self.layer.training)
+            amax = self.references[ref]
+        q = quantize_operand(
+            x,
+            op,
+            tensor_amax=amax,
+            generator=self.generator if op.rounding != "rne" else None,
+            two_d=two_d,
+            pack=pack,
+            stats=self.layer.collect_stats,
+        )
+        self.layer._record(role, q)
+        return q
+
+
+class _QuantLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer: QuantLinear, compute_dtype: torch.dtype):
+        config = layer.quant_config
+        in_features = weight.shape[1]
+        x_TK = x.reshape(-1, in_features)
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        quantize = _Quantizer(layer, layer._sr_generator(x.device) if layer._forward_uses_sr else None)
+
+        qx = quantize(Role.X, x_TK)
+        qw = quantize(Role.W, weight, pack=needs_dx and config.w.two_d)
+        y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype)
+        layer._capture_gemm("fprop", qx, qw, False, y_TN)
+        del qx
+        if bias is not None:
+            y_TN = y_TN + bias.float()
+        y = y_TN.to(compute_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+        # What backward needs, saved as packed FP4 where the recipe allows.
+        saved: list[torch.Tensor] = []
+        ctx.xt_meta = ctx.w_meta = None
+        if needs_dw:
+            xt_KTp = _pad_tokens(x_TK).t()
+            if config.x_wgrad.hadamard:
+                xt_KTp = hadamard_transform(xt_KTp)
+            packed_xt = quantize(Role.X_WGRAD, xt_KTp, pack=True).packed
+            saved += packed_xt.tensors()
+            ctx.xt_meta = packed_xt.meta()
+        if needs_dx:
+            if qw.packed is not None:  # 16x16 tiles: W^T's quantization is this one, transposed
+                saved += qw.packed.tensors()
+                ctx.w_meta = qw.packed.meta()
+            else:
+                saved.append(weight)
+        ctx.save_for_backward(*saved)
+        ctx.layer = layer
+        ctx.compute_dtype = compute_dtype
+        ctx.x_shape = x.shape
+        ctx.x_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        layer: QuantLinear = ctx.layer
+        config = layer.quant_config
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        saved = list(ctx.saved_tensors)
+        if needs_dw:
+            qxt = PackedOperand.from_tensors(tuple(saved[:4]), ctx.xt_meta).unpack()
+            saved = saved[4:]
+        out_features = dy.shape[-1]
+        dy_TN = dy.reshape(-1, out_features)
+        quantize = _Quantizer(layer, layer._sr_generator(dy.device))
+        dx = dw = db = None
+
+        if needs_dx:
+            qdy = quantize(Role.DY_DGRAD, dy_TN)
+            if ctx.w_meta is not None:
+                wt = GemmOperand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.w_meta).unpack(), transposed=True)
+            else:
+                wt = GemmOperand(quantize(Role.W, saved[0].t(), two_d=False))
+            dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=ctx.compute_dtype)
+            layer._capture_gemm("dgrad", qdy, wt.q, wt.transposed, dx_TK)
+            del qdy, wt
+            dx = dx_TK.to(ctx.x_dtype).reshape(ctx.x_shape)
+        if needs_dw:
+            dyt_NTp = _pad_tokens(dy_TN).t()
+            if config.dy_wgrad.hadamard:
+                dyt_NTp = hadamard_transform(dyt_NTp)
+            qdyt = quantize(Role.DY_WGRAD, dyt_NTp)
+            dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=ctx.compute_dtype)
+            layer._capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
+            dw = dw_NK.to(layer.weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy_TN.float().sum(0).to(layer.bias.dtype)
+        return dx, dw, db, None, None
+
+
+class QuantLinear(nn.Linear):
+    """``nn.Linear`` with emulated FP4 fprop, dgrad and wgrad GEMMs (see the module docstring).
+
+    Usually made by :func:`nemofp4.recipes.apply_recipe` as a class swap of an existing
+    ``nn.Linear`` (:meth:`from_linear`: no reallocation, same parameter objects, works on the
+    meta device). Inputs may have any leading dims. It computes in the input dtype, or in the
+    autocast dtype when autocast is on (BF16 on GPU); the block-quantized operands are exact
+    in either, and products accumulate in FP32.
+    """
+
+    quant_config: LinearQuantConfig
+    quant_index: int
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        config: LinearQuantConfig,
+        index: int = 0,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup_quant(config, index)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: LinearQuantConfig, *, index: int = 0) -> QuantLinear:
+        """Turn ``linear`` into a QuantLinear in place (class swap) and return it."""
+        if type(linear) is not nn.Linear:
+            raise ValueError(f"QuantLinear.from_linear needs a plain nn.Linear, got {type(linear).__name__}")
+        linear.__class__ = cls
+        linear._setup_quant(config, index)
+        return linear
+
+    def _setup_quant(self, config: LinearQuantConfig, index: int) -> None:
+        if not isinstance(config, LinearQuantConfig):
+            raise ValueError(f"config must be a LinearQuantConfig, got {type(config).__name__}")
+        self.quant_config = config
+        self.quant_index = index
+        self._references = ReferenceState(
+            {ref: config.reference_interval(ref) for ref in config.reference_roles()}
+        )
+        self._forward_uses_sr = any(
+            config.operand(r).rounding != "rne" for r in (Role.X, Role.W, Role.X_WGRAD)
+        )
+        self._seed = 0
+        self._rank = 0
+        self._generator: torch.Generator | None = None
+        self._generator_seed: int | None = None
+        self.collect_stats = True
+        self._stats: dict[str, dict[str, torch.Tensor]] = {}
+        self._capture: list | None = None
+
+    # ----------------------------------------------------------------- step, seeds, references
+    def set_step(self, step: int, *, seed: int = 0, rank: int = 0) -> None:
+        """Enter optimizer step ``step`` (1-based): drives reference refresh and reseeds SR."""
+        self._references.step = step
+        self._seed, self._rank = seed, rank
+        self._generator_seed = _mix_seed(seed, rank, step, self.quant_index)
+        self._generator = None
+
+    def _sr_generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            if self._generator_seed is None:
+                self._generator_seed = _mix_seed(self._seed, self._rank, 0, self.quant_index)
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self._generator_seed)
+        return self._generator
+
+    @property
+    def references(self) -> ReferenceState:
+        return self._references
+
+    # ----------------------------------------------------------------- statistics and test hooks
+    def _record(self, role: Role, q: BlockOperand) -> None:
+        if self.collect_stats:
+            # Keep only the block counts (device scalars, read lazily), not the data.
+            self._stats[role.value] = dataclasses.replace(q, scaled=_EMPTY_F32, packed=None)
+
+    def quant_stats(self) -> dict[str, float]:
+        """Fractions of the last quantization of each role: '<role>/<stat>' -> value."""
+        return {f"{role}/{k}": v for role, q in self._stats.items() for k, v in q.stats().items()}
+
+    def _capture_gemm(self, name, qa, qb, b_transposed, out) -> None:
+        if self._capture is not None:
+            self._capture.append((name, qa, qb, b_transposed, out.detach().clone()))
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            compute_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            compute_dtype = x.dtype
+        with torch.autocast(device_type, enabled=False):
+            return _QuantLinearFunction.apply(x, self.weight, self.bias, self, compute_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, quant=[{self.quant_config.summary()}]"
+
+
+class FP32Linear(nn.Linear):
+    """``nn.Linear`` that computes in float32 even under autocast (the LM head of FP4 recipes).
+
+    Output is float32, which is what the loss wants. With FSDP2 mixed precision the weight
+    may arrive in BF16; it is upcast here, so keep the LM head's params in FP32 for a true
+    FP32 head.
+    """
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> FP32Linear:
+        if type(linear) is not nn.Linear:
+            raise ValueError(f"FP32Linear.from_linear needs a plain nn.Linear, got {type(linear).__name__}")
+        linear.__class__ = cls
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)
+

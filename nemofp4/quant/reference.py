@@ -1,0 +1,88 @@
+"""Tensor references (amaxes) of one FP4 linear: current scaling or sample-and-hold.
+
+The UE5M3 recipe refreshes each tensor's reference only every D optimizer steps and holds
+the sampled value in between ("sample-and-hold", not a history window or rolling max): a
+reference is sampled at its first use in a step when it is empty or when
+``step - refresh_step >= D``. Started at step 1 that gives refreshes at 1, D+1, 2D+1, ...
+With gradient accumulation the first micro-batch of a refresh step samples the reference
+and the others hold it, so every micro-batch of a step uses the same value.
+
+Block amaxes are always current (computed inside the block quantizer); only the
+tensor-wide reduction is skipped between refreshes.
+
+Held references are checkpointable for exact resume; clearing them reproduces the paper,
+whose caches start empty in every process (the first use after a resume re-samples, and
+the D-step phase restarts from there).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nemofp4.formats import amax as tensor_amax
+
+__all__ = ["HeldReference", "ReferenceState"]
+
+
+@dataclass
+class HeldReference:
+    """One held amax (fp32 0-d tensor on the operand's device) and the step that sampled it."""
+
+    amax: torch.Tensor
+    refresh_step: int
+
+
+class ReferenceState:
+    """The references of one module, keyed by tensor name ('x', 'w', 'dy', 'x_rht', 'dy_rht').
+
+    ``intervals`` maps each reference to its refresh interval (0 = current scaling).
+    ``step`` is the 1-based optimizer step set by :func:`nemofp4.quant.set_step`.
+    ``reduce_group``, when set, makes every amax that is measured an all-reduce (max) over
+    that process group, for operands sharded across it (tensor parallelism).
+    """
+
+    def __init__(self, intervals: dict[str, int]) -> None:
+        self.intervals = dict(intervals)
+        self.held: dict[str, HeldReference] = {}
+        self.step: int | None = None
+        self.reduce_group: dist.ProcessGroup | None = None
+        self._warned_no_step = False
+
+    def measure(self, x: torch.Tensor) -> torch.Tensor:
+        """Current amax of ``x`` as fp32 0-d, all-reduced (max) over ``reduce_group`` if set."""
+        value = tensor_amax(x)
+        if self.reduce_group is not None:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.reduce_group)
+        return value
+
+    def get(self, name: str, x: torch.Tensor, *, training: bool) -> torch.Tensor:
+        """The reference to quantize ``x`` with, refreshing the held value when it is due.
+
+        Outside training (eval) a held value is used as is and never refreshed, so evaluation
+        cannot change a training trajectory; an empty reference then falls back to the current
+        amax without storing it.
+        """
+        interval = self.intervals[name]
+        if interval == 0:
+            return self.measure(x)
+        held = self.held.get(name)
+        if not training:
+            return held.amax if held is not None else self.measure(x)
+        if self.step is None:
+            if not self._warned_no_step:
+                warnings.warn(
+                    "a sample-and-hold FP4 linear ran in training mode before nemofp4.quant.set_step(model, "
+                    "step) was called; it uses current scaling until a step is set",
+                    stacklevel=2,
+                )
+                self._warned_no_step = True
+            return self.measure(x)
+        if held is None or self.step - held.refresh_step >= interval:
+            held = HeldReference(amax=self.measure(x).detach().clone(), refresh_step=self.step)
+            self.held[name] = held
+        return held.amax

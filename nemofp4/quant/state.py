@@ -1,0 +1,118 @@
+"""Model-level controls of the FP4 linears: the step, the tensor references, the statistics.
+
+The trainer calls :func:`set_step` once per optimizer step, before the forward pass, and
+saves :func:`reference_state_dict` with each checkpoint. The held references are rank-local
+(each data-parallel rank samples its own activations and gradients), so save them per rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .linear import QuantLinear
+from .reference import HeldReference
+
+__all__ = [
+    "load_reference_state_dict",
+    "quant_linears",
+    "quant_stats",
+    "reference_state_dict",
+    "reset_references",
+    "set_amax_reduce_group",
+    "set_quant_stats",
+    "set_step",
+]
+
+
+def quant_linears(model: nn.Module) -> list[tuple[str, QuantLinear]]:
+    """(fqn, module) of every QuantLinear, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+
+
+def set_step(model: nn.Module, step: int, *, seed: int = 0, rank: int = 0) -> None:
+    """Enter optimizer step ``step`` (1-based). Call once per step, before the forward pass.
+
+    Drives sample-and-hold refreshes (steps 1, D+1, 2D+1, ...; with gradient accumulation the
+    first micro-batch samples and the rest hold) and reseeds every QuantLinear's stochastic
+    rounding generator from (seed, rank, step, module index), so a resumed run draws the same
+    random bits without any saved RNG state.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a 1-based int >= 1, got {step!r}")
+    for _, module in quant_linears(model):
+        module.set_step(step, seed=seed, rank=rank)
+
+
+def reference_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """All held tensor references: ``'<fqn>.<ref>.amax'`` (fp32 0-d) and ``'<fqn>.<ref>.refresh_step'``
+    (int64 0-d), on CPU. References are 'x', 'w', 'dy' (and 'x_rht', 'dy_rht')."""
+    out: dict[str, torch.Tensor] = {}
+    for fqn, module in quant_linears(model):
+        for ref, held in sorted(module.references.held.items()):
+            out[f"{fqn}.{ref}.amax"] = held.amax.detach().to("cpu", copy=True)
+            out[f"{fqn}.{ref}.refresh_step"] = torch.tensor(held.refresh_step, dtype=torch.int64)
+    return out
+
+
+def load_reference_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Restore held references exactly (bitwise), replacing whatever is held now.
+
+    A reference absent from ``state`` starts empty (it is sampled at its first use). A key
+    that names no held reference of this model is an error: the checkpoint was written for
+    another model or recipe.
+    """
+    modules = dict(quant_linears(model))
+    restored: dict[str, dict[str, HeldReference]] = {fqn: {} for fqn in modules}
+    amaxes = {k[: -len(".amax")]: v for k, v in state.items() if k.endswith(".amax")}
+    steps = {k[: -len(".refresh_step")]: v for k, v in state.items() if k.endswith(".refresh_step")}
+    unknown = sorted(set(state) - {f"{k}.amax" for k in amaxes} - {f"{k}.refresh_step" for k in steps})
+    if set(amaxes) != set(steps):
+        unknown += sorted(set(amaxes) ^ set(steps))
+    for key in sorted(amaxes):
+        fqn, _, ref = key.rpartition(".")
+        module = modules.get(fqn)
+        if module is None or not module.references.is_held(ref):
+            unknown.append(key)
+            continue
+        device = module.weight.device
+        amax = amaxes[key].detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
+        restored[fqn][ref] = HeldReference(amax=amax, refresh_step=int(steps[key]))
+    if unknown:
+        raise ValueError(
+            f"reference state has {len(unknown)} key(s) that match no held reference of this model "
+            f"(e.g. {unknown[:3]}); it was saved for a different model or precision recipe"
+        )
+    for fqn, module in modules.items():
+        module.references.held = restored[fqn]
+
+
+def reset_references(model: nn.Module) -> None:
+    """Empty every held reference: the UE5M3 paper's behaviour after a restart (its caches
+    are process-local), where each reference is re-sampled at its first use."""
+    for _, module in quant_linears(model):
+        module.references.held = {}
+
+
+def quant_stats(model: nn.Module) -> dict[str, dict[str, float]]:
+    """Per QuantLinear, the fractions of its last quantization of each operand role:
+    ``{fqn: {'<role>/saturated_blocks', '<role>/underflow_blocks', '<role>/zero_blocks',
+    '<role>/clipped_elements'}}``. Reading them synchronizes with the device."""
+    return {fqn: module.quant_stats() for fqn, module in quant_linears(model)}
+
+
+def set_quant_stats(model: nn.Module, enabled: bool) -> None:
+    """Turn the bookkeeping behind :func:`quant_stats` on or off (on by default; it keeps a few
+    scalar counts per operand, computed on the device with no synchronization)."""
+    for _, module in quant_linears(model):
+        module.collect_stats = enabled
+        if not enabled:
+            module._stats = {}
+
+
+def set_amax_reduce_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """All-reduce (max) every measured tensor amax over ``group``: for operands sharded across
+    it (tensor parallelism), so all shards quantize with one reference. None turns it off."""
+    for _, module in quant_linears(model):
+        module.references.reduce_group = group
