@@ -99,6 +99,12 @@ class PackedOperand:
         codes, scale_codes, tensor_scale, tensor_amax = tensors
         return cls(codes=codes, scale_codes=scale_codes, tensor_scale=tensor_scale, tensor_amax=tensor_amax, **meta)
 
+    def scaled_values(self) -> torch.Tensor:
+        return self.unpack().scaled
+
+    def dequantize(self) -> torch.Tensor:
+        return self.unpack().dequantize()
+
     def unpack(self) -> BlockOperand:
         """Decode to the scaled float32 form (exact)."""
         pairs = torch.index_select(_e2m1_pair_table(self.codes.device), 0, self.codes.reshape(-1).int())

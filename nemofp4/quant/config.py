@@ -40,7 +40,7 @@ __all__ = [
 ELEMENT_FORMATS = ("e2m1",)
 SCALE_FORMATS = ("e4m3", "ue5m3", "ue5m3_cuda", "ue8m0")
 ROUNDING_MODES = ("rne", "sr8", "sr")
-GEMM_MODES = ("scaled", "decoded")
+GEMM_MODES = ("scaled", "decoded", "hardware")
 
 
 class Role(str, enum.Enum):
@@ -130,7 +130,9 @@ class LinearQuantConfig:
     gemm: str = "scaled"
     """'scaled': block-scaled operands (FP4 value x block scale, exact in BF16) multiplied
     with FP32 accumulation, tensor scales applied after the product (fast). 'decoded': fully
-    dequantized FP32 operands multiplied in FP32 (the paper's decoded-Torch control)."""
+    dequantized FP32 operands multiplied in FP32 (the paper's decoded-Torch control).
+    'hardware': the paper's probe-matched model of a native FP4 GEMM (64-product groups,
+    round-toward-zero accumulation; nemofp4.kernels), slower on CPU."""
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_MODES:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from nemofp4.formats import QuantizedBlocks
 
-from .blocks import BlockOperand
+from .blocks import BlockOperand, PackedOperand
 
 __all__ = ["GemmOperand", "decoded_gemm", "gemm", "reference_gemm", "scaled_gemm"]
 
@@ -37,7 +37,7 @@ class GemmOperand:
     GEMM reuses the fprop weight without quantizing it again.
     """
 
-    q: BlockOperand | QuantizedBlocks
+    q: BlockOperand | PackedOperand | QuantizedBlocks
     transposed: bool = False
 
     def __post_init__(self) -> None:
@@ -98,12 +98,22 @@ def decoded_gemm(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
 
 
 def gemm(a: GemmOperand, b: GemmOperand, *, mode: str, compute_dtype: torch.dtype) -> torch.Tensor:
-    """Dispatch on the recipe's GEMM mode; returns float32 ``[a.rows, b.rows]``."""
+    """Dispatch on the recipe's GEMM mode; returns float32 ``[a.rows, b.rows]``.
+
+    ``hardware`` is the UE5M3 paper's probe-matched model of a native FP4 GEMM (64-product
+    groups, round-toward-zero accumulation), from :mod:`nemofp4.kernels`: a Triton kernel on
+    CUDA, its PyTorch twin elsewhere.
+    """
     if mode == "scaled":
         return scaled_gemm(a, b, compute_dtype)
     if mode == "decoded":
         return decoded_gemm(a, b)
-    raise ValueError(f"unknown gemm mode {mode!r}; valid modes are 'scaled' and 'decoded'")
+    if mode == "hardware":
+        from nemofp4 import kernels
+
+        assert not a.transposed
+        return kernels.gemm_hardware(a.q, b.q, b_transposed=b.transposed)
+    raise ValueError(f"unknown gemm mode {mode!r}; valid modes are 'scaled', 'decoded' and 'hardware'")
 
 
 def reference_gemm(a: GemmOperand, b: GemmOperand) -> torch.Tensor:

@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nemofp4 import kernels
 from nemofp4.formats import hadamard_transform
 
-from .blocks import BlockOperand, PackedOperand, quantize_operand
+from .blocks import BlockOperand, PackedOperand
 from .config import LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, gemm
 from .reference import ReferenceState
@@ -63,6 +64,11 @@ def _pad_tokens(x_TD: torch.Tensor) -> torch.Tensor:
     return F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
 
 
+def _operand(packed: PackedOperand, gemm_mode: str):
+    """A saved operand in the form its GEMM reads: the hardware model takes the packed codes."""
+    return packed if gemm_mode == "hardware" else packed.unpack()
+
+
 class _Quantizer:
     """Quantizes the operands of one forward/backward call, resolving each tensor reference once."""
 
@@ -72,25 +78,52 @@ class _Quantizer:
         self.generator = generator
         self.references: dict[str, torch.Tensor] = {}
 
+    def reference(self, role: Role, x: torch.Tensor) -> torch.Tensor | None:
+        op: OperandQuant = self.config.operand(role)
+        if not op.uses_tensor_reference:
+            return None
+        ref = LinearQuantConfig.reference_of(role, op)
+        if ref not in self.references:
+            self.references[ref] = self.layer._references.get(ref, x, training=self.layer.training)
+        return self.references[ref]
+
     def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> BlockOperand:
         op: OperandQuant = self.config.operand(role)
-        amax = None
-        if op.uses_tensor_reference:
-            ref = LinearQuantConfig.reference_of(role, op)
-            if ref not in self.references:
-                self.references[ref] = self.layer._references.get(ref, x, training=self.layer.training)
-            amax = self.references[ref]
-        q = quantize_operand(
+        q = kernels.quantize_operand(  # Triton on CUDA, nemofp4.quant.blocks otherwise
             x,
             op,
-            tensor_amax=amax,
+            tensor_amax=self.reference(role, x),
             generator=self.generator if op.rounding != "rne" else None,
             two_d=two_d,
-            pack=pack,
+            pack=pack or self.pack_all,
             stats=self.layer.collect_stats,
         )
         self.layer._record(role, q)
         return q
+
+    def x_and_xt(self, x_TK: torch.Tensor) -> tuple[BlockOperand, BlockOperand]:
+        """X for fprop and X^T [K, Tp] for wgrad (packed, it is saved), in one read on CUDA."""
+        config = self.config
+        amax = self.reference(Role.X, x_TK)
+        assert amax is None or self.reference(Role.X_WGRAD, x_TK) is amax  # one shared 'x' reference
+        qx, qxt = kernels.quantize_operand_pair(
+            x_TK,
+            config.x,
+            config.x_wgrad,
+            tensor_amax=amax,
+            generator=self.generator if config.x.rounding != "rne" else None,
+            pack_x=self.pack_all,
+            pack_xt=True,
+            stats=self.layer.collect_stats,
+        )
+        self.layer._record(Role.X, qx)
+        self.layer._record(Role.X_WGRAD, qxt)
+        return qx, qxt
+
+    @property
+    def pack_all(self) -> bool:
+        # The Triton hardware GEMM reads packed codes.
+        return self.config.gemm == "hardware" and kernels.triton_enabled() and kernels.triton_available()
 
 
 class _QuantLinearFunction(torch.autograd.Function):
@@ -102,7 +135,13 @@ class _QuantLinearFunction(torch.autograd.Function):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         quantize = _Quantizer(layer, layer._sr_generator(x.device) if layer._forward_uses_sr else None)
 
-        qx = quantize(Role.X, x_TK)
+        if needs_dw and not config.x_wgrad.hadamard:
+            qx, qxt = quantize.x_and_xt(x_TK)
+        else:
+            qx = quantize(Role.X, x_TK)
+            qxt = None
+            if needs_dw:  # X^T with the Hadamard transform along the tokens
+                qxt = quantize(Role.X_WGRAD, hadamard_transform(_pad_tokens(x_TK).t()), pack=True)
         qw = quantize(Role.W, weight, pack=needs_dx and config.w.two_d)
         y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype)
         layer._capture_gemm("fprop", qx, qw, False, y_TN)
@@ -115,12 +154,8 @@ class _QuantLinearFunction(torch.autograd.Function):
         saved: list[torch.Tensor] = []
         ctx.xt_meta = ctx.w_meta = None
         if needs_dw:
-            xt_KTp = _pad_tokens(x_TK).t()
-            if config.x_wgrad.hadamard:
-                xt_KTp = hadamard_transform(xt_KTp)
-            packed_xt = quantize(Role.X_WGRAD, xt_KTp, pack=True).packed
-            saved += packed_xt.tensors()
-            ctx.xt_meta = packed_xt.meta()
+            saved += qxt.packed.tensors()
+            ctx.xt_meta = qxt.packed.meta()
         if needs_dx:
             if qw.packed is not None:  # 16x16 tiles: W^T's quantization is this one, transposed
                 saved += qw.packed.tensors()
@@ -142,7 +177,7 @@ class _QuantLinearFunction(torch.autograd.Function):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         saved = list(ctx.saved_tensors)
         if needs_dw:
-            qxt = PackedOperand.from_tensors(tuple(saved[:4]), ctx.xt_meta).unpack()
+            qxt = _operand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.xt_meta), config.gemm)
             saved = saved[4:]
         out_features = dy.shape[-1]
         dy_TN = dy.reshape(-1, out_features)
@@ -152,7 +187,7 @@ class _QuantLinearFunction(torch.autograd.Function):
         if needs_dx:
             qdy = quantize(Role.DY_DGRAD, dy_TN)
             if ctx.w_meta is not None:
-                wt = GemmOperand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.w_meta).unpack(), transposed=True)
+                wt = GemmOperand(_operand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.w_meta), config.gemm), transposed=True)
             else:
                 wt = GemmOperand(quantize(Role.W, saved[0].t(), two_d=False))
             dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=ctx.compute_dtype)

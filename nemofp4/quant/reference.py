@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nemofp4.formats import amax as tensor_amax
+from nemofp4 import kernels
 
 __all__ = ["HeldReference", "ReferenceState"]
 
@@ -54,7 +54,7 @@ class ReferenceState:
 
     def measure(self, x: torch.Tensor) -> torch.Tensor:
         """Current amax of ``x`` as fp32 0-d, all-reduced (max) over ``reduce_group`` if set."""
-        value = tensor_amax(x)
+        value = kernels.amax(x)  # Triton reduction on CUDA, nemofp4.formats.amax otherwise
         if self.reduce_group is not None:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.reduce_group)
@@ -86,3 +86,7 @@ class ReferenceState:
             held = HeldReference(amax=self.measure(x).detach().clone(), refresh_step=self.step)
             self.held[name] = held
         return held.amax
+
+    def is_held(self, name: str) -> bool:
+        """Whether ``name`` is a sample-and-hold reference of this module (current ones are not stored)."""
+        return self.intervals.get(name, 0) > 0

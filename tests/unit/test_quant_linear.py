@@ -65,7 +65,7 @@ def _reference_operands(config, x_TK, w_NK, dy_TN, gen_seed):
     }
 
 
-@pytest.mark.parametrize("recipe", FP4_RECIPES + ["ue5m3/decoded"])
+@pytest.mark.parametrize("recipe", FP4_RECIPES + ["ue5m3/decoded", "ue5m3/hardware", "nvfp4/hardware"])
 def test_each_gemm_equals_float64_reference_of_its_quantized_operands(recipe):
     name, _, gemm_mode = recipe.partition("/")
     config = _config(name, gemm=gemm_mode or "scaled")
