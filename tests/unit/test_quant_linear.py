@@ -270,3 +270,22 @@ def test_invalid_configs_are_rejected_with_the_valid_values():
         dataclasses.replace(config.x, scale_format="e8m0")
     with pytest.raises(ValueError, match="gemm"):
         dataclasses.replace(config, gemm="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["ue5m3", "nvfp4"])
+def test_cuda_bf16_autocast_matches_the_cpu_float32_emulation(recipe):
+    """On GPU the operands come from the Triton quantizer and the GEMM runs in BF16 with FP32
+    accumulation; fprop (RNE) must give the CPU float32 result up to accumulation order."""
+    ref, layer = _layer(_config(recipe), in_features=256, out_features=128, bias=False)
+    x = torch.randn(512, 256)
+    y_cpu = layer(x)
+    layer.cuda()
+    layer.set_step(1, seed=7)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_gpu = layer(x.cuda())
+    assert y_gpu.dtype == torch.bfloat16
+    assert (y_gpu.float().cpu() - y_cpu).norm() / y_cpu.norm() < 4e-3  # the bf16 output rounding
+    dy = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
+    y_gpu.backward(dy)
+    assert torch.isfinite(layer.weight.grad).all()
