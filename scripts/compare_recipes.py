@@ -1,0 +1,368 @@
+"""The recipe comparison study: the same model, data and budget under several recipes and seeds.
+
+    python scripts/compare_recipes.py --study tiny --steps 200 --seeds 1 2 3
+
+For every (recipe, seed) it trains ``experiment=<preset>_<recipe>`` into
+``<runs-root>/<study>/<recipe>/seed-<seed>`` (skipped when that run already reached the budget),
+then evaluates the final checkpoint's held-out NLL under each inference policy and collects the
+training curves. It writes ``<out>/<study>/``: ``README.md`` (the table, the exact command, the
+ordering), ``results.json`` (every number, per run and aggregated) and PNG plots of the training
+loss and validation NLL curves, absolute and relative to BF16.
+
+Runs go one after another on this machine (``--launcher local``), or are submitted through the
+SLURM launcher (``--launcher slurm``: ``nemofp4-launch`` per run; rerun with ``--launcher none``
+when the jobs are done to collect them). Table columns:
+
+* final train loss: mean of the last ``--window`` logged losses (the paper's Table 10 uses 10);
+* NLL <policy>: held-out NLL of the final checkpoint under that inference policy (nemofp4-eval);
+* gap to BF16: (NLL - NLL_bf16) / NLL_bf16 under the ``current`` policy;
+* loss spikes: logged losses above ``--loss-threshold`` after ``--spike-after`` steps (default: the
+  mean BF16 loss over the 10 steps before that point, i.e. a return to an earlier level of training);
+* grad-norm spikes: logged gradient norms above ``--grad-norm-threshold`` (1.0) after the same step.
+Every number is the mean +- sample standard deviation over the seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_RECIPES = ("bf16", "nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht")
+DEFAULT_POLICIES = ("current", "delayed", "calibrated", "unquantized")
+# The paper's validation-NLL ordering (recipes.md §1.10, Table 11), best first; "~" ties.
+PAPER_ORDER = "bf16 < ue5m3_te_settings < ue5m3 ~ nvfp4 < nvfp4_all_fp4_no_rht"
+COLORS = {"bf16": "black", "nvfp4": "tab:blue", "ue5m3": "tab:red", "ue5m3_te_settings": "tab:orange",
+          "nvfp4_all_fp4_no_rht": "tab:purple", "mxfp4": "tab:green"}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--study", default="tiny", help="study name: the output folder <out>/<study>")
+    p.add_argument("--preset", default="tiny", help="experiment preset: runs use experiment=<preset>_<recipe>")
+    p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES))
+    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--steps", type=int, default=200, help="train.max_steps of every run (the budget)")
+    p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra trainer override for every run (repeatable), e.g. train.seq_len=128")
+    p.add_argument("--runs-root", type=Path, default=REPO_ROOT / "runs" / "compare")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results")
+    p.add_argument("--launcher", choices=("local", "slurm", "none"), default="local",
+                   help="local: train missing runs here, one after another; slurm: submit them with nemofp4-launch "
+                        "and stop; none: only collect runs that exist")
+    p.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra nemofp4-launch override (repeatable), e.g. slurm.partition=batch")
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
+    p.add_argument("--delay", type=int, default=50, help="delayed policy: D (inference batches)")
+    p.add_argument("--calibration-sequences", type=int, default=64, help="calibrated policy: C")
+    p.add_argument("--window", type=int, default=10, help="final train loss: mean of this many last logged losses")
+    p.add_argument("--spike-after", type=int, default=0, help="count spikes after this step (0: a quarter of the budget)")
+    p.add_argument("--loss-threshold", type=float, default=0.0, help="loss spike threshold (0: see module doc)")
+    p.add_argument("--grad-norm-threshold", type=float, default=1.0)
+    p.add_argument("--smooth", type=int, default=10, help="moving-average width of the plotted training curves")
+    p.add_argument("--threads", type=int, default=0, help="OMP/torch threads of local runs (0: leave as is)")
+    args = p.parse_args(argv)
+    if "bf16" not in args.recipes:
+        p.error("--recipes must include bf16 (the baseline every gap is relative to)")
+    if args.steps < 1 or args.window < 1:
+        p.error("--steps and --window must be >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------------------- runs
+def run_dir(args, recipe: str, seed: int) -> Path:
+    return args.runs_root / args.study / recipe / f"seed-{seed}"
+
+
+def train_overrides(args, recipe: str, seed: int) -> list[str]:
+    return [f"experiment={args.preset}_{recipe}", f"train.seed={seed}", f"train.max_steps={args.steps}",
+            "logging.wandb=false", "logging.console=false", *args.train_override]  # fmt: skip
+
+
+def is_finished(path: Path, steps: int) -> bool:
+    """The run reached the budget: a final checkpoint of that step exists."""
+    return (path / "checkpoints" / f"step-{steps}" / "COMPLETE.json").is_file()
+
+
+def train_local(args, recipe: str, seed: int) -> None:
+    path = run_dir(args, recipe, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "nemofp4.train", *train_overrides(args, recipe, seed), f"run_dir={path}"]
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    start = time.perf_counter()
+    print(f"[train] {recipe} seed {seed}: {shlex.join(cmd)}", flush=True)
+    with open(path / "train.log", "a") as log:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"training {recipe} seed {seed} failed (exit {proc.returncode}); see {path / 'train.log'}")
+    print(f"[train] {recipe} seed {seed}: done in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def submit_slurm(args, recipe: str, seed: int) -> None:
+    path = run_dir(args, recipe, seed)
+    overrides = train_overrides(args, recipe, seed)
+    experiment, rest = overrides[0].split("=", 1)[1], overrides[1:]
+    cmd = [sys.executable, "-m", "nemofp4.cli.launch", f"experiment={experiment}", f"run_dir={path}",
+           "train_overrides=[" + ",".join(json.dumps(o) for o in rest) + "]",
+           f"slurm.job_name={args.study}-{recipe}-s{seed}", *args.slurm_arg]  # fmt: skip
+    print(f"[slurm] {shlex.join(cmd)}", flush=True)
+    subprocess.run(cmd, cwd=REPO_ROOT, check=True)
+
+
+# ----------------------------------------------------------------------------------------- metrics
+def read_rows(path: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    by_step = {}
+    for row in rows:  # a resumed run may log a step twice: keep the last
+        if row.get("kind") == kind:
+            by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def evaluate_run(args, path: Path) -> dict[str, float]:
+    """Held-out NLL of the final checkpoint under each policy (cached in the run folder)."""
+    cache = path / "compare_eval.json"
+    key = {"step": args.steps, "policies": args.policies, "delay": args.delay, "C": args.calibration_sequences}
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("key") == key:
+            return saved["nll"]
+    from nemofp4.evaluation import EvalSession, InferencePolicy, validation_nll
+
+    session = EvalSession.open(path / "checkpoints" / f"step-{args.steps}", device="auto")
+    data = session.data_config("checkpoint")
+    batches = session.validation_batches(data)
+    nll = {}
+    for name in args.policies:
+        policy = InferencePolicy(name=name, delay=args.delay, calibration_sequences=args.calibration_sequences)
+        with session.policy_forward(policy) as forward:
+            nll[name] = validation_nll(forward, batches, device=session.device)["val_loss"]
+    cache.write_text(json.dumps({"key": key, "nll": nll}, indent=1) + "\n")
+    return nll
+
+
+def spike_start(args, warmup: int) -> int:
+    return args.spike_after or max(warmup, args.steps // 4)
+
+
+def collect_run(args, recipe: str, seed: int) -> dict:
+    path = run_dir(args, recipe, seed)
+    from nemofp4.evaluation import job_config_from_yaml
+
+    job = job_config_from_yaml((path / "config.yaml").read_text())
+    train = read_rows(path, "train")
+    evals = read_rows(path, "eval")
+    losses = [r["loss"] for r in train]
+    return {
+        "recipe": recipe,
+        "seed": seed,
+        "run_dir": str(path),
+        "warmup_steps": job.schedule.warmup_steps,
+        "steps": [r["step"] for r in train],
+        "loss": losses,
+        "grad_norm": [r["grad_norm"] for r in train],
+        "eval_steps": [r["step"] for r in evals],
+        "val_loss": [r["val_loss"] for r in evals],
+        "final_loss": statistics.fmean(losses[-args.window :]),
+        "nll": evaluate_run(args, path),
+    }
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def aggregate(args, runs: list[dict]) -> dict:
+    start = spike_start(args, runs[0]["warmup_steps"])
+    bf16_runs = [r for r in runs if r["recipe"] == "bf16"]
+    threshold = args.loss_threshold
+    if not threshold:  # BF16's mean loss over the 10 logged steps before counting starts
+        before = [loss for r in bf16_runs for s, loss in zip(r["steps"], r["loss"]) if start - 10 < s <= start]
+        threshold = statistics.fmean(before)
+    for r in runs:
+        after = [(loss, g) for s, loss, g in zip(r["steps"], r["loss"], r["grad_norm"]) if s > start]
+        r["loss_spikes"] = sum(loss > threshold for loss, _ in after)
+        r["grad_norm_spikes"] = sum(g > args.grad_norm_threshold for _, g in after)
+    table = {}
+    bf16_nll = mean_std([r["nll"]["current"] for r in bf16_runs])[0] if "current" in args.policies else None
+    for recipe in args.recipes:
+        rs = [r for r in runs if r["recipe"] == recipe]
+        row = {
+            "seeds": [r["seed"] for r in rs],
+            "final_loss": mean_std([r["final_loss"] for r in rs]),
+            "nll": {p: mean_std([r["nll"][p] for r in rs]) for p in args.policies},
+            "loss_spikes": mean_std([r["loss_spikes"] for r in rs]),
+            "grad_norm_spikes": mean_std([r["grad_norm_spikes"] for r in rs]),
+        }
+        if bf16_nll is not None:
+            gaps = [(r["nll"]["current"] - bf16_nll) / bf16_nll for r in rs]
+            row["gap_to_bf16"] = mean_std(gaps)
+        table[recipe] = row
+    return {"spike_after_step": start, "loss_threshold": threshold, "grad_norm_threshold": args.grad_norm_threshold,
+            "table": table}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------- report
+def _pm(value: tuple[float, float], fmt: str) -> str:
+    mean, std = value
+    return f"{mean:{fmt}} ± {std:{fmt}}"
+
+
+def markdown_table(args, summary: dict) -> str:
+    policies = args.policies
+    header = ["recipe", "final train loss", *[f"NLL {p}" for p in policies], "gap to BF16 (current)",
+              "loss spikes", "grad-norm spikes"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for recipe, row in summary["table"].items():
+        cells = [f"`{recipe}`", _pm(row["final_loss"], ".4f"), *[_pm(row["nll"][p], ".4f") for p in policies],
+                 _pm(tuple(100 * v for v in row["gap_to_bf16"]), ".2f") + " %" if "gap_to_bf16" in row else "",
+                 _pm(row["loss_spikes"], ".1f"), _pm(row["grad_norm_spikes"], ".1f")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ordering(summary: dict, policy: str = "current") -> list[tuple[str, float, float]]:
+    rows = [(recipe, *row["nll"][policy]) for recipe, row in summary["table"].items()]
+    return sorted(rows, key=lambda r: r[1])
+
+
+def _moving_average(values: list[float], width: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= width:
+            acc -= values[i - width]
+        out.append(acc / min(i + 1, width))
+    return out
+
+
+def _mean_curve(runs: list[dict], xkey: str, ykey: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    common = sorted(set.intersection(*(set(r[xkey]) for r in runs)))
+    per_run = [dict(zip(r[xkey], r[ykey])) for r in runs]
+    ys = [[c[x] for c in per_run] for x in common]
+    return common, [statistics.fmean(v) for v in ys], [min(v) for v in ys], [max(v) for v in ys]
+
+
+def plot(args, runs: list[dict], folder: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for xkey, ykey, name, ylabel, smooth in (
+        ("steps", "loss", "training_loss.png", "training loss", args.smooth),
+        ("eval_steps", "val_loss", "validation_nll.png", "validation NLL (trainer's eval)", 1),
+    ):
+        fig, (ax_abs, ax_rel) = plt.subplots(1, 2, figsize=(12, 4.5))
+        base_x, base_y, _, _ = _mean_curve([r for r in runs if r["recipe"] == "bf16"], xkey, ykey)
+        base = dict(zip(base_x, _moving_average(base_y, smooth)))
+        for recipe in args.recipes:
+            rs = [r for r in runs if r["recipe"] == recipe]
+            x, mean, lo, hi = _mean_curve(rs, xkey, ykey)
+            mean_s = _moving_average(mean, smooth)
+            color = COLORS.get(recipe)
+            ax_abs.plot(x, mean_s, label=recipe, color=color, lw=1.2)
+            if len(rs) > 1:
+                ax_abs.fill_between(x, _moving_average(lo, smooth), _moving_average(hi, smooth), color=color, alpha=0.15)
+            rel = [(x_, 100 * (m / base[x_] - 1)) for x_, m in zip(x, mean_s) if x_ in base]
+            ax_rel.plot([a for a, _ in rel], [b for _, b in rel], label=recipe, color=color, lw=1.2)
+        ax_abs.set(xlabel="step", ylabel=ylabel, title=f"{ylabel} (mean over seeds {args.seeds}, min-max band)")
+        ax_rel.set(xlabel="step", ylabel="relative to BF16 (%)", title=f"{ylabel} relative to BF16")
+        ax_rel.axhline(0.0, color="black", lw=0.6)
+        skip = max(args.steps // 10, 1) if xkey == "steps" else 0
+        if skip:  # the first steps are far above the rest and would flatten the curves
+            ax_abs.set_xlim(left=skip)
+            ax_rel.set_xlim(left=skip)
+            tail = [m for r in runs for s, m in zip(r["steps"], _moving_average(r["loss"], smooth)) if s >= skip]
+            ax_abs.set_ylim(min(tail) - 0.05, max(tail) + 0.05)
+        for ax in (ax_abs, ax_rel):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed_s: float) -> Path:
+    folder = args.out / args.study
+    folder.mkdir(parents=True, exist_ok=True)
+    plots = plot(args, runs, folder)
+    order = ordering(summary) if "current" in args.policies else []
+    command = "python scripts/compare_recipes.py " + shlex.join(argv)
+    results = {"command": command, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "summary": summary, "runs": runs, "ordering_current": order, "paper_ordering": PAPER_ORDER}  # fmt: skip
+    (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    lines = [
+        f"# Recipe comparison: `{args.study}`",
+        "",
+        f"Preset `{args.preset}`, {args.steps} steps per run, seeds {args.seeds}, recipes {', '.join(args.recipes)}.",
+        f"Held-out NLL of each final checkpoint under the inference policies {', '.join(args.policies)} "
+        f"(delayed: D = {args.delay} batches; calibrated: C = {args.calibration_sequences} sequences).",
+        f"Spikes are counted after step {summary['spike_after_step']}: losses above {summary['loss_threshold']:.4f}, "
+        f"gradient norms above {summary['grad_norm_threshold']:g}. Mean ± sample std over seeds.",
+        "",
+        "Command:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        markdown_table(args, summary),
+        "",
+    ]
+    if order:
+        lines += [
+            "Validation NLL ordering (current policy, best first): "
+            + " < ".join(f"`{r}` ({m:.4f} ± {s:.4f})" for r, m, s in order),
+            "",
+            f"The paper's ordering (8B, 189B tokens): {PAPER_ORDER}.",
+            "",
+        ]
+    lines += [f"![{name}]({name})" for name in plots]
+    lines += ["", f"Collected in {elapsed_s:.0f} s; raw numbers in `results.json`.", ""]
+    (folder / "README.md").write_text("\n".join(lines))
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    start = time.perf_counter()
+    missing = [(r, s) for r in args.recipes for s in args.seeds if not is_finished(run_dir(args, r, s), args.steps)]
+    if missing and args.launcher == "slurm":
+        for recipe, seed in missing:
+            submit_slurm(args, recipe, seed)
+        print("submitted; when the jobs are done, collect with the same command and --launcher none", flush=True)
+        return
+    if missing and args.launcher == "none":
+        names = ", ".join(f"{r}/seed-{s}" for r, s in missing)
+        raise SystemExit(f"runs not finished (no step-{args.steps} checkpoint): {names}")
+    for recipe, seed in missing:
+        train_local(args, recipe, seed)
+    runs = []
+    for recipe in args.recipes:
+        for seed in args.seeds:
+            print(f"[eval] {recipe} seed {seed}", flush=True)
+            runs.append(collect_run(args, recipe, seed))
+    summary = aggregate(args, runs)
+    folder = write_report(args, runs, summary, argv, time.perf_counter() - start)
+    print(markdown_table(args, summary))
+    print(f"written to {folder}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
