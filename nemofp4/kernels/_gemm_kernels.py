@@ -12,9 +12,9 @@ points toward zero the result steps one ulp toward zero.
 import triton
 import triton.language as tl
 
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
-GROUP: tl.constexpr = 64
-TWO_POW_23: tl.constexpr = 8388608.0
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+GROUP = tl.constexpr(64)
+TWO_POW_23 = tl.constexpr(8388608.0)
 
 
 @triton.jit

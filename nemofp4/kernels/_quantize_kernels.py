@@ -19,16 +19,16 @@ counters offset by ``2**40``, so the two quantizations of one launch draw indepe
 import triton
 import triton.language as tl
 
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
-ONE_SIXTH: tl.constexpr = 1.0 / 6.0  # rounded to float32 where used, as torch.tensor(1/6) is
-TWO_POW_64: tl.constexpr = 18446744073709551616.0
-TWO_POW_53: tl.constexpr = 9007199254740992.0
-TWO_POW_23: tl.constexpr = 8388608.0
-TRANSPOSED_STREAM: tl.constexpr = 1 << 40
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH = tl.constexpr(1.0 / 6.0)  # rounded to float32 where used, as torch.tensor(1/6) is
+TWO_POW_64 = tl.constexpr(18446744073709551616.0)
+TWO_POW_53 = tl.constexpr(9007199254740992.0)
+TWO_POW_23 = tl.constexpr(8388608.0)
+TRANSPOSED_STREAM = tl.constexpr(1 << 40)
 
-ROUND_RNE: tl.constexpr = 0
-ROUND_SR8: tl.constexpr = 1
-ROUND_SR: tl.constexpr = 2
+ROUND_RNE = tl.constexpr(0)
+ROUND_SR8 = tl.constexpr(1)
+ROUND_SR = tl.constexpr(2)
 
 
 @triton.jit
@@ -437,14 +437,14 @@ def quantize_kernel(
 
 
 @triton.jit
-def amax_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+def amax_kernel(x_ptr, n, out_ptr, num_programs, iterations, BLOCK: tl.constexpr):
     """max |x| over a flat tensor as float32 bits, atomically max-reduced into ``out_ptr`` (int32,
-    zero-initialized). Integer max of the |x| bits is exact and lets NaN win (its bits are largest)."""
+    zero-initialized). Integer max of the |x| bits is exact and lets NaN win (its bits are largest).
+    Program p reads chunks p, p + num_programs, ... (``iterations`` of them, the last masked)."""
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(pid * BLOCK, n, num_programs * BLOCK):
-        offs = tl.arange(0, BLOCK).to(tl.int64) + start
+    for i in range(iterations):
+        offs = (pid + i * num_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     tl.atomic_max(out_ptr, tl.max(acc, axis=0))

@@ -99,7 +99,8 @@ def triton_amax(x: torch.Tensor) -> torch.Tensor:
         programs = min(programs, 4)
     else:
         programs = min(programs, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
-    _kernels().amax_kernel[(programs,)](flat, flat.numel(), out, BLOCK=block)
+    iterations = triton_cdiv(triton_cdiv(flat.numel(), block), programs)
+    _kernels().amax_kernel[(programs,)](flat, flat.numel(), out, programs, iterations, BLOCK=block)
     return out.view(torch.float32).reshape(())
 
 
@@ -173,12 +174,14 @@ def triton_quantize(
     scaled_dtype: torch.dtype | None = None,
     stats: bool = True,
     _write_draws: bool = False,
+    _config: dict | None = None,
 ) -> tuple[TritonQuantized | None, TritonQuantized | None]:
     """The full launch: ``(row-wise result or None, transposed result or None)``.
 
     ``scaled_dtype`` (float32 or bfloat16) also writes E2M1 value x block scale, padded, which
     is exact in either dtype: what a GEMM on block-scaled operands consumes directly.
-    ``stats=False`` skips the four statistics counters (their atomics).
+    ``stats=False`` skips the four statistics counters (their atomics). ``_config`` overrides
+    the tile sizes and launch options (``BM``, ``BK``, ``num_warps``; for benchmarks).
     """
     block_size = _check_args(
         x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode,
@@ -241,7 +244,7 @@ def triton_quantize(
     r = outputs(rows_out, cols_p, row_scale_shape) if rowwise else dummy
     t = outputs(cols, rows_p, (cols, rows_p // b)) if transposed else dummy
 
-    config = _tile_config(b, two_d, transposed, interpreting(device))
+    config = _config or _tile_config(b, two_d, transposed, interpreting(device))
     grid_rows = max(rows_out if rowwise else 0, rows_p if transposed else 0)
     grid_cols = cols_p if rowwise else cols
     grid = (triton_cdiv(grid_rows, config["BM"]), triton_cdiv(grid_cols, config["BK"]))
@@ -358,17 +361,22 @@ def _seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def _tile_config(block_size: int, two_d: bool, transposed: bool, interpret: bool) -> dict[str, int]:
-    """Tile sizes: rows a multiple of the block (and of 16, the SR lane group) when tiles or the
-    transposed blocks run along rows; 128 columns keep each row's bf16 loads 256 B long."""
-    if two_d or transposed:
-        bm = max(64 if transposed else 32, block_size)
-        bk = max(64 if transposed else 128, block_size)
+def _tile_config(block_size: int, two_d: bool, transposed: bool, interpret: bool) -> dict:
+    """Tile sizes and warps. Rows per tile are a multiple of the block (and of 16, the SR lane
+    group) when tiles or the transposed blocks run along rows. The GPU choices keep each thread
+    at 8-16 elements: ptxas (sm_90) reports 96 registers for the row-wise kernel at 16x128 with
+    4 warps, 48 for 16x16 tiles, 108 for the fused transposed kernel at 32x64 with 8 warps, all
+    without spills; scripts/bench_gpu.py sweeps alternatives on a GPU."""
+    if interpret:  # the interpreter's cost is per program: few, large tiles (same results)
+        return {"BM": max(64 if transposed else 32, block_size) if (two_d or transposed) else 128,
+                "BK": max(64 if transposed else 128, block_size)}  # fmt: skip
+    if transposed:
+        config = {"BM": max(32, block_size), "BK": max(64, block_size), "num_warps": 8}
     else:
-        bm, bk = 32, max(128, block_size)
-    if interpret:  # the interpreter's cost is per program: fewer, larger tiles (same results)
-        return {"BM": bm if (two_d or transposed) else 128, "BK": bk}
-    return {"BM": bm, "BK": bk, "num_warps": 8 if transposed else 4}
+        config = {"BM": max(16, block_size) if two_d else 16, "BK": max(128, block_size), "num_warps": 4}
+    # no multiply-add contraction: every product in the kernels is exact anyway, but the numerics
+    # should not depend on a compiler default (Triton 3.10 changes it)
+    return {**config, "enable_fp_fusion": False}
 
 
 def _describe(x) -> str:
