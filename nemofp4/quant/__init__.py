@@ -16,6 +16,7 @@ from .state import (
     reference_state_dict,
     reset_references,
     set_amax_reduce_group,
+    set_held_reference_reduce_group,
     set_quant_stats,
     set_step,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "reset_references",
     "scaled_gemm",
     "set_amax_reduce_group",
+    "set_held_reference_reduce_group",
     "set_quant_stats",
     "set_step",
     "transformer_engine_status",

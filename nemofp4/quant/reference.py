@@ -43,6 +43,8 @@ class ReferenceState:
     ``step`` is the 1-based optimizer step set by :func:`nemofp4.quant.set_step`.
     ``reduce_group``, when set, makes every amax that is measured an all-reduce (max) over
     that process group, for operands sharded across it (tensor parallelism).
+    ``held_reduce_group``, when set, all-reduces (max) only the samples of held references, so
+    data-parallel ranks hold one reference while current scaling stays per rank, as in TE.
     """
 
     def __init__(self, intervals: dict[str, int]) -> None:
@@ -50,14 +52,17 @@ class ReferenceState:
         self.held: dict[str, HeldReference] = {}
         self.step: int | None = None
         self.reduce_group: dist.ProcessGroup | None = None
+        self.held_reduce_group: dist.ProcessGroup | None = None
         self._warned_no_step = False
 
-    def measure(self, x: torch.Tensor) -> torch.Tensor:
-        """Current amax of ``x`` as fp32 0-d, all-reduced (max) over ``reduce_group`` if set."""
+    def measure(self, x: torch.Tensor, *, for_held: bool = False) -> torch.Tensor:
+        """Current amax of ``x`` as fp32 0-d, all-reduced (max) over ``reduce_group`` if set (and over
+        ``held_reduce_group`` when sampling a held reference)."""
         value = kernels.amax(x)  # Triton reduction on CUDA, nemofp4.formats.amax otherwise
-        if self.reduce_group is not None:
+        group = self.reduce_group if self.reduce_group is not None else (self.held_reduce_group if for_held else None)
+        if group is not None:
             value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.reduce_group)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return value
 
     def get(self, name: str, x: torch.Tensor, *, training: bool) -> torch.Tensor:
@@ -83,7 +88,7 @@ class ReferenceState:
                 self._warned_no_step = True
             return self.measure(x)
         if held is None or self.step - held.refresh_step >= interval:
-            held = HeldReference(amax=self.measure(x).detach().clone(), refresh_step=self.step)
+            held = HeldReference(amax=self.measure(x, for_held=True).detach().clone(), refresh_step=self.step)
             self.held[name] = held
         return held.amax
 

@@ -111,6 +111,13 @@ def set_quant_stats(model: nn.Module, enabled: bool) -> None:
             module._stats = {}
 
 
+def set_held_reference_reduce_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """All-reduce (max) each sampled held reference over ``group`` (the data-parallel ranks), so every
+    rank holds the same reference; current-scaling measurements stay per rank. None turns it off."""
+    for _, module in quant_linears(model):
+        module.references.held_reduce_group = group
+
+
 def set_amax_reduce_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """All-reduce (max) every measured tensor amax over ``group``: for operands sharded across
     it (tensor parallelism), so all shards quantize with one reference. None turns it off."""

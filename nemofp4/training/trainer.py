@@ -30,7 +30,7 @@ from nemofp4.quant import (
     quant_stats,
     reference_state_dict,
     reset_references,
-    set_amax_reduce_group,
+    set_held_reference_reduce_group,
     set_step,
 )
 from nemofp4.recipes import apply_recipe, recipe_from_config
@@ -151,7 +151,7 @@ class Trainer:
                 "use distributed=fsdp (or a deepspeed_zero* backend)"
             )
         if self.world > 1 and dist_cfg.reduce_references:
-            set_amax_reduce_group(model, dist.group.WORLD)
+            set_held_reference_reduce_group(model, dist.group.WORLD)
         self.model = model
         self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
         self.engine = None  # a DeepSpeed engine when distributed.backend=deepspeed_zero*
