@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ class MetricsLogger:
         import wandb
 
         if self.wandb_id is None:
-            self.wandb_id = wandb.util.generate_id()
+            self.wandb_id = secrets.token_hex(4)  # kept in checkpoints, so a resumed run continues it
         self.wandb_run = wandb.init(
             project=self.cfg.wandb_project,
             entity=self.cfg.wandb_entity or None,
@@ -176,7 +177,7 @@ class MetricsLogger:
             return
         self._file.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish(quiet=True)
+            self.wandb_run.finish()
         if self.tb is not None:
             self.tb.close()
 

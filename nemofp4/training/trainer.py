@@ -131,9 +131,7 @@ class Trainer:
         )
         model = build_model(cfg.model, device="meta")
         self.recipe = recipe_from_config(cfg.precision)
-        self.layer_table = apply_recipe(model, self.recipe)
-        if self.rank == 0:
-            log.info("precision recipe %s, per-layer table:\n%s", cfg.precision.name, _format_table(self.layer_table))
+        self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
         dist_cfg = cfg.distributed
         if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model:
             model.to_empty(device=self.device)
@@ -412,10 +410,6 @@ class Trainer:
 
     def close(self) -> None:
         destroy_distributed()
-
-
-def _format_table(table: Any) -> str:
-    return table.format() if hasattr(table, "format") else str(table)
 
 
 def train(cfg: JobConfig) -> dict[str, Any]:

@@ -111,3 +111,30 @@ def test_nan_policy_skip_drops_the_update_and_counts(tmp_path):
     rows = read_metrics(tmp_path, "train")
     assert [r["step"] for r in rows if r.get("skipped")] == [2, 3]
     assert "step 4: non-finite" in proc.stderr and "3 steps were skipped" in proc.stderr
+
+
+def test_main_command_end_to_end_with_offline_wandb(tmp_path):
+    """The README's main job (experiment=tiny_ue5m3) with few steps and its default logging (offline
+    wandb); rerunning the finished command resumes the same wandb run and trains nothing more."""
+    cmd = [sys.executable, "-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={tmp_path}",
+           "train.max_steps=6", "train.seq_len=64", "eval.interval=3", "checkpoint.interval=3",
+           "eval.num_sequences=8", "logging.log_interval=2"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert f"run directory: {tmp_path.resolve()}" in first.stdout
+    assert "step      6/6" in first.stdout and "[eval] step      6" in first.stdout
+    train = read_metrics(tmp_path, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert all({"loss", "grad_norm", "lr", "tokens_per_s"} <= r.keys() for r in train)
+    evals = read_metrics(tmp_path, "eval")
+    assert [r["step"] for r in evals] == [0, 3, 6] and evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert (tmp_path / "checkpoints" / "step-6" / "COMPLETE.json").is_file()
+    assert (tmp_path / "config.yaml").read_text().count("name: ue5m3") == 1
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    run_id = runs[0].name.rsplit("-", 1)[-1]
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3, 4, 5, 6]
+    assert all(p.name.endswith(run_id) for p in (tmp_path / "wandb").glob("offline-run-*"))
