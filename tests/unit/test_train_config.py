@@ -1,0 +1,72 @@
+"""Composing the training config: every preset composes into a validated JobConfig; typos fail."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from nemofp4.cli.train import compose_job_config
+from nemofp4.data import DataConfig
+from nemofp4.models import get_model_config
+from nemofp4.recipes import list_recipes
+from nemofp4.training.config import JobConfig, compute_budget
+
+RECIPES = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_composes(recipe):
+    cfg = compose_job_config([f"precision={recipe}"])
+    assert isinstance(cfg, JobConfig) and cfg.precision.name == recipe
+    assert cfg.name == f"tiny-{recipe}" and cfg.run_dir == f"runs/tiny-{recipe}"
+
+
+def test_recipe_configs_cover_the_registry():
+    assert set(RECIPES) == set(list_recipes())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "nemotron_h_8b", "nemotron_h_8b_paper"])
+def test_each_model_preset_composes_to_the_registered_preset(preset):
+    assert compose_job_config([f"model={preset}"]).model == get_model_config(preset)
+
+
+@pytest.mark.parametrize("data", ["tiny", "olmo_mix_189b"])
+def test_each_data_preset_composes(data):
+    assert isinstance(compose_job_config([f"data={data}"]).data, DataConfig)
+
+
+def test_paper_experiment_reproduces_the_8b_run():
+    cfg = compose_job_config(["experiment=nemotron_h_8b_ue5m3"])
+    assert cfg.model == get_model_config("nemotron_h_8b_paper") and cfg.model.num_key_value_heads == 4
+    assert cfg.precision.name == "ue5m3" and cfg.distributed.backend == "fsdp"
+    assert (cfg.optim.lr, cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay) == (
+        8e-4, 0.9, 0.95, 1e-8, 0.1)  # fmt: skip
+    assert (cfg.schedule.name, cfg.schedule.warmup_steps, cfg.schedule.decay_fraction, cfg.schedule.min_lr_ratio) == (
+        "wsd", 0, 0.15, 0.01)  # fmt: skip
+    assert (cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.train.grad_clip) == (8192, 768, 42, 1.0)
+    assert compute_budget(cfg.train, dp_size=32).total_steps == 30_000
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4"])
+def test_tiny_experiments_compose(recipe):
+    cfg = compose_job_config([f"experiment=tiny_{recipe}"])
+    assert cfg.precision.name == recipe and cfg.model == get_model_config("tiny")
+
+
+def test_misspelled_key_fails_with_its_name():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError), match="lrr"):
+        compose_job_config(["optim.lrr=1e-3"])
+
+
+def test_wrong_type_fails():
+    with pytest.raises((ConfigCompositionException, ValidationError), match="train.global_batch|global_batch"):
+        compose_job_config(["train.global_batch=many"])
+
+
+def test_unknown_recipe_lists_the_options():
+    with pytest.raises(ConfigCompositionException, match="ue5m3"):
+        compose_job_config(["precision=fp3"])
+
+
+def test_invalid_value_is_rejected_by_the_dataclass():
+    with pytest.raises(ValueError, match="train.dtype='float16'"):
+        compose_job_config(["train.dtype=float16"])
