@@ -4,7 +4,7 @@ lm-eval has no plugin entry point for models, so the adapter is registered when 
 is imported. Run lm-eval's command line through it:
 
     python -m nemofp4.evaluation.lm_eval_adapter run --model nemofp4 \\
-        --model_args checkpoint=runs/tiny-ue5m3,policy=current --tasks mmlu
+        --model_args checkpoint=runs/tiny-ue5m3,policy=current --batch_size 8 --tasks mmlu
 
 or call ``lm_eval.simple_evaluate(model="nemofp4", ...)`` after ``register_lm_eval_model()``.
 Log-likelihood requests only (multiple-choice and perplexity-style tasks): generation requests
@@ -14,9 +14,11 @@ built-in runner, so the two agree exactly on the same task.
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
+import torch
 from lm_eval.api.model import LM
 
 from .multiple_choice import encode_request, score_requests
@@ -66,6 +68,10 @@ class NemoFP4LM(LM):
                 raise ValueError("NemoFP4LM(forward=...) needs the tokenizer too")
             self._forward, self.tokenizer, self._device = forward, tokenizer, _forward_device(forward)
             return
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's command line passes --device cuda by default.
+            logging.getLogger("nemofp4").warning("device=%s requested but CUDA is unavailable; using the CPU", device)
+            device = "cpu"
         if checkpoint is None:
             raise ValueError("NemoFP4LM needs checkpoint=<run dir, step folder or HF folder> (or forward= and tokenizer=)")
         self._session = EvalSession.open(
@@ -150,15 +156,17 @@ def write_local_task_config(task_file: str | Path, folder: str | Path, name: str
 
 def main(argv: list[str] | None = None) -> None:
     """lm-eval's own command line with the ``nemofp4`` model registered."""
-    register_lm_eval_model()
     from lm_eval.__main__ import cli_evaluate
+
+    from nemofp4.evaluation.lm_eval_adapter import register_lm_eval_model as register  # the importable class
+
+    register()
 
     sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     cli_evaluate()
 
 
-# Importing the module is what registers the model (lm-eval has no model entry points).
-register_lm_eval_model()
-
 if __name__ == "__main__":
     main()
+else:  # importing the module is what registers the model (lm-eval has no model entry points)
+    register_lm_eval_model()

@@ -94,3 +94,20 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "nemofp4.cli.evaluate", f"checkpoint={tmp_path / 'none'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0 and "no such step folder or run directory" in proc.stderr
+
+
+def test_lm_eval_model_name_loads_the_checkpoint(nvfp4_run, monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from nemofp4.evaluation.lm_eval_adapter import LOCAL_TASKS_DIR
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = lm_eval.simple_evaluate(
+        model="nemofp4", model_args={"checkpoint": str(nvfp4_run), "policy": "current"}, batch_size=8,
+        tasks=["austen_cloze"], task_manager=TaskManager(include_path=str(LOCAL_TASKS_DIR), include_defaults=False),
+        limit=2, bootstrap_iters=0, log_samples=False,
+    )  # fmt: skip
+    builtin = evaluate(EvaluateConfig(checkpoint=str(nvfp4_run), val_data="none", tasks=[str(TASK)], task_limit=2,
+                                      task_batch_size=8, device="cpu"))  # fmt: skip
+    assert out["results"]["austen_cloze"]["acc,none"] == builtin["tasks"]["austen_cloze"]["acc"]
