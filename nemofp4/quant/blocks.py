@@ -25,6 +25,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +38,31 @@ __all__ = ["BlockOperand", "PackedOperand", "quantize_operand"]
 _FP4_MAX = 6.0
 _FLT_MAX = torch.finfo(torch.float32).max
 _E2M1_EMAX = 2  # floor(log2(6)): OCP MX's shared-exponent offset for FP4 payloads
+_TREE_MIN_ELEMENTS = 1 << 17
+
+
+def _global_scales(scale_format: str, g: torch.Tensor, scale_target: float):
+    """(tensor_scale = 1/G as a float32 0-d tensor, G * fp32(1/6)) in the reference's FP32 order.
+
+    On CPU the few scalar operations run on numpy float32 scalars (IEEE single precision, the
+    same results as float32 tensor ops) instead of a dozen 0-d tensor ops; elsewhere they stay on
+    the device so nothing synchronizes.
+    """
+    if g.device.type == "cpu":
+        g32 = np.float32(g.item())
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            multiplier = np.minimum(np.float32(scale_target * _FP4_MAX) / g32, np.float32(_FLT_MAX))
+        if (multiplier == 0) if scale_format == "e4m3" else (g32 == 0):
+            multiplier = np.float32(1.0)
+        tensor_scale = np.float32(1.0) / multiplier
+        return torch.tensor(tensor_scale, dtype=torch.float32), float(multiplier * np.float32(1.0 / _FP4_MAX))
+    device = g.device
+    multiplier = torch.minimum(_constant(scale_target * _FP4_MAX, device) / g, _constant(_FLT_MAX, device))
+    if scale_format == "e4m3":  # TE: g = 0 gives FLT_MAX; only g = inf (multiplier 0) -> 1
+        multiplier = torch.where(multiplier == 0, 1.0, multiplier)
+    else:  # the UE5M3 emulator: g = 0 -> G = 1
+        multiplier = torch.where(g == 0, 1.0, multiplier)
+    return torch.reciprocal(multiplier), multiplier * _constant(1.0 / _FP4_MAX, device)
 
 
 @dataclass
@@ -218,9 +244,11 @@ def _scale_codes(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
 
 
 def _block_amax(magnitude_blocks: torch.Tensor) -> torch.Tensor:
-    """max over the last dim (a block): a halving tree of maximums, ~2x faster on CPU than
-    ``amax(-1)`` over a short last dim; exact either way."""
+    """max over the last dim (a block): for large tensors a halving tree of maximums, ~2x faster
+    on CPU than ``amax(-1)`` over a short last dim (small ones: one op); exact either way."""
     m = magnitude_blocks
+    if m.numel() < _TREE_MIN_ELEMENTS:
+        return m.amax(-1)
     while m.shape[-1] > 1 and m.shape[-1] % 2 == 0:
         half = m.shape[-1] // 2
         m = torch.maximum(m[..., :half], m[..., half:])
@@ -282,14 +310,7 @@ def quantize_operand(
         underflow = lambda: (unclamped < -127) & (block_amax > 0)
     else:
         fmt = get_format(op.scale_format)
-        numerator = _constant(op.scale_target * _FP4_MAX, device)
-        multiplier = torch.minimum(numerator / g, _constant(_FLT_MAX, device))
-        if op.scale_format == "e4m3":  # TE: g = 0 gives FLT_MAX; only g = inf (multiplier 0) -> 1
-            multiplier = torch.where(multiplier == 0, 1.0, multiplier)
-        else:  # the UE5M3 emulator: g = 0 -> G = 1
-            multiplier = torch.where(g == 0, 1.0, multiplier)
-        tensor_scale = torch.reciprocal(multiplier)
-        code_multiplier = multiplier * _constant(1.0 / _FP4_MAX, device)
+        tensor_scale, code_multiplier = _global_scales(op.scale_format, g, op.scale_target)
         ideal = (block_amax * code_multiplier).clamp_(max=_FLT_MAX)
         block_scale = _round_scale_rne(ideal.clamp(max=fmt.max_finite), op.scale_format)
         saturated = lambda: ideal > fmt.max_finite
@@ -306,11 +327,8 @@ def quantize_operand(
     magnitude = blocks.mul_(per_element(encode)).view(rows_p, cols_p)
     counts = {}
     if stats:  # block-level counts only: cheap, on the device, read lazily
-        counts = {
-            "saturated_blocks": torch.count_nonzero(saturated()),
-            "underflow_blocks": torch.count_nonzero(underflow()),
-            "zero_blocks": torch.count_nonzero(block_amax == 0),
-        }
+        masks = torch.stack((saturated(), underflow(), block_amax == 0)).view(3, -1)
+        counts = dict(zip(("saturated_blocks", "underflow_blocks", "zero_blocks"), masks.count_nonzero(1)))
     magnitude.clamp_(max=_FP4_MAX)
     inv_table, magic_table, offset_table = _binade_tables(device)
     # int(|y|) in 0..6 picks the binade; the clamp keeps a NaN (int -> INT_MIN) a valid index,

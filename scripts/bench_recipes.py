@@ -1,0 +1,231 @@
+"""Training-step time and saved-activation memory of every emulated precision recipe vs bf16.
+
+    python scripts/bench_recipes.py [--repeats 7] [--batch 4] [--seq-len 256] [--threads 1]
+
+Two workloads, all recipes side by side in one run:
+
+* ``tiny``: one training step (forward, loss, backward, AdamW) of the ``tiny`` Nemotron-H
+  preset. Its 6 layers are fewer than the 8 final layers NVFP4 keeps in BF16, so the recipes
+  with a BF16 tail keep ``--tiny-bf16-last-layers`` (1) instead; the table says so.
+* ``linear4096``: forward + backward of one 4096 x 4096 linear on ``--linear-tokens`` tokens.
+
+Time: float32 on CPU (the trainer's CPU default), recipes interleaved round after round, median
+of ``--repeats`` rounds after a warm-up round; ratios are against bf16 in the same run. Threads
+default to 1: the CI machine's 2 cores are shared, and with 2 intra-op threads many small ops
+mostly wait on each other.
+
+Memory: the tensors autograd saves during one forward pass, counted once per storage
+(parameters excluded), run under CPU autocast to bfloat16 as a GPU run would be: an
+``nn.Linear`` then saves a BF16 copy of its input, an FP4 linear its packed codes. "FP4
+linears" sums the saves made inside the linears a recipe converts to FP4, against the same
+linears in bf16. (The memory pass of the 4096 linear uses ``--memory-tokens`` tokens: BF16
+matmuls are slow on CPU, and every saved size is proportional to the tokens.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemofp4.models import build_model, get_model_config
+from nemofp4.quant import set_step
+from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
+
+RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_all_fp4_no_rht", "mxfp4"]
+
+
+def _recipe(name: str, bf16_last_layers: int | None):
+    knobs = {}
+    if bf16_last_layers is not None and "num_bf16_last_layers" in recipe_knobs(name):
+        knobs["num_bf16_last_layers"] = bf16_last_layers
+    return get_recipe(name, **knobs), knobs
+
+
+def build_tiny(name: str, bf16_last_layers: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(get_model_config("tiny"), device="meta")
+    recipe, knobs = _recipe(name, bf16_last_layers)
+    table = apply_recipe(model, recipe, log=False)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model, table, knobs
+
+
+class _Single(nn.Module):
+    """One linear named like a model's, so the recipes' rules select it (plus a small unused
+    lm_head for the rule that every FP4 recipe has for it)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module()])
+        self.layers[0].mixer = nn.Module()
+        self.layers[0].mixer.up_proj = nn.Linear(width, width, bias=False)
+        self.lm_head = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.layers[0].mixer.up_proj(x)
+
+
+def build_linear(name: str, width: int):
+    torch.manual_seed(0)
+    model = _Single(width)
+    recipe, _ = _recipe(name, 0)
+    table = apply_recipe(model, recipe, log=False)
+    return model, table
+
+
+# ----------------------------------------------------------------------------------- timing
+def _tiny_step(model, optimizer, ids, step):
+    set_step(model, step)
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def time_tiny(args) -> dict[str, float]:
+    vocab = get_model_config("tiny").vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for name in RECIPES:
+        model, _, _ = build_tiny(name, args.tiny_bf16_last_layers)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    times = {name: [] for name in RECIPES}
+    for round_index in range(args.repeats + 1):
+        for name, (model, optimizer) in runs.items():
+            start = time.perf_counter()
+            _tiny_step(model, optimizer, ids, round_index + 1)
+            if round_index:  # round 0 warms up
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def time_linear(args) -> dict[str, float]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(args.linear_tokens, args.width, generator=g)
+    dy = torch.randn(args.linear_tokens, args.width, generator=g)
+    runs = {name: build_linear(name, args.width)[0] for name in RECIPES}
+    times = {name: [] for name in RECIPES}
+    for round_index in range(args.repeats + 1):
+        for name, model in runs.items():
+            set_step(model, round_index + 1)
+            xi = x.clone().requires_grad_()
+            start = time.perf_counter()
+            model(xi).backward(dy)
+            if round_index:
+                times[name].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# ----------------------------------------------------------------------------------- memory
+@contextmanager
+def saved_tensor_accounting(model: nn.Module):
+    """Yields {module fqn or '(other)': bytes} of tensors saved for backward, unique storages."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    totals: dict[str, int] = {}
+    stack: list[str] = []
+    handles = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            handles.append(module.register_forward_pre_hook(lambda m, a, fqn=fqn: stack.append(fqn) and None))
+            handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            owner = stack[-1] if stack else "(other)"
+            totals[owner] = totals.get(owner, 0) + t.untyped_storage().nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield totals
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def memory(build, inputs) -> dict[str, tuple[int, int, dict[str, int]]]:
+    """recipe -> (all saved bytes, bytes saved inside linears, per-linear bytes)."""
+    out = {}
+    for name in RECIPES:
+        model, table = build(name)
+        set_step(model, 1)
+        with saved_tensor_accounting(model) as totals, torch.autocast("cpu", dtype=torch.bfloat16):
+            result = model(inputs)
+        del result
+        linears = {k: v for k, v in totals.items() if k != "(other)"}
+        fp4 = {row.fqn for row in table.rows if row.kind == "fp4"}
+        out[name] = (sum(totals.values()), sum(linears.values()), linears, fp4)
+    return out
+
+
+def _fp4_ratio(mem, name) -> str:
+    _, _, linears, fp4 = mem[name]
+    if not fp4:
+        return "-"
+    bf16_linears = mem["bf16"][2]
+    ours = sum(linears.get(f, 0) for f in fp4)
+    theirs = sum(bf16_linears.get(f, 0) for f in fp4)
+    return f"{theirs / ours:.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--linear-tokens", type=int, default=1024)
+    parser.add_argument("--memory-tokens", type=int, default=64)
+    parser.add_argument("--tiny-bf16-last-layers", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}")
+
+    tiny_time = time_tiny(args)
+    linear_time = time_linear(args)
+    vocab = get_model_config("tiny").vocab_size
+    tiny_ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(3))
+    tiny_mem = memory(lambda n: build_tiny(n, args.tiny_bf16_last_layers)[:2], tiny_ids)
+    linear_mem = memory(lambda n: build_linear(n, args.width), torch.randn(args.memory_tokens, args.width))
+
+    print(f"\n## tiny model, {args.batch}x{args.seq_len} tokens, training step (median of {args.repeats})")
+    print("| recipe | FP4 linears | step s | vs bf16 | saved MiB (all) | saved MiB (linears) | FP4 linears vs bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    for name in RECIPES:
+        _, table, knobs = build_tiny(name, args.tiny_bf16_last_layers)
+        total, lin, _, _ = tiny_mem[name]
+        label = name + (f" ({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else "")
+        print(
+            f"| {label} | {table.count('fp4')} | {tiny_time[name]:.3f} | {tiny_time[name] / tiny_time['bf16']:.2f}x | "
+            f"{total / 2**20:.2f} | {lin / 2**20:.2f} | {_fp4_ratio(tiny_mem, name)} |"
+        )
+    print(f"\n## one {args.width}x{args.width} linear, {args.linear_tokens} tokens, forward+backward "
+          f"(memory at {args.memory_tokens} tokens)")
+    print("| recipe | fwd+bwd s | vs bf16 | saved KiB | vs bf16 |")
+    print("|---|---|---|---|---|")
+    for name in RECIPES:
+        total = linear_mem[name][0]
+        print(
+            f"| {name} | {linear_time[name]:.3f} | {linear_time[name] / linear_time['bf16']:.2f}x | "
+            f"{total / 2**10:.1f} | {_fp4_ratio(linear_mem, name) if name != 'bf16' else '1.00x'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
