@@ -5,6 +5,7 @@ reference (amax) state, and the model-level controls the trainer calls.
     set_step(model, step, seed=seed, rank=rank)   # once per optimizer step, before forward
 """
 
+from .blocks import BlockOperand, PackedOperand, quantize_operand
 from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
 from .linear import FP32Linear, QuantLinear
@@ -26,11 +27,13 @@ __all__ = [
     "GEMM_MODES",
     "ROUNDING_MODES",
     "SCALE_FORMATS",
+    "BlockOperand",
     "FP32Linear",
     "GemmOperand",
     "HeldReference",
     "LinearQuantConfig",
     "OperandQuant",
+    "PackedOperand",
     "QuantLinear",
     "ReferenceState",
     "Role",
@@ -40,6 +43,7 @@ __all__ = [
     "load_reference_state_dict",
     "quant_linears",
     "quant_stats",
+    "quantize_operand",
     "reference_gemm",
     "reference_state_dict",
     "reset_references",

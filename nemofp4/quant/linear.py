@@ -259,8 +259,8 @@ class QuantLinear(nn.Linear):
         self._generator: torch.Generator | None = None
         self._generator_seed: int | None = None
         self.collect_stats = True
-        self._stats: dict[str, dict[str, torch.Tensor]] = {}
-        self._capture: list | None = None
+        self._stats: dict[str, BlockOperand] = {}
+        self._capture: list | None = None  # test hook: a list collects every GEMM (operands, product)
 
     # ----------------------------------------------------------------- step, seeds, references
     def set_step(self, step: int, *, seed: int = 0, rank: int = 0) -> None:

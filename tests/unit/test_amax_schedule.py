@@ -18,6 +18,7 @@ from nemofp4.quant import (
     reference_state_dict,
     reset_references,
     set_amax_reduce_group,
+    set_held_reference_reduce_group,
     set_step,
 )
 from nemofp4.recipes import apply_recipe, get_recipe
@@ -192,12 +193,23 @@ def test_quant_stats_reports_every_layer_and_role():
 def _reduce_worker(rank: int, world: int, init_file: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        x = torch.full((16, 32), float(rank + 1), requires_grad=True)  # rank r: amax r + 1
+        dy = torch.full((16, 16), float(10 * (rank + 1)))
+        # every measured amax reduced (tensor parallelism)
         layer = _layer(reference_interval=50)
         set_amax_reduce_group(layer, dist.group.WORLD)
         set_step(layer, 1)
-        x = torch.full((16, 32), float(rank + 1), requires_grad=True)  # rank r: amax r + 1
-        layer(x).backward(torch.full((16, 16), float(10 * (rank + 1))))
-        results[rank] = (float(layer.references.held["x"].amax), float(layer.references.held["dy"].amax))
+        layer(x).backward(dy)
+        reduced = (float(layer.references.held["x"].amax), float(layer.references.held["dy"].amax))
+        # only the samples of held references reduced (data parallelism): current scaling stays local
+        held, current = _layer(reference_interval=50), _layer(reference_interval=0)
+        for module in (held, current):
+            set_held_reference_reduce_group(module, dist.group.WORLD)
+            set_step(module, 1)
+            module._capture = []
+            module(x).backward(dy)
+        local = float(current._capture[0][1].tensor_amax)  # fprop X's reference, measured per rank
+        results[rank] = (reduced, float(held.references.held["x"].amax), local)
     finally:
         dist.destroy_process_group()
 
@@ -212,4 +224,4 @@ def test_amax_is_all_reduced_over_the_group():
         for process in ranks:
             process.join(timeout=120)
         assert [p.exitcode for p in ranks] == [0, 0]
-        assert dict(results) == {0: (2.0, 20.0), 1: (2.0, 20.0)}
+        assert dict(results) == {0: ((2.0, 20.0), 2.0, 1.0), 1: ((2.0, 20.0), 2.0, 2.0)}
