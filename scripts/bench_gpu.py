@@ -134,10 +134,10 @@ def quantize_section(copy_gbs: float, quick: bool) -> None:
         )
     # a small sweep of tile shapes (BM x BK, warps) for the main kernels
     sweeps = {
-        "UE5M3 1x16 held": (dict(scale_format="ue5m3", tensor_amax=g), [(16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 256, 8), (32, 64, 4), (64, 64, 8)]),
-        "UE5M3 + x.T held": (dict(scale_format="ue5m3", tensor_amax=g, transposed=True), [(32, 64, 8), (16, 128, 8), (64, 64, 8), (32, 128, 8), (16, 64, 4)]),
-        "UE5M3 sr8 held": (dict(scale_format="ue5m3", tensor_amax=g, rounding="sr8"), [(16, 128, 4), (8, 128, 4), (16, 128, 8), (32, 64, 8)]),
-        "e4m3 16x16 tiles": (dict(scale_format="e4m3", tensor_amax=g, two_d=True), [(16, 128, 4), (32, 128, 8), (16, 256, 8)]),
+        "UE5M3 1x16 held": (dict(scale_format="ue5m3", tensor_amax=g), [(16, 128, 4), (32, 128, 8), (32, 128, 4), (16, 256, 8), (8, 256, 4), (64, 128, 8)]),
+        "UE5M3 + x.T held": (dict(scale_format="ue5m3", tensor_amax=g, transposed=True), [(16, 128, 4), (32, 64, 8), (16, 256, 8), (32, 128, 8), (64, 64, 8)]),
+        "UE5M3 sr8 held": (dict(scale_format="ue5m3", tensor_amax=g, rounding="sr8"), [(16, 128, 4), (32, 128, 8), (16, 256, 8), (32, 64, 4)]),
+        "e4m3 16x16 tiles": (dict(scale_format="e4m3", tensor_amax=g, two_d=True), [(16, 128, 4), (32, 128, 4), (16, 256, 8)]),
     }  # fmt: skip
     for name, (kwargs, configs) in sweeps.items():
         best = None

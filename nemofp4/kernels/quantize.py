@@ -363,20 +363,18 @@ def _seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor
 
 def _tile_config(block_size: int, two_d: bool, transposed: bool, interpret: bool) -> dict:
     """Tile sizes and warps. Rows per tile are a multiple of the block (and of 16, the SR lane
-    group) when tiles or the transposed blocks run along rows. The GPU choices keep each thread
-    at 8-16 elements: ptxas (sm_90) reports 96 registers for the row-wise kernel at 16x128 with
-    4 warps, 48 for 16x16 tiles, 108 for the fused transposed kernel at 32x64 with 8 warps, all
-    without spills; scripts/bench_gpu.py sweeps alternatives on a GPU."""
+    group) when tiles or the transposed blocks run along rows. On the GPU each thread holds 16
+    elements (two 16-byte loads of bf16); ptxas (sm_90, sizes divisible by 16) reports 58
+    registers for the row-wise kernel (64 with sr8), 48 for 16x16 tiles and 96 for the fused
+    transposed kernel, without spills, so 5-10 blocks of 128 threads fit on an SM and keep
+    20-40 KB of loads in flight per SM. scripts/bench_gpu.py sweeps alternatives on a GPU."""
     if interpret:  # the interpreter's cost is per program: few, large tiles (same results)
         return {"BM": max(64 if transposed else 32, block_size) if (two_d or transposed) else 128,
                 "BK": max(64 if transposed else 128, block_size)}  # fmt: skip
-    if transposed:
-        config = {"BM": max(32, block_size), "BK": max(64, block_size), "num_warps": 8}
-    else:
-        config = {"BM": max(16, block_size) if two_d else 16, "BK": max(128, block_size), "num_warps": 4}
+    bm = max(16, block_size) if (two_d or transposed) else 16
     # no multiply-add contraction: every product in the kernels is exact anyway, but the numerics
     # should not depend on a compiler default (Triton 3.10 changes it)
-    return {**config, "enable_fp_fusion": False}
+    return {"BM": bm, "BK": max(128, block_size), "num_warps": 4, "enable_fp_fusion": False}
 
 
 def _describe(x) -> str:
