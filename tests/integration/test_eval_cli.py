@@ -38,7 +38,8 @@ def train_tiny(run_dir: Path, *overrides: str) -> None:
 def nvfp4_run(tmp_path_factory):
     # NVFP4 uses current scaling, so the trainer's eval is exactly the 'current' policy.
     run = tmp_path_factory.mktemp("eval") / "nvfp4"
-    train_tiny(run, "precision=nvfp4", "precision.num_bf16_last_layers=2", "train.max_steps=3")
+    train_tiny(run, "precision=nvfp4", "precision.num_bf16_last_layers=2", "train.max_steps=3",
+               "logging.quant_stats_interval=1")
     return run
 
 
@@ -111,3 +112,19 @@ def test_lm_eval_model_name_loads_the_checkpoint(nvfp4_run, monkeypatch):
     builtin = evaluate(EvaluateConfig(checkpoint=str(nvfp4_run), val_data="none", tasks=[str(TASK)], task_limit=2,
                                       task_batch_size=8, device="cpu"))  # fmt: skip
     assert out["results"]["austen_cloze"]["acc,none"] == builtin["tasks"]["austen_cloze"]["acc"]
+
+
+def test_quant_plots_from_the_run(nvfp4_run, tmp_path):
+    from tests.unit.test_eval_quant_plot import plot_script
+
+    out = tmp_path / "plots"
+    written = plot_script().main([str(nvfp4_run), "--checkpoint", str(nvfp4_run), "--out", str(out), "--sequences", "2"])
+    assert [p.name for p in written] == ["nvfp4_blocks.png", "scale_exponents.png"]
+    for path in written:
+        assert path.read_bytes()[:4] == b"\x89PNG"
+    histograms = json.loads((out / "scale_exponents.json").read_text())
+    # X of layer 0's in_proj: 2 sequences x 64 tokens x 128 features in 16-element blocks, per format.
+    for fmt in ("ue5m3", "e4m3"):
+        counts = histograms["layers.0.mixer.in_proj:x"][fmt]
+        assert sum(counts.values()) == 2 * 64 * 128 // 16
+        assert max(int(e) for e in counts) <= 8  # block codes <= T = 448 < 2^9 under the current amax

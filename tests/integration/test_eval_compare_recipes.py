@@ -1,4 +1,4 @@
-"""scripts/compare_recipes.py on a very short budget (6 steps, 2 recipes, 1 seed): trains, evaluates every policy, writes the
+"""scripts/compare_recipes.py on a very short budget (4 steps, 2 recipes, 1 seed): trains, evaluates every policy, writes the
 table, results and plots; a second invocation collects the finished runs without retraining."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "eval.num_sequences=8",
-         "eval.batch_size=4", "eval.interval=3", "checkpoint.interval=0", "schedule.warmup_steps=2"]  # fmt: skip
+         "eval.batch_size=4", "eval.interval=2", "checkpoint.interval=0", "schedule.warmup_steps=2"]  # fmt: skip
 
 
 def _script():
@@ -24,7 +24,7 @@ def _script():
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     base = tmp_path_factory.mktemp("study")
-    argv = ["--study", "smoke", "--recipes", "bf16", "ue5m3", "--seeds", "1", "--steps", "6",
+    argv = ["--study", "smoke", "--recipes", "bf16", "ue5m3", "--seeds", "1", "--steps", "4",
             "--runs-root", str(base / "runs"), "--out", str(base / "out"), "--calibration-sequences", "2",
             "--delay", "1", "--window", "3", "--threads", "1"]  # fmt: skip
     for override in SMALL:
@@ -40,7 +40,7 @@ def test_study_writes_table_results_and_plots(study):
     table = results["summary"]["table"]
     assert set(table) == {"bf16", "ue5m3"}
     for run in results["runs"]:
-        assert run["steps"] == list(range(1, 7))
+        assert run["steps"] == list(range(1, 5))
         assert run["final_loss"] == pytest.approx(sum(run["loss"][-3:]) / 3)
         # delay=1 makes delayed replay the current policy; BF16 has no FP4 linear so all its policies agree.
         assert run["nll"]["delayed"] == run["nll"]["current"]
@@ -68,4 +68,4 @@ def test_second_invocation_collects_without_retraining(study):
     _script().main([*argv, "--launcher", "none"])
     assert metrics.stat().st_mtime_ns == before
     with pytest.raises(SystemExit, match="not finished"):
-        _script().main([*argv, "--launcher", "none", "--steps", "8"])
+        _script().main([*argv, "--launcher", "none", "--steps", "5"])
