@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nemofp4.quant import FP32Linear
+
 BACKENDS = ("none", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -71,6 +73,10 @@ def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str) ->
         mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    if isinstance(getattr(model, "lm_head", None), FP32Linear):
+        # the FP4 recipes run the LM head in FP32: its own group keeps FSDP from casting it to BF16
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=fp32, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
 
 

@@ -6,8 +6,8 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from nemofp4.cli.train import compose_job_config
 from nemofp4.data import DataConfig
-from nemofp4.models import get_model_config
-from nemofp4.recipes import list_recipes
+from nemofp4.models import build_model, get_model_config
+from nemofp4.recipes import apply_recipe, list_recipes, recipe_from_config
 from nemofp4.training.config import JobConfig, compute_budget
 
 RECIPES = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4"]
@@ -47,9 +47,12 @@ def test_paper_experiment_reproduces_the_8b_run():
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4"])
-def test_tiny_experiments_compose(recipe):
+def test_tiny_experiments_compose_and_their_recipe_applies(recipe):
     cfg = compose_job_config([f"experiment=tiny_{recipe}"])
     assert cfg.precision.name == recipe and cfg.model == get_model_config("tiny")
+    table = apply_recipe(build_model(cfg.model, device="meta"), recipe_from_config(cfg.precision), log=False)
+    if recipe != "bf16":
+        assert table.count("fp4") >= 10  # at most one of the six layers (two linears) kept in BF16
 
 
 def test_misspelled_key_fails_with_its_name():
