@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemofp4.models import build_model, get_model_config
-from nemofp4.quant import set_step
+from nemofp4.quant import set_quant_stats, set_step
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
 
 RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_all_fp4_no_rht", "mxfp4"]
@@ -98,6 +98,7 @@ def time_tiny(args) -> dict[str, float]:
     runs = {}
     for name in RECIPES:
         model, _, _ = build_tiny(name, args.tiny_bf16_last_layers)
+        set_quant_stats(model, args.stats)  # the trainer collects them only on logging steps
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     times = {name: [] for name in RECIPES}
     for round_index in range(args.repeats + 1):
@@ -114,6 +115,8 @@ def time_linear(args) -> dict[str, float]:
     x = torch.randn(args.linear_tokens, args.width, generator=g)
     dy = torch.randn(args.linear_tokens, args.width, generator=g)
     runs = {name: build_linear(name, args.width)[0] for name in RECIPES}
+    for model in runs.values():
+        set_quant_stats(model, args.stats)
     times = {name: [] for name in RECIPES}
     for round_index in range(args.repeats + 1):
         for name, model in runs.items():
@@ -192,6 +195,8 @@ def main() -> None:
     parser.add_argument("--memory-tokens", type=int, default=64)
     parser.add_argument("--tiny-bf16-last-layers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--stats", action="store_true",
+                        help="collect quantization statistics every step (the trainer does so only on logging steps)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")

@@ -31,6 +31,7 @@ from nemofp4.quant import (
     reference_state_dict,
     reset_references,
     set_held_reference_reduce_group,
+    set_quant_stats,
     set_step,
 )
 from nemofp4.recipes import apply_recipe, recipe_from_config
@@ -329,6 +330,8 @@ class Trainer:
             with torch.no_grad():
                 dict(self.model.named_parameters())[cfg.debug.nan_param].fill_(float("nan"))
         set_step(self.model, step, seed=cfg.train.seed, rank=self.rank)
+        stats_interval = cfg.logging.quant_stats_interval
+        set_quant_stats(self.model, bool(stats_interval) and step % stats_interval == 0)  # only when logged
         lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, self.budget.total_steps)
         set_lr(self.engine.optimizer if self.engine is not None else self.optimizer, lr)
         if self.engine is None:
