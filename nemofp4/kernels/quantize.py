@@ -210,12 +210,12 @@ def triton_quantize(
             amax_out = torch.zeros(1, dtype=torch.int32, device=device)
             g = amax_out.view(torch.float32)
         else:
-            g = torch.as_tensor(tensor_amax, dtype=torch.float32).to(device).reshape(1)
+            g = _reference_tensor(tensor_amax, device)
     elif tensor_amax is None:
         g = triton_amax(x2d).reshape(1)
     else:
-        g = torch.as_tensor(tensor_amax, dtype=torch.float32).to(device).reshape(1)
-    seed_t = _seed_tensor(seed, device)
+        g = _reference_tensor(tensor_amax, device)
+    seed_t = _seed_tensor(seed, device, rounding)
 
     def outputs(n_rows: int, n_cols: int, scale_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
         return {
@@ -333,6 +333,13 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _reference_tensor(tensor_amax: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """float32 [1] on ``device``; a Python number is filled in on the device (no host copy)."""
+    if isinstance(tensor_amax, torch.Tensor):
+        return tensor_amax.detach().to(device=device, dtype=torch.float32).reshape(1)
+    return torch.full((1,), _fp32(tensor_amax), dtype=torch.float32, device=device)
+
+
 def _fp32(value: float) -> float:
     """``value`` rounded to float32 (RNE), as ``torch.tensor(value, dtype=float32)`` rounds it."""
     return float(torch.tensor(value, dtype=torch.float32))
@@ -349,7 +356,9 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _DUMMIES[key]
 
 
-def _seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+def _seed_tensor(seed: int | torch.Tensor, device: torch.device, rounding: str) -> torch.Tensor:
+    """The seed as a one-element int64 device tensor, made without a host-to-device copy (a copy
+    from pageable memory would wait for the stream: one synchronization per quantization)."""
     if isinstance(seed, torch.Tensor):
         if seed.dtype != torch.int64 or seed.numel() != 1:
             raise ValueError(
@@ -358,7 +367,9 @@ def _seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor
         return seed.reshape(1).to(device)
     if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
         raise ValueError(f"seed must be an int in the int64 range or an int64 tensor, got {seed!r}")
-    return torch.tensor([seed], dtype=torch.int64, device=device)
+    if rounding == "rne":  # draws nothing
+        return _dummy(device, torch.int64)
+    return torch.full((1,), seed, dtype=torch.int64, device=device)
 
 
 def _tile_config(block_size: int, two_d: bool, transposed: bool, interpret: bool) -> dict:
