@@ -47,6 +47,9 @@ class TrainConfig:
     (drop the update, count it, go on)."""
     max_skipped_steps: int = 10
     """With nonfinite=skip: stop once this many steps were skipped in total."""
+    kernels: str = "auto"
+    """FP4 quantization kernels: 'auto' (fused Triton kernels on CUDA when importable, else the PyTorch
+    reference) or 'reference' (always the PyTorch reference; same numerics for RNE)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "micro_batch"):
@@ -56,6 +59,8 @@ class TrainConfig:
             raise ValueError(f"train.dtype={self.dtype!r}; valid: {COMPUTE_DTYPES}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"train.nonfinite={self.nonfinite!r}; valid: {NONFINITE_POLICIES}")
+        if self.kernels not in ("auto", "reference"):
+            raise ValueError(f"train.kernels={self.kernels!r}; valid: 'auto', 'reference'")
         if self.tokens < 0 or self.max_steps < 0:
             raise ValueError(f"train.tokens={self.tokens} and train.max_steps={self.max_steps} must be >= 0")
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches
 from nemofp4.models import build_model, param_groups
 from nemofp4.quant import (
@@ -112,6 +113,7 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.train.seed)
+        kernels.use_triton(cfg.train.kernels == "auto")
         self.loader = build_train_loader(
             cfg.data,
             seq_len=cfg.train.seq_len,
