@@ -37,6 +37,8 @@ class LoggingConfig:
     wandb_project: str = "nemofp4"
     wandb_entity: str = ""
     tensorboard: bool = False
+    plots: bool = True
+    """Draw the loss curves into <run_dir>/plots/loss.png when training ends."""
     quant_stats_interval: int = 0
     """Log per-layer quantization statistics every this many steps (0: never)."""
     peak_tflops: float = 0.0

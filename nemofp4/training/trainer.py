@@ -49,6 +49,7 @@ from nemofp4.training.nonfinite import (
 )
 from nemofp4.training.optim import build_optimizer, set_lr
 from nemofp4.training.parallel import parallelize
+from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler
 from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
 from nemofp4.training.schedule import lr_multiplier
@@ -318,6 +319,9 @@ class Trainer:
             exit_code = preemption.requeue_and_exit_code() if stop_reason == "preempted" else 0
         self.metrics.log("event", self.step, {"event": stop_reason, "tokens_seen": self.tokens_seen})
         self.metrics.close()
+        if self.rank == 0 and cfg.logging.plots:
+            plot = plot_run(self.run_dir, title=f"{cfg.name}: {cfg.precision.name}")
+            print(f"loss curves: {plot.resolve()}", flush=True)
         return {"step": self.step, "stop_reason": stop_reason, "exit_code": exit_code, **last_eval}
 
     def _eval(self) -> dict[str, float]:

@@ -17,7 +17,7 @@ from nemofp4.training.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "model=tiny", "data=tiny", "train.seq_len=64", "train.global_batch=4", "eval.num_sequences=8",
-    "eval.batch_size=4", "eval.interval=0", "logging.wandb=false", "logging.console=false", "optim.lr=3e-3",
+    "eval.batch_size=4", "eval.interval=0", "logging.wandb=false", "logging.console=false", "logging.plots=false", "optim.lr=3e-3",
 ]  # fmt: skip
 
 

@@ -26,6 +26,7 @@ FAST = [
     "eval.interval=0",
     "logging.wandb=false",
     "logging.console=false",
+    "logging.plots=false",
     "optim.lr=3e-3",
 ]
 
@@ -123,6 +124,8 @@ def test_main_command_end_to_end_with_offline_wandb(tmp_path):
     first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-4000:]
     assert f"run directory: {tmp_path.resolve()}" in first.stdout
+    assert f"loss curves: {tmp_path.resolve() / 'plots' / 'loss.png'}" in first.stdout
+    assert (tmp_path / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "step      6/6" in first.stdout and "[eval] step      6" in first.stdout
     train = read_metrics(tmp_path, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
