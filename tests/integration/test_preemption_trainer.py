@@ -1,6 +1,6 @@
 """End to end on CPU: two `srun python -m nemofp4.train` tasks (simulated SLURM environment), one of
 them sent SIGUSR1, agree to stop, checkpoint, requeue through a stand-in scontrol, exit 0; running
-the same command again resumes at the next step. Slow (minutes on 2 cores): run with -m slow."""
+the same command again resumes at the next step."""
 
 import json
 import os
@@ -12,8 +12,6 @@ import sys
 import time
 
 import pytest
-
-pytestmark = pytest.mark.slow
 
 MAX_STEPS = 12
 JOB_ID = "4242"
