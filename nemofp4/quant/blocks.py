@@ -191,12 +191,6 @@ def _constant(value: float, device: torch.device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-@functools.lru_cache(maxsize=32)
-def _sr8_thresholds(device: torch.device) -> torch.Tensor:
-    """r -> 1 - (2r + 1) / 512 for r in 0..255 (exact): round away iff frac >= threshold."""
-    r = torch.arange(256, dtype=torch.float32)
-    return (1.0 - (2 * r + 1) * (1.0 / 512)).to(device)
-
 
 @functools.lru_cache(maxsize=32)
 def _pow2_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,8 +340,9 @@ def quantize_operand(
         frac = scaled_grid.sub_(lower)  # exact fraction of a grid step
         if op.rounding == "sr8":
             # Same values and generator consumption as the reference's int64 draw, 5x faster.
-            r = torch.randint(0, 256, (rows_p * cols_p,), generator=generator, device=device, dtype=torch.int32)
-            threshold = torch.index_select(_sr8_thresholds(device), 0, r).view(rows_p, cols_p)
+            r = torch.randint(0, 256, (rows_p, cols_p), generator=generator, device=device, dtype=torch.float32)
+            # threshold 1 - (2r+1)/512 = (511 - 2r)/512, exact in float32 (multiples of 2^-9 in [0, 1))
+            threshold = r.mul_(-2.0 / 512).add_(511.0 / 512)
             away = torch.ge(frac, threshold, out=threshold)  # 1.0 where frac >= 1 - (2r+1)/512
         else:
             u = torch.rand((rows_p, cols_p), generator=generator, device=device, dtype=torch.float64)
@@ -358,7 +353,7 @@ def quantize_operand(
     if pack:
         # E2M1 code = magnitude code + 8 for a set sign bit (also -0.0), packed two per byte.
         offset = torch.index_select(offset_table, 0, binade).view(rows_p, cols_p)
-        sign_code = torch.copysign(_constant(4.0, device), x32).sub_(4.0).neg_()  # 0 or 8
+        sign_code = torch.signbit(x32).float().mul_(8.0)  # 0 or 8 (8 for -0.0 too)
         codes = sign_code.add_(steps).add_(offset)
         packed = PackedOperand(
             codes=codes[:, 1::2].mul(16.0).add_(codes[:, 0::2]).to(torch.uint8),
