@@ -141,3 +141,12 @@ def test_main_command_end_to_end_with_offline_wandb(tmp_path):
     assert again.returncode == 0, again.stderr[-4000:]
     assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3, 4, 5, 6]
     assert all(p.name.endswith(run_id) for p in (tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_activation_checkpointing_reproduces_the_same_quantization(tmp_path):
+    """Recomputing each block in backward must quantize exactly as the first forward did (RNE in the
+    forward pass, held references reused, the same SR draws in backward): identical losses."""
+    common = ["precision=ue5m3", "train.max_steps=4", "checkpoint.save_final=false"]
+    run_train(tmp_path / "plain", *common)
+    run_train(tmp_path / "ac", *common, "distributed.activation_checkpointing=true")
+    assert train_curve(tmp_path / "ac") == train_curve(tmp_path / "plain")
