@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------- runs
+def _display_path(path: Path) -> str:
+    """Paths inside the repository are recorded relative to it, so committed results name no machine."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def run_dir(args, recipe: str, seed: int) -> Path:
     return args.runs_root / args.study / recipe / f"seed-{seed}"
 
@@ -167,7 +173,7 @@ def collect_run(args, recipe: str, seed: int) -> dict:
     return {
         "recipe": recipe,
         "seed": seed,
-        "run_dir": str(path),
+        "run_dir": _display_path(path),
         "warmup_steps": job.schedule.warmup_steps,
         "steps": [r["step"] for r in train],
         "loss": losses,
@@ -303,7 +309,7 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     plots = plot(args, runs, folder)
     order = ordering(summary) if "current" in args.policies else []
     command = "python scripts/compare_recipes.py " + shlex.join(argv)
-    results = {"command": command, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    results = {"command": command, "args": {k: _display_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "summary": summary, "runs": runs, "ordering_current": order, "paper_ordering": PAPER_ORDER}  # fmt: skip
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     lines = [
