@@ -19,11 +19,13 @@ back to the previous complete one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +84,14 @@ def _world() -> int:
 def _barrier() -> None:
     if _world() > 1:
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every save/load without a process group; one process is a supported layout here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _crc32(path: Path, chunk: int = 1 << 24) -> int:
@@ -223,7 +233,8 @@ class CheckpointManager:
             self._pending = (future, finalize)
             return final
         if dcp_state is not None:
-            dcp.save(dcp_state, checkpoint_id=str(tmp))
+            with _single_process_quiet():
+                dcp.save(dcp_state, checkpoint_id=str(tmp))
         finalize()
         return final
 
@@ -314,7 +325,8 @@ class CheckpointManager:
         self.verify(folder)
         try:
             if dcp_state is not None:
-                dcp.load(dcp_state, checkpoint_id=str(folder))
+                with _single_process_quiet():
+                    dcp.load(dcp_state, checkpoint_id=str(folder))
             if read_collective is not None:
                 read_collective(folder)
             trainer_state = torch.load(folder / TRAINER_STATE, weights_only=False)
