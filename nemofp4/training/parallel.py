@@ -6,12 +6,15 @@ The model code is single-device; this module wraps each block, then the root, in
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nemofp4.quant import FP32Linear
+
+log = logging.getLogger("nemofp4")
 
 BACKENDS = ("none", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,6 +57,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=True)
+    log.info("activation checkpointing: %d blocks recompute in backward", len(model.layers))
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -148,5 +148,6 @@ def test_activation_checkpointing_reproduces_the_same_quantization(tmp_path):
     forward pass, held references reused, the same SR draws in backward): identical losses."""
     common = ["precision=ue5m3", "train.max_steps=4", "checkpoint.save_final=false"]
     run_train(tmp_path / "plain", *common)
-    run_train(tmp_path / "ac", *common, "distributed.activation_checkpointing=true")
+    ac = run_train(tmp_path / "ac", *common, "distributed.activation_checkpointing=true")
+    assert "activation checkpointing: 6 blocks recompute in backward" in ac.stdout + ac.stderr
     assert train_curve(tmp_path / "ac") == train_curve(tmp_path / "plain")
