@@ -22,6 +22,9 @@ from .minifloat import (
     SpecialValues,
     get_format,
     pack_fp4,
+    sr8_bytes,
+    sr8_draws,
+    sr8_words,
     unpack_fp4,
 )
 
@@ -46,5 +49,8 @@ __all__ = [
     "inverse_hadamard_transform",
     "pack_fp4",
     "quantize_blocks",
+    "sr8_bytes",
+    "sr8_draws",
+    "sr8_words",
     "unpack_fp4",
 ]

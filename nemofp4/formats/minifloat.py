@@ -27,7 +27,8 @@ How rounding works (the whole numerics of this module):
   evaluated exactly as ``frac >= 1 - (2r+1)/512``. ``sr`` draws ``u`` uniform on [0, 1)
   in float64 (53 random bits) and rounds away iff ``u < frac``, so the expected value is
   ``x`` up to 2^-53 relative. Random bits come only from the ``generator`` passed in
-  (torch's default generator when it is None), one draw per element, in element order.
+  (torch's default generator when it is None), in element order: ``sr`` one draw per
+  element, ``sr8`` one 24-bit draw per three elements (:func:`sr8_draws`).
 """
 
 from __future__ import annotations
@@ -241,6 +242,28 @@ def check_rounding(rounding: str) -> None:
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDING_MODES)}")
 
 
+def sr8_words(numel: int, generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """The generator draws behind :func:`sr8_draws`: ``ceil(numel / 3)`` int32 values uniform on
+    [0, 2^24), one ``torch.randint`` call (one 32-bit generator output each on CPU)."""
+    return torch.randint(0, 1 << 24, ((numel + 2) // 3,), generator=generator, device=device, dtype=torch.int32)
+
+
+def sr8_bytes(words: torch.Tensor, numel: int) -> torch.Tensor:
+    """int32 random bytes from :func:`sr8_words`: element ``i`` takes byte ``i // m`` (low byte
+    first) of word ``i % m``, ``m = len(words)``; three contiguous planes, cheap to vectorize."""
+    return torch.cat((words & 0xFF, (words >> 8) & 0xFF, words >> 16))[:numel]
+
+
+def sr8_draws(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """uint8 tensor of ``shape``: the random integers ``r`` of ``sr8`` rounding, in element order.
+
+    Each 24-bit draw serves three elements (:func:`sr8_bytes`): the generator is the slow part of
+    stochastic rounding on CPU, and a draw per element would waste three quarters of its bits.
+    """
+    n = math.prod(shape)
+    return sr8_bytes(sr8_words(n, generator, device), n).to(torch.uint8).view(shape)
+
+
 def round_magnitude_to_index(
     fmt: FloatFormat, magnitude: torch.Tensor, rounding: str, generator: torch.Generator | None
 ) -> torch.Tensor:
@@ -262,7 +285,7 @@ def round_magnitude_to_index(
     spacing = grid[upper] - lower_value
     frac = (clamped - lower_value) / torch.where(spacing > 0, spacing, 1.0)
     if rounding == "sr8":
-        r = torch.randint(0, 256, magnitude.shape, generator=generator, device=magnitude.device)
+        r = sr8_draws(tuple(magnitude.shape), generator, magnitude.device).int()
         away = frac >= 1.0 - (2 * r + 1).float() * (1.0 / 512)
     else:
         u = torch.rand(magnitude.shape, generator=generator, device=magnitude.device, dtype=torch.float64)

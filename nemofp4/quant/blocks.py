@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nemofp4.formats import get_format
+from nemofp4.formats import get_format, sr8_bytes, sr8_words
 
 from .config import OperandQuant
 
@@ -339,8 +339,8 @@ def quantize_operand(
         lower = scaled_grid.floor()
         frac = scaled_grid.sub_(lower)  # exact fraction of a grid step
         if op.rounding == "sr8":
-            # Same values and generator consumption as the reference's int64 draw, 5x faster.
-            r = torch.randint(0, 256, (rows_p, cols_p), generator=generator, device=device, dtype=torch.float32)
+            words = sr8_words(rows_p * cols_p, generator, device)  # the reference's draws
+            r = sr8_bytes(words, rows_p * cols_p).float().view(rows_p, cols_p)
             # threshold 1 - (2r+1)/512 = (511 - 2r)/512, exact in float32 (multiples of 2^-9 in [0, 1))
             threshold = r.mul_(-2.0 / 512).add_(511.0 / 512)
             away = torch.ge(frac, threshold, out=threshold)  # 1.0 where frac >= 1 - (2r+1)/512

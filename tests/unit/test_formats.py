@@ -255,14 +255,42 @@ def test_ue5m3_grids_agree_below_the_paper_max():
 
 
 # --------------------------------------------------------------------------- stochastic rounding
+def _documented_sr8_draws(n: int, generator: torch.Generator) -> np.ndarray:
+    m = (n + 2) // 3
+    words = torch.randint(0, 2**24, (m,), generator=generator, dtype=torch.int64).numpy()
+    planes = [(words >> (8 * k)) & 0xFF for k in range(3)]
+    return np.concatenate(planes)[:n]
+
+
+def test_sr8_draws_layout_and_uniformity():
+    """sr8_draws equals the documented layout, and its bytes are uniform on 0..255 (chi-square)."""
+    from nemofp4.formats import sr8_draws
+
+    n = 300_001
+    draws = sr8_draws((n,), torch.Generator().manual_seed(3), "cpu")
+    assert draws.dtype == torch.uint8
+    np.testing.assert_array_equal(draws.numpy(), _documented_sr8_draws(n, torch.Generator().manual_seed(3)))
+    counts = np.bincount(draws.numpy(), minlength=256)
+    expected = n / 256
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 255 + 6 * np.sqrt(2 * 255), chi2  # mean 255, sd sqrt(510): 6 sigma
+    # The three bytes of one word are independent: pairs (plane 0, plane 1) are uniform too.
+    m = (n + 2) // 3
+    pairs = draws[:m].numpy().astype(np.int64) // 16 * 16 + draws[m : 2 * m].numpy() // 16
+    counts = np.bincount(pairs, minlength=256)
+    chi2 = ((counts - m / 256) ** 2 / (m / 256)).sum()
+    assert chi2 < 255 + 6 * np.sqrt(2 * 255), chi2
+
+
 def test_sr8_follows_its_exact_8bit_rule():
-    """Reproduce the draws (torch.randint(0, 256) per element from the generator) and apply
-    the paper's rule in float64: round away iff frac + (2r+1)/512 >= 1."""
+    """Reproduce the draws (one torch.randint(0, 2**24) word per three elements, element i
+    taking byte i // m of word i % m) and apply the paper's rule in float64: round away iff
+    frac + (2r+1)/512 >= 1."""
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.uniform(-7, 7, 50_000), [0.25, 0.75, 2.5, 5.0, 0.5 + 255 / 512, 0.5 + 1 / 1024]])
     x = torch.from_numpy(x.astype(np.float32))
     ours = E2M1.round(x, rounding="sr8", generator=torch.Generator().manual_seed(7))
-    r = torch.randint(0, 256, x.shape, generator=torch.Generator().manual_seed(7)).double().numpy()
+    r = _documented_sr8_draws(x.numel(), torch.Generator().manual_seed(7)).astype(np.float64)
 
     grid = np.array(E2M1._magnitude_values_f64)
     a = np.minimum(np.abs(x.double().numpy()), 6.0)
