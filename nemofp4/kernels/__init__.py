@@ -79,6 +79,15 @@ def _use_triton_for(x: torch.Tensor) -> bool:
     return _prefer_triton and x.is_cuda and _triton_importable()
 
 
+def _use_compiled_for(x: torch.Tensor, op) -> bool:
+    """The Inductor-compiled quantizer for CPU tensors (see :mod:`nemofp4.kernels.compiled`)."""
+    if not (_prefer_triton and x.device.type == "cpu"):
+        return False
+    from .compiled import cpu_compile_available, cpu_compile_supports
+
+    return cpu_compile_supports(op) and cpu_compile_available()
+
+
 # ------------------------------------------------------------------------------------ dispatch
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 0-d tensor on x's device (exact)."""
@@ -145,13 +154,20 @@ def quantize_operand(
     stats: bool = True,
 ):
     """``nemofp4.quant.blocks.quantize_operand`` (same arguments and result), by the Triton kernel
-    on CUDA: the call site in QuantLinear can switch to this with no other change."""
+    on CUDA and the Inductor-compiled one on CPU (formats and roundings it implements; the
+    eager PyTorch path otherwise)."""
     from .quantize import SUPPORTED_BLOCK_SIZES
 
     if _use_triton_for(x) and op.block_size in SUPPORTED_BLOCK_SIZES:
         from .operand import triton_quantize_operand
 
         return triton_quantize_operand(
+            x, op, tensor_amax=tensor_amax, generator=generator, two_d=two_d, pack=pack, stats=stats
+        )
+    if _use_compiled_for(x, op):
+        from .compiled import compiled_quantize_operand
+
+        return compiled_quantize_operand(
             x, op, tensor_amax=tensor_amax, generator=generator, two_d=two_d, pack=pack, stats=stats
         )
     from nemofp4.quant.blocks import quantize_operand as reference_quantize_operand
