@@ -114,15 +114,15 @@ def _quantize_core(blocks: torch.Tensor, g: torch.Tensor, target: torch.Tensor, 
     [R/b, b, C/b, b] (2-D tiles), so that a block is dims 1 and 3.
 
     ``g`` is the tensor reference and ``target`` float32(T * 6), both 0-d float32. Returns
-    (scaled values shaped like ``blocks``, tensor_scale, packed codes [..., b/2] |
-    None, scale codes [R or R/b, C/b] | None, counts [3] | None). The formulas and their
+    (scaled values shaped like ``blocks``, tensor_scale, uint8 E2M1 codes shaped like ``blocks``
+    | None, scale codes [R or R/b, C/b] | None, counts [3] | None). The formulas and their
     float32 order are those of :func:`nemofp4.quant.blocks.quantize_operand`.
     """
     grid = _SCALE_GRIDS[spec.scale_format]
     block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
 
     # Tensor scale 1/G and the code multiplier G/6 (G maps the reference to T).
-    multiplier = torch.clamp(target / g, max=_FLT_MAX)  # target: float32(T * 6)
+    multiplier = torch.clamp(target / g, max=_FLT_MAX)
     if grid.zero_becomes_one:  # the UE5M3 emulator: g = 0 -> G = 1
         multiplier = torch.where(g == 0, 1.0, multiplier)
     else:  # TE: g = 0 gives FLT_MAX; only g = inf (multiplier 0) -> 1
@@ -140,19 +140,18 @@ def _quantize_core(blocks: torch.Tensor, g: torch.Tensor, target: torch.Tensor, 
     # vectorize).
     magnitude = torch.clamp(blocks.abs() * encode, max=_FP4_MAX)
     upper, middle = magnitude >= 4.0, magnitude >= 2.0
-    spacing = torch.where(upper, 2.0, torch.where(middle, 1.0, 0.5))
+    inv = torch.where(upper, 0.5, torch.where(middle, 1.0, 2.0))  # 1 / spacing
     if spec.rounding == "rne":
-        magic = spacing * (1.5 * 2.0**23)  # float32 ulp(magic) == spacing
+        magic = torch.where(upper, 1.5 * 2.0**24, torch.where(middle, 1.5 * 2.0**23, 1.5 * 2.0**22))  # ulp = spacing
         rounded = (magnitude + magic) - magic  # one IEEE addition rounds to the grid, ties to even
-        steps = rounded / spacing
+        steps = rounded * inv
     else:  # sr8: away from zero iff frac >= 1 - (2r + 1)/512, r the element's random byte
-        inv = torch.where(upper, 0.5, torch.where(middle, 1.0, 2.0))
         scaled_grid = magnitude * inv
         lower = torch.floor(scaled_grid)
         frac = scaled_grid - lower
         r = sr8_bytes(words, blocks.numel()).view(blocks.shape).to(torch.float32)
         threshold = r * (-2.0 / 512) + (511.0 / 512)
-        steps = lower + (frac >= threshold).to(torch.float32)
+        steps = torch.where(frac >= threshold, lower + 1.0, lower)
         rounded = steps / inv
     values = torch.copysign(rounded, blocks) * block_scale
 
@@ -160,8 +159,8 @@ def _quantize_core(blocks: torch.Tensor, g: torch.Tensor, target: torch.Tensor, 
     if spec.pack:
         # E2M1 code = sign * 8 + the binade's first code (0, 2, 4 spacings) + steps.
         offset = torch.where(upper, 4.0, torch.where(middle, 2.0, 0.0))
-        code = torch.signbit(blocks).to(torch.float32) * 8.0 + steps + offset
-        codes = (code[..., 1::2] * 16.0 + code[..., 0::2]).to(torch.uint8)
+        negative = torch.copysign(torch.ones_like(blocks), blocks) < 0  # -0.0 too (signbit does not vectorize)
+        codes = (torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8)
         scale_codes = _scale_codes(block_scale, grid).view(block_scale.shape[0], block_scale.shape[2])
     if spec.stats:
         saturated = ideal > grid.max_finite
@@ -223,8 +222,8 @@ def compiled_quantize_operand(
     blocks = x32.contiguous().view(rows_p // row_block, row_block, cols_p // b, b)
     # Current scaling: the tensor's own amax, one reduction before the fused pass (it is exact).
     g = x32.abs().amax() if tensor_amax is None else tensor_amax.detach().float().reshape(())
-    words = sr8_words(rows_p * cols_p, generator, x.device) if op.rounding == "sr8" else None
     target = _scaled_target(float(op.scale_target))
+    words = sr8_words(rows_p * cols_p, generator, x.device) if op.rounding == "sr8" else None
     spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, stats)
     if compile and not torch.compiler.is_compiling():  # inside a compiled region dynamo inlines the core
         core = _compiled(spec)
@@ -234,8 +233,10 @@ def compiled_quantize_operand(
     else:
         core = functools.partial(_quantize_core, spec=spec)
     values, tensor_scale, codes, scale_codes, counts = core(blocks, g, target, words)
-    if codes is not None:
-        codes = codes.view(rows_p, cols_p // 2)
+    if codes is not None:  # two per byte, even element in the low nibble (outside the fused loop,
+        # whose vectorized body would otherwise compute every element twice, once per nibble)
+        pairs = codes.view(-1, 2)
+        codes = torch.bitwise_or(pairs[:, 1] << 4, pairs[:, 0]).view(rows_p, cols_p // 2)
 
     packed = None
     if pack:
