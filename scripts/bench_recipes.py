@@ -1,6 +1,7 @@
 """Training-step time and saved-activation memory of every emulated precision recipe vs bf16.
 
     python scripts/bench_recipes.py [--repeats 7] [--batch 4] [--seq-len 256] [--threads 1]
+                                    [--kernels auto|reference]
 
 Two workloads, all recipes side by side in one run:
 
@@ -10,7 +11,9 @@ Two workloads, all recipes side by side in one run:
 * ``linear4096``: forward + backward of one 4096 x 4096 linear on ``--linear-tokens`` tokens.
 
 Time: float32 on CPU (the trainer's CPU default), recipes interleaved round after round, median
-of ``--repeats`` rounds after a warm-up round; ratios are against bf16 in the same run. Threads
+of ``--repeats`` rounds after a warm-up round (which also compiles the CPU quantizer); ratios are
+against bf16 in the same run. ``--kernels reference`` times the eager quantizer instead of the
+compiled one, as ``train.kernels=reference`` does. Threads
 default to 1: the CI machine's 2 cores are shared, and with 2 intra-op threads many small ops
 mostly wait on each other.
 
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nemofp4 import kernels
 from nemofp4.models import build_model, get_model_config
 from nemofp4.quant import set_quant_stats, set_step
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
@@ -195,12 +199,16 @@ def main() -> None:
     parser.add_argument("--memory-tokens", type=int, default=64)
     parser.add_argument("--tiny-bf16-last-layers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kernels", choices=["auto", "reference"], default="auto",
+                        help="'reference': the eager PyTorch quantizer (as train.kernels=reference)")
     parser.add_argument("--stats", action="store_true",
                         help="collect quantization statistics every step (the trainer does so only on logging steps)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    kernels.use_triton(args.kernels == "auto")
     warnings.filterwarnings("ignore")
-    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}")
+    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}, "
+          f"kernels={args.kernels}")
 
     tiny_time = time_tiny(args)
     linear_time = time_linear(args)

@@ -1,9 +1,11 @@
-"""The GPU fast path: fused Triton FP4 quantization kernels and the ``hardware`` GEMM emulator.
+"""The fast paths of FP4 quantization: fused Triton kernels on CUDA, an Inductor-compiled
+quantizer on CPU, and the ``hardware`` GEMM emulator.
 
 Every function here has a PyTorch reference with the same numerics (``nemofp4.formats`` for
 quantization; :mod:`nemofp4.kernels.hardware_gemm` for the GEMM model). The dispatchers below
 pick the Triton kernel for CUDA tensors when Triton is importable and the switch allows it,
-and the PyTorch path otherwise:
+the ``torch.compile``-fused quantizer (:mod:`nemofp4.kernels.compiled`) for CPU tensors when
+a C++ compiler is present, and the eager PyTorch path otherwise:
 
     from nemofp4 import kernels
     q = kernels.quantize_blocks(x, scale_format="ue5m3")          # QuantizedBlocks
@@ -11,10 +13,11 @@ and the PyTorch path otherwise:
     c = kernels.gemm_hardware(qa, qb)                              # float32 A @ B^T
     kernels.use_triton(False)                                      # force the reference path
 
-The switch starts from the environment variable ``NEMOFP4_TRITON`` (``0`` disables Triton).
-Nothing here imports triton until a kernel runs: the first import decides, for the whole
-process, whether kernels compile for the GPU or run in Triton's CPU interpreter
-(``TRITON_INTERPRET=1``, which the unit tests use).
+The switch starts from the environment variable ``NEMOFP4_TRITON`` (``0`` disables Triton);
+``NEMOFP4_CPU_COMPILE=0`` disables the compiled CPU quantizer alone. Nothing here imports
+triton until a kernel runs: the first import decides, for the whole process, whether kernels
+compile for the GPU or run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, which the unit
+tests use).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def triton_available() -> bool:
 
 
 def use_triton(prefer: bool) -> None:
-    """Process-wide switch: ``False`` forces the PyTorch reference path everywhere."""
+    """Process-wide switch: ``False`` forces the eager PyTorch path everywhere (no Triton, no
+    compiled CPU quantizer)."""
     global _prefer_triton
     _prefer_triton = bool(prefer)
 

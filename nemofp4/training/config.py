@@ -48,8 +48,10 @@ class TrainConfig:
     max_skipped_steps: int = 10
     """With nonfinite=skip: stop once this many steps were skipped in total."""
     kernels: str = "auto"
-    """FP4 quantization kernels: 'auto' (fused Triton kernels on CUDA when importable, else the PyTorch
-    reference) or 'reference' (always the PyTorch reference; same numerics for RNE)."""
+    """FP4 quantization kernels: 'auto' (fused Triton kernels on CUDA when importable; on CPU the
+    quantizer compiled by torch.compile when a C++ compiler is present; else the eager PyTorch
+    path) or 'reference' (always the eager PyTorch path; same numerics for RNE, and on CPU for
+    every rounding)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "micro_batch"):

@@ -127,3 +127,15 @@ def test_environment_switch_disables_compilation(monkeypatch):
         assert not compiled.cpu_compile_available()  # no compiler to be found
     finally:
         compiled.cpu_compile_available.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape,two_d", [((16, 16), True), ((5, 16), False), ((1, 32), False), ((1, 1), False), ((3, 7), True)])
+def test_single_block_and_tiny_operands(shape, two_d):
+    """One block row or column (size-1 dims, which the compiler specializes) and padding."""
+    op = OperandQuant(scale_format="ue5m3", two_d=two_d)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    fast, eager = compiled_quantize_operand(x, op, pack=True), quantize_operand(x, op, pack=True)
+    assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
+    assert torch.equal(fast.packed.codes, eager.packed.codes)
+    assert torch.equal(fast.packed.scale_codes, eager.packed.scale_codes)
