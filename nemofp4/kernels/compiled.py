@@ -13,7 +13,8 @@ Stochastic rounding draws outside the compiled code (:func:`nemofp4.formats.sr8_
 the reference does) and unpacks the bytes inside it, so both consume a generator
 identically. Exact SR (``sr``) and UE8M0 scales are not compiled: those operands take the eager
 path. Compilation needs a C++ compiler; without one (or with ``NEMOFP4_CPU_COMPILE=0``) the
-dispatcher uses the eager path, which has the same numerics.
+dispatcher uses the eager path, which has the same numerics; a build that fails anyway warns once
+and falls back to it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import math
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -77,14 +79,38 @@ def cpu_compile_supports(op) -> bool:
     return op.scale_format in _COMPILED_SCALE_FORMATS and op.rounding in _COMPILED_ROUNDINGS
 
 
+_compile_failed = False
+
+
 @functools.cache
 def cpu_compile_available() -> bool:
-    """``torch.compile`` can build CPU kernels here: a C++ compiler is on PATH (or in ``CXX``)
-    and ``NEMOFP4_CPU_COMPILE`` is not ``0``."""
+    """``torch.compile`` can build CPU kernels here: a C++ compiler is on PATH (or in ``CXX``),
+    ``NEMOFP4_CPU_COMPILE`` is not ``0``, and no compilation has failed in this process."""
     if os.environ.get("NEMOFP4_CPU_COMPILE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if _compile_failed:
         return False
     compiler = os.environ.get("CXX") or "c++"
     return any(shutil.which(c) for c in (compiler, "g++", "clang++"))
+
+
+def _run_compiled(spec: _Spec, *args):
+    """The compiled core. If it cannot be built here (a broken toolchain, missing headers), warn
+    once, switch the compiled path off for the process and run this call's core eagerly on the
+    same inputs (the same numerics, and the random draws already made are the ones used)."""
+    global _compile_failed
+    if not _compile_failed:
+        try:
+            return _compiled(spec)(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            _compile_failed = True
+            cpu_compile_available.cache_clear()
+            warnings.warn(
+                f"torch.compile could not build the CPU FP4 quantizer ({error}); quantizing with the "
+                "eager PyTorch path instead (same numerics, slower). NEMOFP4_CPU_COMPILE=0 skips the attempt.",
+                stacklevel=3,
+            )
+    return _quantize_core(*args, spec=spec)
 
 
 # ------------------------------------------------------------------------------------ core
@@ -226,7 +252,7 @@ def compiled_quantize_operand(
     words = sr8_words(rows_p * cols_p, generator, x.device) if op.rounding == "sr8" else None
     spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, stats)
     if compile and not torch.compiler.is_compiling():  # inside a compiled region dynamo inlines the core
-        core = _compiled(spec)
+        core = functools.partial(_run_compiled, spec)
         torch._dynamo.mark_dynamic(blocks, (0, 2))  # one graph for every operand shape
         if words is not None:
             torch._dynamo.mark_dynamic(words, 0)

@@ -139,3 +139,29 @@ def test_single_block_and_tiny_operands(shape, two_d):
     assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
     assert torch.equal(fast.packed.codes, eager.packed.codes)
     assert torch.equal(fast.packed.scale_codes, eager.packed.scale_codes)
+
+
+def test_a_failed_build_warns_falls_back_and_keeps_the_numerics(monkeypatch):
+    """A toolchain that cannot build the kernel must not stop training: the call warns, returns
+    the eager result from the same random draws, and later calls skip the compiled path."""
+
+    def broken(spec):
+        def build(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler"), None)
+
+        return build
+
+    monkeypatch.setattr(compiled, "_compiled", broken)
+    monkeypatch.setattr(compiled, "_compile_failed", False)
+    compiled.cpu_compile_available.cache_clear()
+    try:
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
+        op = OperandQuant(scale_format="ue5m3", rounding="sr8")
+        with pytest.warns(UserWarning, match=r"(?s)could not build the CPU FP4 quantizer.*no working C"):
+            fast = compiled_quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True)
+        eager = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True)
+        assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
+        assert torch.equal(fast.packed.codes, eager.packed.codes)
+        assert not compiled.cpu_compile_available()
+    finally:
+        compiled.cpu_compile_available.cache_clear()
