@@ -32,6 +32,7 @@ import torch
 
 __all__ = [
     "amax",
+    "describe",
     "gemm_hardware",
     "quantize_blocks",
     "quantize_operand",
@@ -90,6 +91,27 @@ def _use_compiled_for(x: torch.Tensor, op) -> bool:
     from .compiled import cpu_compile_available, cpu_compile_supports
 
     return cpu_compile_supports(op) and cpu_compile_available()
+
+
+def describe(device: torch.device | str) -> str:
+    """One line for the start-up log: which quantizer FP4 operands on ``device`` will use."""
+    device = torch.device(device)
+    if not _prefer_triton:
+        return "FP4 quantization: eager PyTorch path (fast kernels switched off)"
+    if device.type == "cuda":
+        if _triton_importable():
+            return "FP4 quantization: fused Triton kernels"
+        return "FP4 quantization: eager PyTorch path (triton is not importable)"
+    if device.type == "cpu":
+        from .compiled import cpu_compile_available
+
+        if cpu_compile_available():
+            return (
+                "FP4 quantization: compiled CPU quantizer (torch.compile; the first step builds it); "
+                "eager PyTorch path for MX scales and exact SR"
+            )
+        return "FP4 quantization: eager PyTorch path (no C++ compiler, or NEMOFP4_CPU_COMPILE=0)"
+    return "FP4 quantization: eager PyTorch path"
 
 
 # ------------------------------------------------------------------------------------ dispatch

@@ -136,6 +136,8 @@ class Trainer:
         model = build_model(cfg.model, device="meta")
         self.recipe = recipe_from_config(cfg.precision)
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
+        if self.rank == 0 and self.layer_table.count("fp4"):
+            log.info("%s", kernels.describe(self.device))
         dist_cfg = cfg.distributed
         if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model:
             model.to_empty(device=self.device)

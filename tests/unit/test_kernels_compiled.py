@@ -165,3 +165,12 @@ def test_a_failed_build_warns_falls_back_and_keeps_the_numerics(monkeypatch):
         assert not compiled.cpu_compile_available()
     finally:
         compiled.cpu_compile_available.cache_clear()
+
+
+def test_describe_names_the_path_the_dispatcher_takes(monkeypatch):
+    monkeypatch.setattr(compiled, "cpu_compile_available", lambda: True)
+    assert "compiled CPU quantizer" in kernels.describe("cpu")
+    monkeypatch.setattr(compiled, "cpu_compile_available", lambda: False)
+    assert "eager PyTorch path (no C++ compiler" in kernels.describe("cpu")
+    with kernels.using_triton(False):
+        assert "switched off" in kernels.describe("cpu")
