@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -209,32 +210,47 @@ def _select(mask: torch.Tensor, if_true: torch.Tensor, if_false: torch.Tensor) -
     return if_true * m + if_false * (1 - m)
 
 
-def _round_scale_rne(v: torch.Tensor, scale_format: str) -> torch.Tensor:
+class ScaleGrid(NamedTuple):
+    """What rounding onto a block-scale format and encoding it need, as Python numbers (so a
+    compiled caller sees constants)."""
+
+    mantissa_bits: int
+    bias: int
+    min_normal: float
+    min_subnormal: float
+    max_finite: float
+
+
+@functools.lru_cache(maxsize=16)
+def scale_grid(scale_format: str) -> ScaleGrid:
+    fmt = get_format(scale_format)
+    return ScaleGrid(fmt.mantissa_bits, fmt.bias, fmt.min_normal, fmt.min_subnormal, fmt.max_finite)
+
+
+def round_scale_rne(v: torch.Tensor, grid: ScaleGrid) -> torch.Tensor:
     """RNE of non-negative float32 ``v`` (<= max_finite) onto an (U)E?M3-style scale grid.
 
     Normals: round the float32 significand to the format's mantissa bits (integer RNE on the
     bits; carries into the exponent are correct). Subnormals: ``(v + C) - C`` with ulp(C)
     equal to the smallest subnormal, one IEEE addition that rounds to that grid, ties to even.
     """
-    fmt = get_format(scale_format)
-    drop = 23 - fmt.mantissa_bits
+    drop = 23 - grid.mantissa_bits
     bits = v.view(torch.int32)
     half = (1 << (drop - 1)) - 1
     normal = ((bits + half + ((bits >> drop) & 1)) & ~((1 << drop) - 1)).view(torch.float32)
-    magic = 1.5 * 2.0 ** (23 + math.log2(fmt.min_subnormal))
+    magic = 1.5 * 2.0 ** (23 + math.log2(grid.min_subnormal))
     subnormal = (v + magic) - magic
-    return _select(v < fmt.min_normal, subnormal, normal)
+    return _select(v < grid.min_normal, subnormal, normal)
 
 
-def _scale_codes(scale: torch.Tensor, scale_format: str) -> torch.Tensor:
+def encode_scales(scale: torch.Tensor, grid: ScaleGrid) -> torch.Tensor:
     """uint8 codes of non-negative float32 values that lie on the scale format's grid."""
-    fmt = get_format(scale_format)
     bits = scale.view(torch.int32)
-    m = fmt.mantissa_bits
-    exponent = ((bits >> 23) & 0xFF) - 127 + fmt.bias
+    m = grid.mantissa_bits
+    exponent = ((bits >> 23) & 0xFF) - 127 + grid.bias
     normal = (exponent << m) | ((bits >> (23 - m)) & ((1 << m) - 1))
-    subnormal = (scale * (1.0 / fmt.min_subnormal)).int()
-    return _select(scale < fmt.min_normal, subnormal, normal).to(torch.uint8)
+    subnormal = (scale * (1.0 / grid.min_subnormal)).int()
+    return _select(scale < grid.min_normal, subnormal, normal).to(torch.uint8)
 
 
 def _block_amax(magnitude_blocks: torch.Tensor) -> torch.Tensor:
@@ -306,7 +322,7 @@ def quantize_operand(
         fmt = get_format(op.scale_format)
         tensor_scale, code_multiplier = _global_scales(op.scale_format, g, op.scale_target)
         ideal = (block_amax * code_multiplier).clamp_(max=_FLT_MAX)
-        block_scale = _round_scale_rne(ideal.clamp(max=fmt.max_finite), op.scale_format)
+        block_scale = round_scale_rne(ideal.clamp(max=fmt.max_finite), scale_grid(op.scale_format))
         saturated = lambda: ideal > fmt.max_finite
         underflow = lambda: (block_scale == 0) & (block_amax > 0)
         if op.scale_format != "e4m3":  # UE5M3: a zero code becomes 1.0 before the reciprocal
@@ -315,7 +331,7 @@ def quantize_operand(
             block_scale = block_scale + rounded_to_zero
         encode = torch.reciprocal(block_scale * tensor_scale).clamp_(max=_FLT_MAX)
         if pack:
-            scale_codes = _scale_codes(block_scale, op.scale_format)
+            scale_codes = encode_scales(block_scale, scale_grid(op.scale_format))
 
     # ---- payload: |y| = |x| * enc_b (y has the sign of x), rounded to E2M1, saturating at 6
     magnitude = blocks.mul_(per_element(encode)).view(rows_p, cols_p)
