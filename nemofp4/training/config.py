@@ -18,6 +18,7 @@ from nemofp4.training.metrics import LoggingConfig
 from nemofp4.training.nonfinite import NONFINITE_POLICIES
 from nemofp4.training.optim import OptimConfig
 from nemofp4.training.parallel import DistributedConfig
+from nemofp4.training.preemption import PreemptionConfig
 from nemofp4.training.schedule import ScheduleConfig
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -164,3 +165,4 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
