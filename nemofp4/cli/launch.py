@@ -550,7 +550,9 @@ def _launch_block(config: LaunchConfig, workdir: Path) -> str:
             "# would die of SIGUSR1 and answer SIGTERM by killing the workers 30 s later, so the agent ignores",
             "# them (the wrapper's `trap ''` survives exec) and SIGTERM is taken off torchrun's handled list.",
             "# Slurm signals every process of the step (proctrack/cgroup), so the workers still receive them.",
-            'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"',
+            "# (Recent torchrun takes the list from --signals-to-handle, i.e. PET_SIGNALS_TO_HANDLE, and",
+            "# overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with it; older versions read only the latter.)",
+            'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"',
             _bash_array("srun_cmd", [*srun, agent_wrapper, '"${train_cmd[@]}"']),
         ]
     )

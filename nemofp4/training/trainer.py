@@ -38,7 +38,7 @@ from nemofp4.quant import (
 from nemofp4.recipes import apply_recipe, recipe_from_config
 from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager
-from nemofp4.training.config import JobConfig, compute_budget
+from nemofp4.training.config import CHECKPOINT_STALL_S, JobConfig, compute_budget
 from nemofp4.training.dist_env import (
     destroy_distributed,
     detect_dist_env,
@@ -275,6 +275,8 @@ class Trainer:
                 save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
             if self.cfg.debug.sigkill_during_checkpoint_step == self.step:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die mid-write, like a node failure
+            if self.cfg.debug.stall_during_checkpoint_step == self.step and self.resumed_from is None:
+                time.sleep(CHECKPOINT_STALL_S)  # fault injection: a save that is still running when signalled
 
         return self.ckpt.save(
             self.step,

@@ -111,7 +111,8 @@ def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, conta
             *train_tail,
         ]  # fmt: skip
         assert srun[-2] == "bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun-agent"
-        assert 'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"' in script
+        assert ('export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" '
+                'PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"') in script
     else:
         assert _array(script, "train_cmd") == ["python -m nemofp4.train", *train_tail]
         assert "torchrun" not in script.split("srun_cmd=(")[1]
@@ -206,7 +207,7 @@ FAKE_TASK = """#!{python}
 import json, os, sys, time
 ignored = int(next(l for l in open("/proc/self/status") if l.startswith("SigIgn:")).split()[1], 16)
 record = dict(argv=sys.argv[1:], ignored=[s for s in (10, 15) if ignored >> (s - 1) & 1],
-              torchelastic_signals=os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE"),
+              torchelastic_signals=[os.environ.get(n) for n in ("TORCHELASTIC_SIGNALS_TO_HANDLE", "PET_SIGNALS_TO_HANDLE")],
               master=(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")))
 with open(os.path.join(os.environ["FAKE_DIR"], "task.json"), "w") as f:
     json.dump(record, f)
@@ -281,7 +282,7 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
             "--rdzv_id=12345", "-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={run_dir}",
         ]  # fmt: skip
         assert task["ignored"] == [10, 15]  # SIGUSR1 and SIGTERM are ignored by the agent
-        assert task["torchelastic_signals"] == "SIGINT,SIGHUP,SIGQUIT"
+        assert task["torchelastic_signals"] == ["SIGINT,SIGHUP,SIGQUIT"] * 2
     else:
         assert srun_args[:4] == ["--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=16", "--kill-on-bad-exit=1"]
         assert task["argv"] == ["-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={run_dir}"]
