@@ -236,10 +236,13 @@ class PreemptionHandler:
                 break
         sig = signal.Signals(hit)
         code = 128 + int(sig)
-        logger.info(
-            "received %s: this process exits within %g s, after its checkpoint if one is under way",
-            sig.name, self.exit_grace_s,
-        )  # fmt: skip
+        if self.exit_code is not None:
+            logger.info("received %s after the run ended (status %d): ignored", sig.name, self.exit_code)
+        else:
+            logger.info(
+                "received %s: this process exits within %g s, after its checkpoint if one is under way",
+                sig.name, self.exit_grace_s,
+            )  # fmt: skip
         deadline = time.monotonic() + self.exit_grace_s
         while time.monotonic() < deadline:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
