@@ -97,6 +97,10 @@ write_config() {
   install -d "${CONF_DIR}" "${STATE_DIR}" "${LOG_DIR}"
   local wanted
   wanted="$(slurm_conf)"
+  if [[ -f "${CONF}" ]] && ! head -n 1 "${CONF}" | grep -qF "$(slurm_conf | head -n 1)"; then
+    say "${CONF} exists and was not written by this script (a real cluster's?); move it away first"
+    exit 1
+  fi
   if [[ ! -f "${CONF}" ]] || [[ "$(cat "${CONF}")" != "${wanted}" ]]; then
     say "writing ${CONF}"
     printf '%s\n' "${wanted}" >"${CONF}"
