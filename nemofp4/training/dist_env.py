@@ -304,8 +304,9 @@ def local_device(env: DistEnv) -> torch.device:
 
 
 def require_process_group(backend: str, env: DistEnv) -> None:
-    """A sharded backend needs a process group, which only a launcher (torchrun, srun) provides."""
-    if backend != "none" and not (dist.is_available() and dist.is_initialized()):
+    """FSDP2 needs a process group, which only a launcher (torchrun, srun) provides; without one it
+    would fail deep inside ``fully_shard``. (DeepSpeed creates its own group when there is none.)"""
+    if backend == "fsdp" and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"distributed.backend={backend} needs a process group, but this is a single process started "
             f"without a launcher (source: {env.source}); start it with "
