@@ -273,3 +273,26 @@ def test_sharded_backend_outside_a_launcher_is_a_clear_error():
     require_process_group("none", env)  # one process, no group: fine
     if not torch.cuda.is_available():
         assert local_device(env) == torch.device("cpu")
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "expected"), [(1, 3, 0), (8, 3, 3), (8, 0, 0)])
+def test_each_rank_computes_on_the_gpu_it_was_given(monkeypatch, visible, local_rank, expected):
+    """srun with one GPU bound per task shows each task a single device 0; otherwise the local rank picks."""
+    from nemofp4.training.dist_env import local_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    env = DistEnv(rank=8 + local_rank, local_rank=local_rank, world_size=16, local_world_size=8, node_rank=1,
+                  master_addr="n1", master_port=29500, source="slurm")  # fmt: skip
+    assert local_device(env) == torch.device("cuda", expected)
+
+
+def test_more_ranks_than_gpus_on_a_node_is_a_clear_error(monkeypatch):
+    from nemofp4.training.dist_env import local_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    env = DistEnv(rank=5, local_rank=5, world_size=8, local_world_size=8, node_rank=0, master_addr="n1",
+                  master_port=29500, source="slurm")  # fmt: skip
+    with pytest.raises(ValueError, match="local_rank 5 has no GPU"):
+        local_device(env)
