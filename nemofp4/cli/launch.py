@@ -58,10 +58,8 @@ PRIMARY_CONFIG_NAME = "nemofp4_launch"
 DEFAULT_TEMPLATE = REPO_ROOT / "slurm" / "nemofp4.sbatch.tmpl"
 TRAIN_MODULE = "nemofp4.train"
 
-# Exported by every job unless slurm.env says otherwise. OMP_NUM_THREADS is added per job: the CPUs
-# of one task divided among its processes (PyTorch would otherwise start one thread per core of the
-# node in every process).
-DEFAULT_ENV: dict[str, str] = {}
+# Every job also exports OMP_NUM_THREADS: the CPUs of one task divided among its processes (PyTorch
+# would otherwise start one thread per core of the node in every process).
 # Exported on GPU nodes: the caching allocator grows segments instead of fragmenting (long runs with
 # varying shapes), NCCL reports warnings only, and a failed or timed-out collective aborts the
 # process (then Slurm's --kill-on-bad-exit ends the step) instead of hanging it.
@@ -122,8 +120,8 @@ class SlurmConfig:
     """More sbatch options, each written as ``--option=value``, e.g. ``--constraint=h100``."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables exported before the step, e.g. ``{NCCL_DEBUG: INFO}``. They are added to
-    the defaults (``DEFAULT_ENV``, plus ``GPU_DEFAULT_ENV`` on GPU nodes) and replace a default of the
-    same name; an empty value drops that default."""
+    the defaults (``OMP_NUM_THREADS``, plus ``GPU_DEFAULT_ENV`` on GPU nodes) and replace a default of
+    the same name; an empty value drops that default."""
 
 
 @dataclass(kw_only=True)
@@ -309,7 +307,7 @@ def _tasks_per_node(slurm: SlurmConfig) -> int:
 def job_environment(slurm: SlurmConfig) -> dict[str, str]:
     """What the script exports: the defaults, then ``slurm.env`` (an empty value drops a default)."""
     threads = max(1, _cpus_per_task(slurm) // (procs_per_node(slurm) if slurm.mode is LaunchMode.torchrun else 1))
-    environment = {**DEFAULT_ENV, "OMP_NUM_THREADS": str(threads)}
+    environment = {"OMP_NUM_THREADS": str(threads)}
     if slurm.gpus_per_node:
         environment.update(GPU_DEFAULT_ENV)
     environment.update({name: str(value) for name, value in slurm.env.items()})
