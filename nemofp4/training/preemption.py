@@ -346,7 +346,9 @@ class PreemptionHandler:
         if executable is None:
             logger.warning("cannot requeue job %s: %r not found on PATH", job_id, self.scontrol)
             return False
-        command = [executable, "requeue", job_id]
+        # Slurm signals every process of the step as it requeues the job, scontrol included: under a
+        # shell that ignores SIGTERM (inherited through exec) it lives to report its own success.
+        command = ["sh", "-c", 'trap "" TERM; exec "$0" "$@"', executable, "requeue", job_id]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
         except (OSError, subprocess.TimeoutExpired) as error:

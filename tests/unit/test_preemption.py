@@ -243,3 +243,14 @@ def test_a_rank_stuck_in_a_collective_exits_soon_after_sigterm(tmp_path):
     assert "received SIGTERM: this process exits within 2 s" in log
     assert "still running 2 s after SIGTERM" in log and "collective returned" not in log
     assert "all_reduce" in log  # the stack dump shows where it was stuck
+
+
+def test_requeue_survives_the_sigterm_slurm_sends_while_requeueing(tmp_path):
+    """`scontrol requeue` runs inside the job step, which Slurm signals as it requeues: the requeue still
+    reports success (a stand-in scontrol that receives SIGTERM before it answers)."""
+    path = tmp_path / "scontrol"
+    path.write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/calls.log"\nkill -TERM $$\nsleep 0.2\nexit 0\n')
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    handler = PreemptionHandler(install=False, scontrol=str(path), environ={"SLURM_JOB_ID": "12"})
+    assert handler.requeue_and_exit_code() == REQUEUED_EXIT_CODE
+    assert (tmp_path / "calls.log").read_text() == "requeue 12\n"
