@@ -6,12 +6,15 @@ The script comes from ``slurm/nemofp4.sbatch.tmpl`` (``{{ name }}`` placeholders
 runs the trainer in one of two ways (torchtitan issue #1749 asks which; both work):
 
 * ``mode=torchrun``: one task per node, ``srun torchrun --nnodes ... --rdzv_endpoint=<head>:<port>``;
-  torchrun starts one worker per GPU and sets RANK/LOCAL_RANK/WORLD_SIZE for it.
-* ``mode=srun``: one task per GPU, ``srun --ntasks-per-node=<gpus> python -m nemofp4.train``; each
+  torchrun starts ``procs_per_node`` workers and sets RANK/LOCAL_RANK/WORLD_SIZE for them.
+* ``mode=srun``: one task per process, ``srun --ntasks-per-node=<procs> python -m nemofp4.train``; each
   task derives its rank from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS (``nemofp4.training.dist_env``).
 
-Either way the run directory is derived from SLURM_JOB_ID (a requeued job keeps its id and resumes
-from its own checkpoints), the git commit and the resolved command go to the job log, and
+Nodes may be GPU nodes (one process per GPU by default) or CPU nodes (``slurm.gpus_per_node=0``, gloo).
+Either way the run directory is named, not numbered (``<runs_root>/<job_name>``): a requeued job, a
+chained job and a resubmission all resume the same run. Before rendering, the trainer's config is
+composed and checked against the job's shape (batch split, backend, data paths), so such mistakes fail
+on the submit host rather than after the queue wait. The git commit and the resolved command go to the job log, and
 ``--signal=B:<sig>@<seconds>`` warns the job before its time limit so the trainer can checkpoint and
 requeue (``nemofp4.training.preemption``). Standard output carries only the script (``dry_run=true``)
 or the submitted job ids; messages go to standard error.
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -39,6 +43,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemofp4.training.dist_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from nemofp4.training.preemption import DEFAULT_SIGNALS
+
+if TYPE_CHECKING:
+    from nemofp4.training.config import JobConfig
 
 logger = logging.getLogger("nemofp4.launch")
 
@@ -50,6 +57,17 @@ LAUNCH_CONFIG = CONFIG_DIR / "launch.yaml"
 PRIMARY_CONFIG_NAME = "nemofp4_launch"
 DEFAULT_TEMPLATE = REPO_ROOT / "slurm" / "nemofp4.sbatch.tmpl"
 TRAIN_MODULE = "nemofp4.train"
+
+# Every job also exports OMP_NUM_THREADS: the CPUs of one task divided among its processes (PyTorch
+# would otherwise start one thread per core of the node in every process).
+# Exported on GPU nodes: the caching allocator grows segments instead of fragmenting (long runs with
+# varying shapes), NCCL reports warnings only, and a failed or timed-out collective aborts the
+# process (then Slurm's --kill-on-bad-exit ends the step) instead of hanging it.
+GPU_DEFAULT_ENV: dict[str, str] = {
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "NCCL_DEBUG": "WARN",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+}
 
 
 class LaunchMode(Enum):
@@ -66,9 +84,11 @@ class SlurmConfig:
     nodes: int = 1
     """Number of nodes (``--nodes``)."""
     gpus_per_node: int = 8
-    """GPUs per node (``--gpus-per-node``); also the number of processes per node."""
+    """GPUs per node (``--gpus-per-node``); 0: CPU nodes (no GPU request, gloo), which needs ``procs_per_node``."""
+    procs_per_node: int | None = None
+    """Training processes per node (torchrun's ``--nproc_per_node``, or srun tasks per node); None: one per GPU."""
     cpus_per_task: int | None = None
-    """CPUs per task; None: 8 per GPU the task drives (``gpus_per_node * 8`` in torchrun mode, 8 in srun mode)."""
+    """CPUs per task; None: 8 per GPU the task drives, or 1 per process on CPU nodes."""
     time: str = "04:00:00"
     """Time limit in Slurm's syntax: ``MM``, ``HH:MM:SS``, ``D-HH:MM:SS``, ..."""
     partition: str | None = None
@@ -99,7 +119,9 @@ class SlurmConfig:
     extra_sbatch: list[str] = field(default_factory=list)
     """More sbatch options, each written as ``--option=value``, e.g. ``--constraint=h100``."""
     env: dict[str, str] = field(default_factory=dict)
-    """Environment variables exported before the step, e.g. ``{NCCL_DEBUG: WARN}``."""
+    """Environment variables exported before the step, e.g. ``{NCCL_DEBUG: INFO}``. They are added to
+    the defaults (``OMP_NUM_THREADS``, plus ``GPU_DEFAULT_ENV`` on GPU nodes) and replace a default of
+    the same name; an empty value drops that default."""
 
 
 @dataclass(kw_only=True)
@@ -122,8 +144,8 @@ class LaunchConfig:
     runs_root: str = "runs"
     """Run directories, rendered scripts (``<runs_root>/slurm/``) and job logs go under it."""
     run_dir: str | None = None
-    """None: ``<runs_root>/<job_name>-${SLURM_JOB_ID}``, or ``<runs_root>/<job_name>`` for singleton
-    chains, whose jobs have different ids but continue one run."""
+    """None: ``<runs_root>/<job_name>``. The job id is no part of it, so a requeued job, a chained job
+    and a resubmission of the same script all continue the same run from its latest checkpoint."""
     template: str | None = None
     """sbatch template to render; None: the shipped ``slurm/nemofp4.sbatch.tmpl``."""
 
@@ -206,8 +228,19 @@ def validate(config: LaunchConfig) -> None:
     slurm = config.slurm
     if slurm.nodes < 1:
         raise ValueError(f"slurm.nodes must be >= 1, got {slurm.nodes}")
-    if slurm.gpus_per_node < 1:
-        raise ValueError(f"slurm.gpus_per_node must be >= 1, got {slurm.gpus_per_node}")
+    if slurm.gpus_per_node < 0:
+        raise ValueError(f"slurm.gpus_per_node must be >= 0 (0: CPU nodes), got {slurm.gpus_per_node}")
+    if slurm.procs_per_node is None and slurm.gpus_per_node == 0:
+        raise ValueError(
+            "slurm.gpus_per_node=0 (CPU nodes) needs slurm.procs_per_node=N, the training processes per node"
+        )
+    if slurm.procs_per_node is not None and slurm.procs_per_node < 1:
+        raise ValueError(f"slurm.procs_per_node must be >= 1 or null (one per GPU), got {slurm.procs_per_node}")
+    if slurm.gpus_per_node and procs_per_node(slurm) > slurm.gpus_per_node:
+        raise ValueError(
+            f"slurm.procs_per_node={slurm.procs_per_node} is more than slurm.gpus_per_node={slurm.gpus_per_node}: "
+            "each training process drives one GPU"
+        )
     if slurm.cpus_per_task is not None and slurm.cpus_per_task < 1:
         raise ValueError(f"slurm.cpus_per_task must be >= 1 or null, got {slurm.cpus_per_task}")
     time_limit_s = parse_slurm_time(slurm.time)
@@ -257,6 +290,30 @@ def validate(config: LaunchConfig) -> None:
             )
 
 
+def procs_per_node(slurm: SlurmConfig) -> int:
+    """Training processes per node: ``slurm.procs_per_node``, else one per GPU."""
+    return slurm.procs_per_node if slurm.procs_per_node is not None else slurm.gpus_per_node
+
+
+def world_size(slurm: SlurmConfig) -> int:
+    """Training processes of the whole job (data-parallel ranks)."""
+    return slurm.nodes * procs_per_node(slurm)
+
+
+def _tasks_per_node(slurm: SlurmConfig) -> int:
+    return 1 if slurm.mode is LaunchMode.torchrun else procs_per_node(slurm)
+
+
+def job_environment(slurm: SlurmConfig) -> dict[str, str]:
+    """What the script exports: the defaults, then ``slurm.env`` (an empty value drops a default)."""
+    threads = max(1, _cpus_per_task(slurm) // (procs_per_node(slurm) if slurm.mode is LaunchMode.torchrun else 1))
+    environment = {"OMP_NUM_THREADS": str(threads)}
+    if slurm.gpus_per_node:
+        environment.update(GPU_DEFAULT_ENV)
+    environment.update({name: str(value) for name, value in slurm.env.items()})
+    return {name: value for name, value in environment.items() if value != ""}
+
+
 def train_arguments(config: LaunchConfig, run_dir_expression: str) -> list[str]:
     """The trainer's Hydra overrides, shell-quoted, with the run directory last (it may expand $vars)."""
     overrides = [f"experiment={config.experiment}"] if config.experiment else []
@@ -264,9 +321,10 @@ def train_arguments(config: LaunchConfig, run_dir_expression: str) -> list[str]:
     return [shlex.quote(o) for o in overrides] + [f'run_dir="{run_dir_expression}"']
 
 
-def check_train_config(config: LaunchConfig, run_dir: str) -> None:
-    """Compose the trainer's config with the same overrides (run_dir made concrete) and validate it
-    through the trainer's own schema and conversion (``nemofp4.cli.train``)."""
+def check_train_config(config: LaunchConfig, run_dir: str) -> JobConfig:
+    """Compose the trainer's config with the same overrides (run_dir made concrete), validate it
+    through the trainer's own schema and conversion (``nemofp4.cli.train``), then run every check
+    that depends on the job's shape (``check_job_shape``). Returns the trainer's config."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
@@ -287,11 +345,81 @@ def check_train_config(config: LaunchConfig, run_dir: str) -> None:
             HydraConfig.instance().set_config(cfg)  # serves ${hydra:...} interpolations such as the run name
             with open_dict(cfg):
                 del cfg["hydra"]  # its sweep fields only resolve inside a real multirun
-            to_job_config(cfg)
+            job = to_job_config(cfg)
     except Exception as error:  # Hydra and the schema raise several types; all mean "bad overrides"
         raise ValueError(f"the trainer rejects overrides {overrides}: {error}") from error
     finally:
         GlobalHydra.instance().clear()
+    check_job_shape(config, job)
+    return job
+
+
+def _visible(path: str, workdir: Path, *suffixes: str) -> bool:
+    """Whether ``path`` (or ``path + suffix`` for one of ``suffixes``) exists as the job will resolve it:
+    relative to its working directory, else to the repository root (``nemofp4.data.paths``)."""
+    candidates = [Path(path)] if Path(path).is_absolute() else [workdir / path, REPO_ROOT / path]
+    return any(Path(f"{c}{suffix}").exists() for c in candidates for suffix in (suffixes or ("",)))
+
+
+def check_job_shape(config: LaunchConfig, job: JobConfig) -> None:
+    """The checks that depend on nodes x processes and on the job's file system, which composing the
+    config alone cannot see: the batch split over the ranks, a backend for more than one process, and
+    the data and tokenizer paths (seen from the submit host, which shares the job's file system)."""
+    from nemofp4.training.config import compute_budget
+
+    world = world_size(config.slurm)
+    shape = f"{config.slurm.nodes} node(s) x {procs_per_node(config.slurm)} process(es) = {world} rank(s)"
+    try:
+        compute_budget(job.train, world)
+    except ValueError as error:
+        raise ValueError(f"{shape}: {error}") from None
+    if world > 1 and job.distributed.backend == "none":
+        raise ValueError(
+            f"{shape} but distributed.backend=none; add 'distributed=fsdp' to train_overrides "
+            "(or set slurm.procs_per_node / slurm.nodes to 1)"
+        )
+    if config.slurm.gpus_per_node == 0 and job.distributed.backend.startswith("deepspeed"):
+        raise ValueError(f"distributed.backend={job.distributed.backend} needs GPUs; CPU nodes train with fsdp or none")
+    workdir = _workdir(config)
+    missing = [
+        f"data source {source.name or source.prefix!r}: {label}={prefix!r} (no .manifest.json or .idx)"
+        for source in job.data.sources
+        for label, prefix in (("prefix", source.prefix), ("validation_prefix", source.validation_prefix))
+        if prefix and not _visible(prefix, workdir, ".manifest.json", ".idx")
+    ]
+    if not _visible(job.data.tokenizer, workdir):
+        missing.append(f"data.tokenizer={job.data.tokenizer!r}")
+    if missing:
+        where = f"(relative paths are looked up under {workdir} and {REPO_ROOT}, as the job will)"
+        if config.dry_run:  # the script may be meant for another cluster's file system
+            logger.warning("not found from this host, the job would fail: %s %s", "; ".join(missing), where)
+        else:
+            raise FileNotFoundError(
+                f"not found from this host: {'; '.join(missing)} {where}; preprocess the data with "
+                "nemofp4-preprocess or fix the paths (dry_run=true only warns)"
+            )
+
+
+def describe_job(config: LaunchConfig, job: JobConfig | None) -> list[str]:
+    """What the job will run, in a few lines for the submitting user (standard error)."""
+    slurm = config.slurm
+    world = world_size(slurm)
+    hardware = f"{slurm.gpus_per_node} GPU(s)/node, nccl" if slurm.gpus_per_node else "CPU only, gloo"
+    lines = [
+        f"job {default_job_name(config)}: {slurm.nodes} node(s) x {procs_per_node(slurm)} process(es) = "
+        f"{world} rank(s) ({hardware}), {slurm.mode.value} mode, time limit {slurm.time}",
+        f"run dir {run_dir_expression(config)} (a requeue or resubmission resumes from its latest checkpoint)",
+    ]
+    if job is not None:
+        from nemofp4.training.config import compute_budget
+
+        budget = compute_budget(job.train, world)
+        lines.append(
+            f"trains {job.precision.name} with {job.distributed.backend}: {budget.total_steps} steps of "
+            f"{job.train.global_batch} x {job.train.seq_len} tokens (micro batch {job.train.micro_batch} x "
+            f"{world} rank(s) x {budget.grad_accum} accumulation)"
+        )
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,32 +440,34 @@ class _SbatchTemplate(string.Template):
 def _cpus_per_task(slurm: SlurmConfig) -> int:
     if slurm.cpus_per_task is not None:
         return slurm.cpus_per_task
-    gpus_per_task = slurm.gpus_per_node if slurm.mode is LaunchMode.torchrun else 1
-    return 8 * gpus_per_task
+    procs_per_task = procs_per_node(slurm) if slurm.mode is LaunchMode.torchrun else 1
+    return (8 if slurm.gpus_per_node else 1) * procs_per_task
 
 
 def _workdir(config: LaunchConfig) -> Path:
     return Path(config.workdir or os.getcwd()).resolve()
 
 
+def log_folder(config: LaunchConfig) -> Path:
+    """Where the job logs go (``--output``). Slurm opens the log before the script runs and does not
+    create its folder, so the launcher creates it whenever it renders a script."""
+    return _workdir(config) / config.runs_root / "slurm" / "logs"
+
+
 def run_dir_expression(config: LaunchConfig) -> str:
     """The run directory as the script writes it (may contain ``${SLURM_JOB_ID}``)."""
     if config.run_dir:
         return config.run_dir
-    job_name = default_job_name(config)
-    if config.slurm.singleton:
-        return f"{config.runs_root}/{job_name}"
-    return f"{config.runs_root}/{job_name}-${{SLURM_JOB_ID}}"
+    return f"{config.runs_root}/{default_job_name(config)}"
 
 
 def _sbatch_directives(config: LaunchConfig, workdir: Path) -> list[str]:
     slurm = config.slurm
-    tasks_per_node = 1 if slurm.mode is LaunchMode.torchrun else slurm.gpus_per_node
     options = [
         f"--job-name={default_job_name(config)}",
         f"--nodes={slurm.nodes}",
-        f"--ntasks-per-node={tasks_per_node}",
-        f"--gpus-per-node={slurm.gpus_per_node}",
+        f"--ntasks-per-node={_tasks_per_node(slurm)}",
+        *([f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []),
         f"--cpus-per-task={_cpus_per_task(slurm)}",
         f"--time={slurm.time}",
     ]
@@ -347,7 +477,7 @@ def _sbatch_directives(config: LaunchConfig, workdir: Path) -> list[str]:
         options.append("--exclusive")
     options += [
         f"--chdir={workdir}",
-        f"--output={workdir / config.runs_root / 'slurm' / 'logs'}/%x-%j.out",
+        f"--output={log_folder(config)}/%x-%j.out",
         "--open-mode=append",  # a requeued job keeps its id: append to its log instead of truncating it
     ]
     if slurm.signal is not None:
@@ -369,7 +499,7 @@ def _environment_setup(config: LaunchConfig) -> list[str]:
         lines.append(f"# tasks run in the container {slurm.container_image} (pyxis); see srun_cmd below")
     else:
         lines.append("# the submission environment (exported by sbatch) provides python and nemofp4")
-    lines += [f"export {name}={shlex.quote(str(value))}" for name, value in slurm.env.items()]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in job_environment(slurm).items()]
     return lines
 
 
@@ -383,7 +513,7 @@ def _launch_block(config: LaunchConfig, workdir: Path) -> str:
     train_args = train_arguments(config, "${run_dir}")
     srun = [
         'srun --nodes="${SLURM_NNODES}"',
-        f"--ntasks-per-node={1 if slurm.mode is LaunchMode.torchrun else slurm.gpus_per_node}",
+        f"--ntasks-per-node={_tasks_per_node(slurm)}",
         # Slurm >= 22.05 no longer passes sbatch's --cpus-per-task on to srun
         f"--cpus-per-task={_cpus_per_task(slurm)}",
         "--kill-on-bad-exit=1",
@@ -402,7 +532,7 @@ def _launch_block(config: LaunchConfig, workdir: Path) -> str:
     train_cmd = [
         "torchrun",
         '--nnodes="${SLURM_NNODES}"',
-        f"--nproc_per_node={slurm.gpus_per_node}",
+        f"--nproc_per_node={procs_per_node(slurm)}",
         "--rdzv_backend=c10d",
         '--rdzv_endpoint="${head_node}:${rdzv_port}"',
         '--rdzv_id="${SLURM_JOB_ID}"',
@@ -418,7 +548,9 @@ def _launch_block(config: LaunchConfig, workdir: Path) -> str:
             "# would die of SIGUSR1 and answer SIGTERM by killing the workers 30 s later, so the agent ignores",
             "# them (the wrapper's `trap ''` survives exec) and SIGTERM is taken off torchrun's handled list.",
             "# Slurm signals every process of the step (proctrack/cgroup), so the workers still receive them.",
-            'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"',
+            "# (Recent torchrun takes the list from --signals-to-handle, i.e. PET_SIGNALS_TO_HANDLE, and",
+            "# overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with it; older versions read only the latter.)",
+            'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"',
             _bash_array("srun_cmd", [*srun, agent_wrapper, '"${train_cmd[@]}"']),
         ]
     )
@@ -485,8 +617,7 @@ def submit(config: LaunchConfig, script: str) -> list[str]:
         activate = (workdir / config.slurm.venv / "bin" / "activate").resolve()
         if not activate.is_file():
             raise FileNotFoundError(f"slurm.venv={config.slurm.venv!r}: {activate} does not exist")
-    slurm_dir = _workdir(config) / config.runs_root / "slurm"
-    (slurm_dir / "logs").mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output folder
+    slurm_dir = log_folder(config).parent
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     script_path = slurm_dir / f"{default_job_name(config)}-{stamp}.sbatch"
     script_path.write_text(script)
@@ -507,8 +638,11 @@ def submit(config: LaunchConfig, script: str) -> list[str]:
 def launch(config: LaunchConfig) -> list[str]:
     """Render; print (dry run) or submit. Returns the submitted job ids (none for a dry run)."""
     script = render_sbatch_script(config)
-    if config.check_train_config:
-        check_train_config(config, run_dir_expression(config))
+    job = check_train_config(config, run_dir_expression(config)) if config.check_train_config else None
+    log_folder(config).mkdir(parents=True, exist_ok=True)  # also for a dry run: `sbatch job.sbatch` needs it
+    for line in describe_job(config, job):
+        logger.info("%s", line)
+    logger.info("job log: %s/%s-<job id>.out", log_folder(config), default_job_name(config))
     if config.dry_run:
         sys.stdout.write(script)
         sys.stdout.flush()
@@ -521,6 +655,14 @@ def launch(config: LaunchConfig) -> list[str]:
 
 @hydra.main(version_base=None, config_path=None, config_name=PRIMARY_CONFIG_NAME)
 def _hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode is RunMode.MULTIRUN:
+        raise ValueError(
+            "nemofp4-launch renders one job; sweep with the trainer's SLURM launcher instead: "
+            "nemofp4-train -m precision=bf16,ue5m3 hydra/launcher=slurm ... (docs/slurm.md)"
+        )
     launch(OmegaConf.to_object(cfg))
 
 

@@ -18,9 +18,11 @@ from nemofp4.training.metrics import LoggingConfig
 from nemofp4.training.nonfinite import NONFINITE_POLICIES
 from nemofp4.training.optim import OptimConfig
 from nemofp4.training.parallel import DistributedConfig
+from nemofp4.training.preemption import PreemptionConfig
 from nemofp4.training.schedule import ScheduleConfig
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+CHECKPOINT_STALL_S = 300.0
 
 
 @dataclass(kw_only=True)
@@ -95,6 +97,10 @@ class DebugConfig:
     """SIGKILL this process right after finishing this step (and its checkpoint, if one is due)."""
     sigkill_during_checkpoint_step: int = 0
     """SIGKILL this process in the middle of writing the checkpoint of this step."""
+    stall_during_checkpoint_step: int = 0
+    """Stall rank 0 for `CHECKPOINT_STALL_S` in the middle of writing the checkpoint of this step (a
+    slow file system; the other ranks wait in the save's collectives), so a test can signal the job
+    during a save. Only in a run that did not resume, so a resubmitted job gets past it."""
     nan_at_step: int = 0
     """Before this step, fill `nan_param` with NaN."""
     nan_param: str = ""
@@ -164,3 +170,4 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)

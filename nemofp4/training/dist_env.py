@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -87,82 +89,32 @@ class DistEnv:
 # Slurm's compressed list syntaxes
 
 
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand Slurm's compressed host list, e.g. ``"gpu-[001-003,010],login1"``, in Slurm's order.
-
-    Commas separate hosts except inside brackets; a bracket holds comma-separated numbers or
-    ``lo-hi`` ranges, zero-padded to the width of ``lo`` as written (``[08-10]`` -> 08, 09, 10).
-    A name may hold several bracket groups (``rack[1-2]-n[1-2]``); the leftmost varies slowest,
-    as ``scontrol show hostnames`` prints them.
-    """
-    hosts: list[str] = []
-    for pattern in _split_top_level(hostlist):
-        hosts.extend(_expand_host_pattern(pattern, hostlist))
-    if not hosts:
-        raise ValueError(f"host list {hostlist!r} names no hosts")
+def expand_hostlist(hostlist: str, *, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Expand Slurm's compressed host list (``"gpu-[001-003,010],login1"``) in Slurm's order, by asking
+    Slurm itself (``scontrol show hostnames``, looked up on ``environ``'s PATH). A list without
+    brackets is split at its commas without it."""
+    if not hostlist.strip():
+        raise ValueError("the SLURM host list is empty")
+    if "[" not in hostlist and "]" not in hostlist:
+        return [host.strip() for host in hostlist.split(",") if host.strip()]
+    scontrol = shutil.which("scontrol", path=environ.get("PATH", os.environ.get("PATH")))
+    if scontrol is None:
+        raise ValueError(
+            f"cannot expand the SLURM host list {hostlist!r}: scontrol is not on PATH; "
+            "set MASTER_ADDR to the first host instead"
+        )
+    try:
+        result = subprocess.run(
+            [scontrol, "show", "hostnames", hostlist], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ValueError(f"scontrol show hostnames {hostlist!r} failed: {error}; set MASTER_ADDR instead") from None
+    hosts = result.stdout.split()
+    if result.returncode != 0 or not hosts:
+        raise ValueError(
+            f"scontrol show hostnames {hostlist!r} failed (status {result.returncode}): {result.stderr.strip()}"
+        )
     return hosts
-
-
-def _split_top_level(hostlist: str) -> list[str]:
-    """Split at commas outside brackets; an empty entry or unbalanced bracket is an error."""
-    parts: list[str] = []
-    depth = 0
-    start = 0
-    for i, char in enumerate(hostlist):
-        if char == "[":
-            depth += 1
-            if depth > 1:
-                raise ValueError(f"nested '[' in host list {hostlist!r}")
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in host list {hostlist!r}")
-        elif char == "," and depth == 0:
-            parts.append(hostlist[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ValueError(f"unbalanced '[' in host list {hostlist!r}")
-    parts.append(hostlist[start:])
-    parts = [part.strip() for part in parts]
-    if any(not part for part in parts):
-        raise ValueError(f"empty host name in host list {hostlist!r}")
-    return parts
-
-
-_RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
-
-
-def _expand_bracket(body: str, hostlist: str) -> list[str]:
-    values: list[str] = []
-    for item in body.split(","):
-        match = _RANGE_RE.match(item.strip())
-        if match is None:
-            raise ValueError(
-                f"bad range {item!r} in host list {hostlist!r}: expected a number or 'lo-hi', e.g. [001-004,010]"
-            )
-        lo_text, hi_text = match.group(1), match.group(2)
-        lo = int(lo_text)
-        hi = int(hi_text) if hi_text is not None else lo
-        if hi < lo:
-            raise ValueError(f"range {item!r} in host list {hostlist!r} runs backwards")
-        width = len(lo_text)
-        values.extend(str(n).zfill(width) for n in range(lo, hi + 1))
-    return values
-
-
-def _expand_host_pattern(pattern: str, hostlist: str) -> list[str]:
-    expanded = [""]
-    rest = pattern
-    while rest:
-        open_at = rest.find("[")
-        if open_at < 0:
-            literal, choices, rest = rest, [""], ""
-        else:
-            close_at = rest.index("]", open_at)  # balanced: checked by _split_top_level
-            literal, choices = rest[:open_at], _expand_bracket(rest[open_at + 1 : close_at], hostlist)
-            rest = rest[close_at + 1 :]
-        expanded = [prefix + literal + choice for prefix in expanded for choice in choices]
-    return expanded
 
 
 _TASKS_RE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
@@ -274,11 +226,11 @@ def _detect_slurm(environ: Mapping[str, str]) -> DistEnv:
         master_port = slurm_master_port(job_id) if job_id is not None else DEFAULT_MASTER_PORT
 
     master_addr = environ.get("MASTER_ADDR")
-    if master_addr is None:
+    if master_addr is None and world_size > 1:
         # Task 0 runs on the first node of the step (block distribution), which is where it listens.
         for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
             if environ.get(name):
-                master_addr = expand_hostlist(environ[name])[0]
+                master_addr = expand_hostlist(environ[name], environ=environ)[0]
                 break
     if master_addr is None:
         if world_size > 1:
@@ -341,6 +293,26 @@ def _cuda_device_index(env: DistEnv) -> int:
             f"start at most {device_count} processes per node"
         )
     return env.local_rank
+
+
+def local_device(env: DistEnv) -> torch.device:
+    """The device this rank computes on: its GPU (the one it was given: GPU 0 when SLURM bound one GPU
+    to each task, else the one of its local rank), or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", _cuda_device_index(env))
+
+
+def require_process_group(backend: str, env: DistEnv) -> None:
+    """FSDP2 needs a process group, which only a launcher (torchrun, srun) provides; without one it
+    would fail deep inside ``fully_shard``. (DeepSpeed creates its own group when there is none.)"""
+    if backend == "fsdp" and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"distributed.backend={backend} needs a process group, but this is a single process started "
+            f"without a launcher (source: {env.source}); start it with "
+            f"`torchrun --nproc_per_node=N -m nemofp4.train distributed={backend} ...` (or srun), "
+            "or train one process with distributed=none"
+        )
 
 
 def init_distributed(env: DistEnv, *, backend: str | None = None, timeout_s: int = 1800) -> DistEnv:

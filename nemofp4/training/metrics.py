@@ -180,6 +180,11 @@ class MetricsLogger:
         self._file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+            # Stop wandb's service process now rather than at interpreter exit: after a requeue, Slurm
+            # signals every process of the step, and a service killed then fails that teardown.
+            import wandb
+
+            wandb.teardown()
         if self.tb is not None:
             self.tb.close()
 

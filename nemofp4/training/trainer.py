@@ -38,8 +38,14 @@ from nemofp4.quant import (
 from nemofp4.recipes import apply_recipe, recipe_from_config
 from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager
-from nemofp4.training.config import JobConfig, compute_budget
-from nemofp4.training.dist_env import destroy_distributed, detect_dist_env, init_distributed
+from nemofp4.training.config import CHECKPOINT_STALL_S, JobConfig, compute_budget
+from nemofp4.training.dist_env import (
+    destroy_distributed,
+    detect_dist_env,
+    init_distributed,
+    local_device,
+    require_process_group,
+)
 from nemofp4.training.metrics import MetricsLogger, peak_tflops
 from nemofp4.training.nonfinite import (
     NonFiniteError,
@@ -96,7 +102,7 @@ class Trainer:
         self.cfg = cfg
         self.env = init_distributed(detect_dist_env())
         self.rank, self.world = self.env.rank, self.env.world_size
-        self.device = torch.device(f"cuda:{self.env.local_rank}" if torch.cuda.is_available() else "cpu")
+        self.device = local_device(self.env)
         self.run_dir = Path(cfg.run_dir)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,6 +145,7 @@ class Trainer:
         if self.rank == 0 and self.layer_table.count("fp4"):
             log.info("%s", kernels.describe(self.device))
         dist_cfg = cfg.distributed
+        require_process_group(dist_cfg.backend, self.env)
         if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model:
             model.to_empty(device=self.device)
             torch.manual_seed(cfg.train.seed)
@@ -268,6 +275,8 @@ class Trainer:
                 save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
             if self.cfg.debug.sigkill_during_checkpoint_step == self.step:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die mid-write, like a node failure
+            if self.cfg.debug.stall_during_checkpoint_step == self.step and self.resumed_from is None:
+                time.sleep(CHECKPOINT_STALL_S)  # fault injection: a save that is still running when signalled
 
         return self.ckpt.save(
             self.step,
@@ -295,7 +304,7 @@ class Trainer:
             last_eval = self._eval()
         data_iter = iter(self.loader)
         stop_reason = "budget"
-        with PreemptionHandler() as preemption:
+        with PreemptionHandler(exit_grace_s=cfg.preemption.exit_grace_s) as preemption:
             while self.step < total:
                 self.step += 1
                 self._train_step(data_iter)
@@ -318,9 +327,14 @@ class Trainer:
                 if cfg.checkpoint.save_final and (not already_saved or cfg.checkpoint.export_safetensors):
                     self.save_checkpoint(final=True)
             self.ckpt.wait()
-            exit_code = preemption.requeue_and_exit_code() if stop_reason == "preempted" else 0
-        self.metrics.log("event", self.step, {"event": stop_reason, "tokens_seen": self.tokens_seen})
-        self.metrics.close()
+            # the loggers (wandb's service process too) finish before the requeue, after which Slurm
+            # signals every process of the step
+            self.metrics.log("event", self.step, {"event": stop_reason, "tokens_seen": self.tokens_seen})
+            self.metrics.close()
+            exit_code = (
+                preemption.requeue_and_exit_code(checkpoint=self.ckpt.latest(), step=self.step)
+                if stop_reason == "preempted" else 0
+            )  # fmt: skip
         if self.rank == 0 and cfg.logging.plots:
             plot = plot_run(self.run_dir, title=f"{cfg.name}: {cfg.precision.name}")
             print(f"loss curves: {plot.resolve()}", flush=True)

@@ -93,7 +93,7 @@ def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, conta
     # every #SBATCH line comes before the first command (sbatch stops reading at the first one)
     first_command = next(i for i, line in enumerate(script.splitlines()[1:], 1) if line and not line.startswith("#"))
     assert max(i for i, line in enumerate(script.splitlines()) if line.startswith("#SBATCH")) < first_command
-    assert 'run_dir="runs/nemofp4-tiny_ue5m3-${SLURM_JOB_ID}"' in script
+    assert 'run_dir="runs/nemofp4-tiny_ue5m3"' in script  # no job id: resubmissions resume
     assert "git rev-parse HEAD" in script and 'log "command: ${train_cmd[*]}"' in script
     assert "scontrol show hostnames \"${SLURM_JOB_NODELIST}\" | awk 'NR == 1'" in script
 
@@ -111,7 +111,8 @@ def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, conta
             *train_tail,
         ]  # fmt: skip
         assert srun[-2] == "bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun-agent"
-        assert 'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"' in script
+        assert ('export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" '
+                'PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"') in script
     else:
         assert _array(script, "train_cmd") == ["python -m nemofp4.train", *train_tail]
         assert "torchrun" not in script.split("srun_cmd=(")[1]
@@ -206,7 +207,7 @@ FAKE_TASK = """#!{python}
 import json, os, sys, time
 ignored = int(next(l for l in open("/proc/self/status") if l.startswith("SigIgn:")).split()[1], 16)
 record = dict(argv=sys.argv[1:], ignored=[s for s in (10, 15) if ignored >> (s - 1) & 1],
-              torchelastic_signals=os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE"),
+              torchelastic_signals=[os.environ.get(n) for n in ("TORCHELASTIC_SIGNALS_TO_HANDLE", "PET_SIGNALS_TO_HANDLE")],
               master=(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")))
 with open(os.path.join(os.environ["FAKE_DIR"], "task.json"), "w") as f:
     json.dump(record, f)
@@ -270,7 +271,7 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
     assert (tmp_path / "srun.signals").read_text() == "USR1\n"
     port = str(slurm_master_port("12345"))
     task = json.loads((tmp_path / "task.json").read_text())
-    run_dir = "runs/nemofp4-tiny_ue5m3-12345"
+    run_dir = "runs/nemofp4-tiny_ue5m3"
     assert (tmp_path / run_dir).is_dir()
     assert task["master"] == ["gpu-007", port]
     srun_args = (tmp_path / "srun.args").read_text().splitlines()
@@ -281,7 +282,7 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
             "--rdzv_id=12345", "-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={run_dir}",
         ]  # fmt: skip
         assert task["ignored"] == [10, 15]  # SIGUSR1 and SIGTERM are ignored by the agent
-        assert task["torchelastic_signals"] == "SIGINT,SIGHUP,SIGQUIT"
+        assert task["torchelastic_signals"] == ["SIGINT,SIGHUP,SIGQUIT"] * 2
     else:
         assert srun_args[:4] == ["--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=16", "--kill-on-bad-exit=1"]
         assert task["argv"] == ["-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={run_dir}"]
@@ -324,7 +325,10 @@ def test_dry_run_prints_only_the_script(tmp_path, capsys):
     config.dry_run = True
     assert launch(config) == []
     assert capsys.readouterr().out == render_sbatch_script(config)
-    assert not (tmp_path / "runs").exists()
+    # `sbatch` of the printed script needs the log folder, since Slurm opens the log before the script runs
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
+        "runs", "runs/slurm", "runs/slurm/logs",
+    ]  # fmt: skip
 
 
 def test_misspelled_trainer_override_fails_before_submission(tmp_path, capsys):
@@ -352,7 +356,8 @@ def test_interface_command_prints_the_script(tmp_path):
     _bash_n(script, tmp_path)
     assert "--nnodes=\"${SLURM_NNODES}\"" in script and "--nproc_per_node=8" in script
     assert "#SBATCH --nodes=4" in script and "experiment=nemotron_h_8b_ue5m3" in script
-    assert list(tmp_path.iterdir()) == [tmp_path / "job.sbatch"]  # the app itself wrote nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.sbatch", "runs"]  # and the log folder only
+    assert [p.name for p in (tmp_path / "runs").rglob("*")] == ["slurm", "logs"]
 
 
 def test_python_module_form(tmp_path):
@@ -393,3 +398,114 @@ def test_hydra_submitit_launcher_config_composes():
     assert type(OmegaConf.to_object(launcher)).__name__ == "SlurmQueueConf"  # typed: typos fail
     assert (launcher.partition, launcher.tasks_per_node, launcher.gpus_per_node) == ("batch", 8, 8)
     assert launcher.signal_delay_s == 120
+
+
+# ---------------------------------------------------------------------------------------------- CPU nodes, shape checks
+
+
+def _shape_config(tmp_path, overrides, **slurm) -> LaunchConfig:
+    slurm = {"nodes": 2, "gpus_per_node": 0, "procs_per_node": 1, "cpus_per_task": 1, **slurm}
+    config = _config(tmp_path, overrides=overrides, **slurm)
+    config.workdir = str(REPO_ROOT)  # the shipped data resolves from the repository, as in a real job
+    config.check_train_config = True
+    return config
+
+
+def test_cpu_nodes_render_gloo_ranks_without_gpus(tmp_path):
+    config = _config(tmp_path, nodes=2, gpus_per_node=0, procs_per_node=3, cpus_per_task=6)
+    config.run_dir = "/scratch/runs/tiny"
+    script = render_sbatch_script(config)
+    _bash_n(script, tmp_path)
+    options = _sbatch_options(script)
+    assert not any(o.startswith("--gpus") for o in options)
+    assert "--ntasks-per-node=1" in options and "--cpus-per-task=6" in options
+    assert "--nproc_per_node=3" in _array(script, "train_cmd")
+    assert 'run_dir="/scratch/runs/tiny"' in script
+    assert "export OMP_NUM_THREADS=2" in script  # 6 CPUs of the task over its 3 processes
+    assert "NCCL" not in script.split("set -euo pipefail")[1] and "PYTORCH_CUDA_ALLOC_CONF" not in script
+
+    config.slurm.mode = LaunchMode.srun
+    script = render_sbatch_script(config)
+    assert "--ntasks-per-node=3" in _sbatch_options(script) and "--ntasks-per-node=3" in _array(script, "srun_cmd")
+    assert "export OMP_NUM_THREADS=6" in script
+
+
+def test_procs_per_node_on_gpu_nodes_and_environment_defaults(tmp_path):
+    config = _config(tmp_path, nodes=2, gpus_per_node=8, procs_per_node=4, mode=LaunchMode.srun,
+                     env={"NCCL_DEBUG": "INFO", "PYTORCH_CUDA_ALLOC_CONF": "", "NCCL_IB_HCA": "mlx5"})  # fmt: skip
+    script = render_sbatch_script(config)
+    options = _sbatch_options(script)
+    assert "--gpus-per-node=8" in options and "--ntasks-per-node=4" in options and "--cpus-per-task=8" in options
+    exports = re.findall(r"^export (\w+)=(.*)$", script, flags=re.MULTILINE)
+    assert ("NCCL_DEBUG", "INFO") in exports and ("NCCL_IB_HCA", "mlx5") in exports  # overridden, added
+    assert ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3") in exports and ("OMP_NUM_THREADS", "8") in exports
+    assert not any(name == "PYTORCH_CUDA_ALLOC_CONF" for name, _ in exports)  # an empty value drops it
+    config = _config(tmp_path, gpus_per_node=8)
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in render_sbatch_script(config)
+    assert "--nproc_per_node=8" in _array(render_sbatch_script(config), "train_cmd")  # default: one per GPU
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(gpus_per_node=0), "procs_per_node=N"),
+        (dict(gpus_per_node=-1), "slurm.gpus_per_node"),
+        (dict(gpus_per_node=4, procs_per_node=8), "one GPU"),
+        (dict(gpus_per_node=0, procs_per_node=0), "slurm.procs_per_node"),
+    ],
+)
+def test_invalid_process_layouts_are_rejected(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        validate(_config(tmp_path, **changes))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "slurm", "error", "message"),
+    [
+        # 8 sequences of 8 per rank cannot be split over 2 ranks
+        (["distributed=fsdp", "train.global_batch=8", "train.micro_batch=8"], {}, ValueError,
+         r"2 node\(s\) x 1 process\(es\) = 2 rank\(s\): train.global_batch=8 is not a multiple"),
+        (["distributed=none", "train.micro_batch=2"], {}, ValueError, "distributed.backend=none"),
+        (["distributed=fsdp", "train.micro_batch=2", "data.sources=[{prefix: data/tokens/nowhere}]"], {},
+         FileNotFoundError, "data/tokens/nowhere"),
+        (["distributed=fsdp", "train.micro_batch=2", "data.tokenizer=data/no_tokenizer"], {}, FileNotFoundError,
+         "data.tokenizer='data/no_tokenizer'"),
+        (["distributed=deepspeed_zero1", "train.micro_batch=2"], {}, ValueError, "needs GPUs"),
+        # 3 x 2 ranks: 8 is not a multiple of 2 x 6
+        (["distributed=fsdp", "train.micro_batch=2"], {"nodes": 3, "procs_per_node": 2}, ValueError,
+         "= 6 rank"),
+    ],
+)  # fmt: skip
+def test_presubmit_checks_what_depends_on_the_job_shape(tmp_path, capsys, caplog, overrides, slurm, error, message):
+    config = _shape_config(tmp_path, overrides, **slurm)
+    config.dry_run = error is not FileNotFoundError  # a real submission: missing data is an error there
+    with pytest.raises(error, match=message):
+        launch(config)
+    assert capsys.readouterr().out == ""  # no script: nothing to submit by mistake
+    if error is FileNotFoundError:  # a dry run (a script for another cluster, maybe) warns instead
+        config.dry_run = True
+        with caplog.at_level("WARNING", logger="nemofp4.launch"):
+            launch(config)
+        assert "not found from this host" in caplog.text and re.search(message, caplog.text)
+        assert capsys.readouterr().out.startswith("#!/bin/bash\n")
+
+
+def test_presubmit_check_passes_and_says_what_the_job_runs(tmp_path, capsys, caplog):
+    config = _shape_config(tmp_path, ["distributed=fsdp", "train.micro_batch=2", "train.max_steps=60"])
+    config.dry_run, config.run_dir, config.runs_root = True, str(tmp_path / "run"), str(tmp_path / "runs")
+    with caplog.at_level("INFO", logger="nemofp4.launch"):
+        assert launch(config) == []
+    summary = caplog.text
+    assert "2 node(s) x 1 process(es) = 2 rank(s) (CPU only, gloo)" in summary
+    assert "trains ue5m3 with fsdp: 60 steps of 8 x 256 tokens (micro batch 2 x 2 rank(s) x 2 accumulation)" in summary
+    assert f"run dir {tmp_path / 'run'}" in summary
+    assert capsys.readouterr().out.startswith("#!/bin/bash\n")
+    assert (tmp_path / "runs" / "slurm" / "logs").is_dir()
+
+
+def test_multirun_is_refused_with_the_sweep_command(tmp_path):
+    command = [sys.executable, "-m", "nemofp4.cli.launch", "-m", "check_train_config=false", "dry_run=true",
+               "slurm.nodes=1,2"]  # fmt: skip
+    result = _run_app(command, tmp_path)
+    assert result.returncode != 0 and result.stdout == ""
+    assert "hydra/launcher=slurm" in result.stderr
