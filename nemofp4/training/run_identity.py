@@ -10,6 +10,7 @@ was trained and can never be accepted: resuming would silently continue a differ
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, NamedTuple
 
@@ -32,10 +33,11 @@ __all__ = [
 ]
 
 SAFE_KEYS = ("name", "run_dir", "resume", "resume_accept", "overwrite", "logging", "eval", "checkpoint", "debug",
-             "train.micro_batch", "train.max_skipped_steps")
-"""Keys (or sections) that change how a run is observed, saved or sliced into micro-batches, not what
-it trains: a different `train.micro_batch` (e.g. for another world size with the same global batch)
-changes only the order of the gradient sums."""
+             "train.micro_batch", "train.max_skipped_steps", "distributed")
+"""Keys (or sections) that change how a run is observed, saved or laid out over processes, not what it
+trains. Checkpoints reshard between world sizes and between one process and FSDP2, so `distributed`
+and `train.micro_batch` (another world size with the same global batch) may change: only the order of
+the gradient sums does. Moving between DeepSpeed and the rest is refused (other checkpoint formats)."""
 BUDGET_KEYS = ("train.max_steps", "train.tokens")
 """The budget: may grow on resume (the schedule is recomputed for the new total, which the trainer
 states); shrinking it must be accepted by name and may never end before the checkpoint's step."""
@@ -81,8 +83,23 @@ class ConfigChange(NamedTuple):
         return f"{self.key}: {self.saved!r} -> {self.current!r}"
 
 
+def _with_schema_defaults(saved: Any, schema: type) -> Any:
+    """The saved config over the current schema's defaults, so a field added to the schema after the
+    checkpoint was written compares as its default rather than as a change (when the saved config
+    still fits the schema; otherwise the raw saved config)."""
+    try:
+        text = saved if isinstance(saved, str) else OmegaConf.to_yaml(OmegaConf.structured(saved))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text))
+        return OmegaConf.to_container(merged, resolve=True)
+    except Exception:  # omegaconf raises several types for a config that no longer fits
+        return saved
+
+
 def config_changes(saved: Any, current: Any) -> list[ConfigChange]:
-    """Every key whose value differs between two configs, sorted by key."""
+    """Every key whose value differs between two configs, sorted by key (a saved config is first
+    completed with the current schema's defaults for fields it predates)."""
+    if dataclasses.is_dataclass(current):
+        saved = _with_schema_defaults(saved, type(current))
     a, b = flatten_config(saved), flatten_config(current)
     return [ConfigChange(k, a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(set(a) | set(b))
             if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
@@ -100,11 +117,18 @@ def validate_accept_list(accept: list[str], current: Any) -> None:
                              f"{', '.join(FIXED_KEYS)}); a change there is a new run: use another run_dir")
 
 
+def _is_deepspeed(backend: Any) -> bool:
+    return isinstance(backend, str) and backend.startswith("deepspeed")
+
+
 def refused_changes(changes: list[ConfigChange], accept: list[str]) -> tuple[list[ConfigChange], list[ConfigChange]]:
     """(refused, accepted) among `changes`: safe and budget keys are neither (the caller handles the
     budget); fixed keys are always refused; other keys are refused unless named in `accept`."""
     refused, accepted = [], []
     for change in changes:
+        if change.key == "distributed.backend" and _is_deepspeed(change.saved) != _is_deepspeed(change.current):
+            refused.append(change)
+            continue
         if _matches(change.key, SAFE_KEYS) or _matches(change.key, BUDGET_KEYS):
             continue
         if not _matches(change.key, FIXED_KEYS) and _matches(change.key, accept):
@@ -116,12 +140,12 @@ def refused_changes(changes: list[ConfigChange], accept: list[str]) -> tuple[lis
 
 def describe_refusal(where: str, refused: list[ConfigChange]) -> str:
     """The message for a refused resume: the changed keys, what is fixed, what can be accepted."""
-    fixed = [c for c in refused if _matches(c.key, FIXED_KEYS)]
-    other = [c for c in refused if not _matches(c.key, FIXED_KEYS)]
+    fixed = [c for c in refused if _matches(c.key, FIXED_KEYS) or c.key == "distributed.backend"]
+    other = [c for c in refused if c not in fixed]
     lines = [f"{where} was trained with a different configuration; resuming would mix two runs. Changed keys:"]
     lines += [f"  {c}" for c in refused]
     if fixed:
-        lines.append("Recipe, model, data, seed and batch layout cannot change within a run "
+        lines.append("Recipe, model, data, seed, batch layout and checkpoint format cannot change within a run "
                      f"({', '.join(c.key for c in fixed)}): restore them, or start a new run in another run_dir "
                      "(or pass overwrite=true to move this run aside).")
     if other:

@@ -462,7 +462,7 @@ class Trainer:
                 return
         # where it starts: weights, then held FP4 references (they poison outputs or gradients downstream),
         # then the first layer output in execution order, then the first gradient in backward order
-        where = first_nonfinite_state(self.model)
+        where = self._unhealthy_state()  # the same answer on every rank, so they all take the same path
         if where is None:
             input_ids, labels = batch
             module = first_nonfinite_module(self.model, lambda: self.model(input_ids))

@@ -97,7 +97,7 @@ def test_identity_refuses_recipe_model_seed_and_unnamed_changes_by_key():
     saved = compose_job_config(SMALL)
     for override, key in [("precision=ue5m3", "precision.name"), ("train.seed=1", "train.seed"),
                           ("model.ffn_hidden_size=256", "model.ffn_hidden_size"), ("train.global_batch=32", "train.global_batch"),
-                          ("optim.lr=0.5", "optim.lr")]:
+                          ("optim.lr=0.5", "optim.lr"), ("distributed=deepspeed_zero1", "distributed.backend")]:
         current = compose_job_config([*SMALL, override])
         with pytest.raises(ValueError, match=rf"{key}: .* -> ") as err:
             check_resume_config(saved, current, step=5, saved_total=10, new_total=10, where="checkpoint x")
@@ -107,7 +107,7 @@ def test_identity_refuses_recipe_model_seed_and_unnamed_changes_by_key():
 def test_identity_accepts_safe_keys_named_keys_and_a_longer_budget(caplog):
     saved = compose_job_config(SMALL)
     safe = compose_job_config([*SMALL, "logging.log_interval=7", "eval.interval=3", "checkpoint.keep_last_k=1",
-                               "train.micro_batch=4", "run_dir=elsewhere"])
+                               "train.micro_batch=4", "run_dir=elsewhere", "distributed=fsdp"])
     assert check_resume_config(saved, safe, step=5, saved_total=10, new_total=10, where="c") == []
     accepted = compose_job_config([*SMALL, "optim.lr=0.5", "resume_accept=[optim]"])
     assert [c.key for c in check_resume_config(saved, accepted, step=5, saved_total=10, new_total=10,
@@ -144,3 +144,14 @@ def test_sweep_job_dirnames_are_safe_bounded_and_distinct():
     assert "/" not in job_dirname("data.path=/x/y,optim.lr=1") and job_dirname("") == "defaults"
     long_a, long_b = "a=" + "x" * 300 + ",b=1", "a=" + "x" * 300 + ",b=2"
     assert len(job_dirname(long_a)) == MAX_JOB_DIRNAME and job_dirname(long_a) != job_dirname(long_b)
+
+
+def test_a_field_added_after_the_checkpoint_compares_as_its_default():
+    from omegaconf import OmegaConf
+
+    cfg = compose_job_config(SMALL)
+    older = OmegaConf.to_yaml(OmegaConf.structured(cfg)).replace("  max_skipped_steps: 10\n", "")
+    older = older.replace("  grad_clip: 1.0\n", "")
+    assert config_changes(older, cfg) == []
+    assert [c.key for c in config_changes(older, compose_job_config([*SMALL, "train.grad_clip=0.5"]))] == [
+        "train.grad_clip"]
