@@ -206,13 +206,13 @@ class RunDirectory:
                 if overwrite and describe_used(self.path) is not None:
                     self.moved_to = move_aside(self.path)
                     log.warning("overwrite=true: the previous run in %s was moved to %s", self.path, self.moved_to)
-            except (RunLockedError, OSError) as err:
+            except Exception as err:  # every rank must learn of it, or the others wait forever
                 error = (type(err).__name__, str(err))
                 self._cleanup_created()
         error = _broadcast_error(error, world)
         if error is not None:
             kind, message = error
-            raise RunLockedError(message) if kind == "RunLockedError" else OSError(message)
+            raise RunLockedError(message) if kind == "RunLockedError" else OSError(f"{kind}: {message}")
 
     def _cleanup_created(self) -> None:
         if self.lock is not None and self.lock.held:

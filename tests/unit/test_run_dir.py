@@ -155,3 +155,35 @@ def test_a_field_added_after_the_checkpoint_compares_as_its_default():
     assert config_changes(older, cfg) == []
     assert [c.key for c in config_changes(older, compose_job_config([*SMALL, "train.grad_clip=0.5"]))] == [
         "train.grad_clip"]
+
+
+def _two_ranks(rank: int, port: int, run_dir: str, results: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        run = RunDirectory(run_dir, rank=rank, world=2, overwrite=False)
+        outcome = "ok"
+        run.close()
+    except RunLockedError as err:
+        outcome = f"locked: {err}"
+    with open(f"{results}/rank-{rank}", "w") as f:
+        f.write(outcome)
+    dist.destroy_process_group()
+
+
+def test_only_rank_0_takes_the_lock_and_every_rank_learns_a_refusal(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_lock(tmp_path / "run", pid=holder.pid)
+        mp.spawn(_two_ranks, args=(port, str(tmp_path / "run"), str(tmp_path)), nprocs=2)
+    finally:
+        holder.kill()
+        holder.wait()
+    for rank in (0, 1):
+        assert (tmp_path / f"rank-{rank}").read_text().startswith(f"locked: run_dir {tmp_path / 'run'} is in use by pid {holder.pid}")
