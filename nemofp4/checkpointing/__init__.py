@@ -190,10 +190,22 @@ def verify_files(folder: Path, names: list[str], marker: dict[str, Any], *, chec
     return problems
 
 
+def _numpy_array_globals() -> list[Any]:
+    """What a pickled NumPy array needs (generator states of checkpoints written before those became
+    tensors): array reconstruction and dtypes, nothing that calls arbitrary code."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *(
+        getattr(np.dtypes, n) for n in ("UInt32DType", "Int64DType", "Float64DType") if hasattr(np, "dtypes"))]
+
+
 def load_tensors(path: Path) -> Any:
-    """`torch.load(weights_only=True)` on CPU: tensors and plain containers only; anything else fails by name."""
+    """`torch.load(weights_only=True)` on CPU: tensors, plain containers and NumPy arrays only; anything
+    else fails by name."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"{path} holds objects other than tensors and plain values; refusing to unpickle it "

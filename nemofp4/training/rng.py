@@ -32,8 +32,10 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     numpy = state["numpy"]
-    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"],
-                         numpy["cached_gaussian"]))
+    if isinstance(numpy, dict):
+        numpy = (numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"],
+                 numpy["cached_gaussian"])
+    np.random.set_state(numpy)  # a tuple as NumPy returns it: checkpoints written before the dict form
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -108,3 +108,22 @@ def test_no_full_unpickling_anywhere_in_the_package():
         if re.search(r"weights_only\s*=\s*False|pickle\.loads?\(", line)
     ]
     assert not offenders, offenders
+
+
+def test_numpy_generator_state_of_older_checkpoints_loads_but_an_object_array_payload_never_runs(tmp_path):
+    import numpy as np
+
+    from nemofp4.checkpointing import load_tensors
+    from nemofp4.training.rng import set_rng_state
+
+    np.random.seed(5)
+    state, expected = np.random.get_state(), np.random.rand()
+    torch.save({"rng": {"numpy": state, "python": __import__("random").getstate(), "torch": torch.get_rng_state()}},
+               tmp_path / "old.pt")
+    set_rng_state(load_tensors(tmp_path / "old.pt")["rng"])
+    assert np.random.rand() == expected
+    proof = tmp_path / "pwned"
+    torch.save({"a": np.array([Payload(proof)], dtype=object)}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        load_tensors(tmp_path / "evil.pt")
+    assert not proof.exists()
