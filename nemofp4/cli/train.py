@@ -5,8 +5,11 @@ Hydra stays here, at the edge: the rest of the code sees only typed dataclasses.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -32,6 +35,32 @@ def to_job_config(cfg: DictConfig) -> JobConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), container))
 
 
+MAX_JOB_DIRNAME = 96
+"""Longest sweep-job directory name; longer ones keep a prefix and gain a hash of the whole."""
+
+
+def job_dirname(override_dirname: str) -> str:
+    """A sweep job's directory name from its overrides (Hydra's `hydra.job.override_dirname`, keys such
+    as run_dir and resume excluded): unsafe characters become '_', and a long name is cut with a hash
+    of the full one, so distinct jobs never share a directory."""
+    name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", override_dirname).strip(".") or "defaults"
+    if len(name) > MAX_JOB_DIRNAME:
+        digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:12]
+        name = f"{name[: MAX_JOB_DIRNAME - 13]}-{digest}"
+    return name
+
+
+def sweep_job_run_dir(job: JobConfig) -> JobConfig:
+    """In a multirun (`nemofp4-train -m`), each job trains in `<run_dir>/<job_dirname(overrides)>`;
+    a single run keeps its run_dir as given."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return job
+    return replace(job, run_dir=str(Path(job.run_dir) / job_dirname(HydraConfig.get().job.override_dirname)))
+
+
 def compose_job_config(overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Compose configs/ with command-line style overrides, as `nemofp4-train` would (for scripts, tests)."""
     from hydra import compose, initialize_config_dir
@@ -50,7 +79,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     from nemofp4.training.trainer import train
 
     logging.getLogger("nemofp4").setLevel(logging.INFO)
-    summary = train(to_job_config(cfg))
+    summary = train(sweep_job_run_dir(to_job_config(cfg)))
     if summary.get("exit_code"):
         sys.exit(summary["exit_code"])
 

@@ -15,18 +15,19 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from nemofp4.checkpointing import (
+    TRAINER_STATE,
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_tensors,
+    read_marker,
+    resolve_checkpoint,
+    verify_files,
+)
 from nemofp4.models import NemotronHModel, build_model
 from nemofp4.models.nemotron_h import import_hf
 from nemofp4.recipes import PrecisionConfig, apply_recipe, recipe_from_config
-from nemofp4.training.checkpoint import (
-    MARKER,
-    STEP_PREFIX,
-    TRAINER_STATE,
-    CheckpointConfig,
-    CheckpointManager,
-    is_complete,
-    latest_checkpoint,
-)
 from nemofp4.training.config import JobConfig
 
 __all__ = [
@@ -53,26 +54,6 @@ def is_hf_folder(path: str | Path) -> bool:
     path = Path(path)
     return (path / "config.json").is_file() and (
         (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    )
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The complete step folder meant by a step folder, a checkpoints folder or a run directory
-    (the newest complete checkpoint, as named by ``latest``)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint={str(path)!r}: no such step folder or run directory")
-    if path.name.startswith(STEP_PREFIX):
-        if not is_complete(path):
-            raise FileNotFoundError(f"checkpoint {path} is incomplete (no {MARKER}): it was never finished")
-        return path
-    for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found
-    raise FileNotFoundError(
-        f"checkpoint={str(path)!r}: no complete checkpoint found; pass a step-<N> folder (with {MARKER}), "
-        "a checkpoints folder or a run directory that contains one"
     )
 
 
@@ -103,9 +84,12 @@ def load_checkpoint_model(
 
     folder = resolve_checkpoint(path)
     if verify:
-        CheckpointManager(folder.parent, CheckpointConfig(verify_checksums=True)).verify(folder)
-    trainer_state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=False)
-    if "config" not in trainer_state:
+        marker = read_marker(folder)
+        problems = verify_files(folder, sorted(marker["files"]), marker, checksums=True)
+        if problems:
+            raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
+    trainer_state = load_tensors(folder / TRAINER_STATE)
+    if not isinstance(trainer_state, dict) or "config" not in trainer_state:
         raise ValueError(f"{folder / TRAINER_STATE} has no 'config': not written by nemofp4's trainer")
     cfg = job_config_from_yaml(trainer_state["config"])
     if isinstance(precision, str):
@@ -114,7 +98,10 @@ def load_checkpoint_model(
     apply_recipe(model, recipe_from_config(precision or cfg.precision), log=False)
     model.to_empty(device=device)
     model_state = get_model_state_dict(model)
-    dcp.load({"model": model_state}, checkpoint_id=str(folder))  # the optimizer state is not read
+    # the optimizer state is not read; nothing is unpickled beyond DCP's metadata types and tensors
+    reader = SafeFileSystemReader(str(folder))
+    reader.read_metadata()  # a planted metadata pickle fails here, by name
+    dcp.load({"model": model_state}, storage_reader=reader, planner=SafeLoadPlanner())
     set_model_state_dict(model, model_state)
     model.eval()
     log.info("loaded %s (step %s, recipe %s)", folder, trainer_state.get("step"), (precision or cfg.precision).name)

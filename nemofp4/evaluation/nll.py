@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from nemofp4.training.trainer import lm_loss
+from nemofp4.models import lm_loss
 
 from .policies import PolicyForward
 

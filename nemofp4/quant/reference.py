@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from nemofp4 import kernels
 
-__all__ = ["HeldReference", "ReferenceState"]
+__all__ = ["HeldReference", "ReferenceState", "finite_sample_or_previous"]
 
 
 @dataclass
@@ -34,6 +34,16 @@ class HeldReference:
 
     amax: torch.Tensor
     refresh_step: int
+
+
+def finite_sample_or_previous(sampled: torch.Tensor, previous: HeldReference | None) -> torch.Tensor | None:
+    """Non-finite guard at the sampling of a held amax: a NaN/Inf sample (a bad step, skipped by the
+    trainer) must never become the reference for the next D steps. With a previous value, that value
+    is kept (without a host sync) for another interval; with none, None: nothing is stored and the
+    next step samples again (one host sync, only for an empty reference)."""
+    if previous is not None:
+        return torch.where(torch.isfinite(sampled), sampled, previous.amax)
+    return sampled if bool(torch.isfinite(sampled)) else None
 
 
 class ReferenceState:
@@ -88,7 +98,11 @@ class ReferenceState:
                 self._warned_no_step = True
             return self.measure(x)
         if held is None or self.step - held.refresh_step >= interval:
-            held = HeldReference(amax=self.measure(x, for_held=True).detach().clone(), refresh_step=self.step)
+            sampled = self.measure(x, for_held=True).detach().clone()
+            kept = finite_sample_or_previous(sampled, held)
+            if kept is None:
+                return sampled  # nothing held yet and the sample is not finite: store nothing, sample next step
+            held = HeldReference(amax=kept, refresh_step=self.step)
             self.held[name] = held
         return held.amax
 

@@ -1,32 +1,23 @@
-"""Atomic, verifiable checkpoints on top of torch.distributed.checkpoint (DCP).
+"""Atomic, verifiable checkpoints on top of torch.distributed.checkpoint (DCP): the writer side.
 
-Layout under `<run_dir>/checkpoints/`:
-
-    step-<N>/                  one complete checkpoint
-        .metadata, __<r>_0.distcp   DCP: model + optimizer, sharded as the run was (reshardable)
-        trainer_state.pt       rank 0: step, tokens, loader, schedule, amax references, wandb id, config
-        rank/rank-<r>.pt       per rank: generator states (Python, NumPy, torch, CUDA) and the
-                               quantizers' held tensor references
-        COMPLETE.json          written last: file sizes and CRC32s; its presence makes the folder valid
-    latest                     text file naming the newest complete step folder
-
+The folder layout, finding and safe reading live in `nemofp4.checkpointing` (shared with evaluation).
 Every rank writes into `.tmp-step-<N>/`; after a barrier rank 0 writes the marker and renames the
 folder, so a crash at any point leaves either the previous checkpoint or the new one, never a
 half-written folder that looks complete. Loading verifies sizes (and checksums unless disabled)
 before any tensor is touched, so a damaged checkpoint is reported by name, and `resume=auto` falls
-back to the previous complete one.
+back to the previous complete one. Retention ranks checkpoints by save order, never by step number.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import time
 import warnings
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,14 +26,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from nemofp4.checkpointing import (
+    LATEST,
+    MARKER,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    complete_checkpoints,
+    crc32,
+    is_complete,
+    latest_checkpoint,
+    load_tensors,
+    read_marker,
+    step_of,
+    verify_files,
+)
+
+__all__ = [
+    "LATEST",
+    "MARKER",
+    "STEP_PREFIX",
+    "TMP_PREFIX",
+    "TRAINER_STATE",
+    "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointManager",
+    "complete_checkpoints",
+    "is_complete",
+    "latest_checkpoint",
+    "step_of",
+]
 
 log = logging.getLogger(__name__)
-
-MARKER = "COMPLETE.json"
-LATEST = "latest"
-TRAINER_STATE = "trainer_state.pt"
-STEP_PREFIX = "step-"
-TMP_PREFIX = ".tmp-step-"
+_OLD_PREFIX = ".old-step-"
 
 
 @dataclass(kw_only=True)
@@ -69,10 +90,6 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep_last_k must be >= 0, got {self.keep_last_k}")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or damaged."""
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -94,14 +111,6 @@ def _single_process_quiet():
         yield
 
 
-def _crc32(path: Path, chunk: int = 1 << 24) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -117,32 +126,6 @@ def _atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def step_of(path: Path) -> int:
-    return int(path.name[len(STEP_PREFIX):])
-
-
-def is_complete(path: Path) -> bool:
-    return path.is_dir() and path.name.startswith(STEP_PREFIX) and (path / MARKER).is_file()
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete step folders under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The folder named by `root/latest` if complete, else the newest complete folder."""
-    pointer = root / LATEST
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if is_complete(candidate):
-            return candidate
-    complete = complete_checkpoints(root)
-    return complete[-1] if complete else None
 
 
 def _files_owned_by(folder: Path, rank: int, world: int) -> list[Path]:
@@ -161,20 +144,32 @@ def _files_owned_by(folder: Path, rank: int, world: int) -> list[Path]:
     return owned
 
 
+def _is_disk_full(err: BaseException) -> bool:
+    """ENOSPC/EDQUOT, raised directly or as torch's serializer error ('unexpected pos', 'file write failed')."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err)
+        if "unexpected pos" in text or "file write failed" in text or "No space left" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 class CheckpointManager:
     """Saves and finds checkpoints of one run; every rank constructs one."""
 
     def __init__(self, root: Path, cfg: CheckpointConfig):
         self.root = Path(root)
         self.cfg = cfg
-        self._pending: tuple[Any, Callable[[], None]] | None = None
+        self._pending: tuple[Any, Callable[[], None], Path] | None = None
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         _barrier()
 
     # ----------------------------------------------------------------------------- finding
     def complete_checkpoints(self) -> list[Path]:
-        """Complete step folders, oldest first."""
+        """Complete step folders, oldest first in save order."""
         return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
@@ -187,8 +182,23 @@ class CheckpointManager:
         return sorted(
             p
             for p in self.root.iterdir()
-            if p.is_dir() and (p.name.startswith(TMP_PREFIX) or (p.name.startswith(STEP_PREFIX) and not is_complete(p)))
+            if p.is_dir()
+            and (p.name.startswith((TMP_PREFIX, _OLD_PREFIX)) or (p.name.startswith(STEP_PREFIX) and not is_complete(p)))
         )
+
+    def remove_incomplete(self) -> list[Path]:
+        """Delete what interrupted saves left behind (rank 0, at start, under the run lock)."""
+        removed = []
+        if _rank() == 0:
+            for path in self.incomplete():
+                if path.name.startswith(STEP_PREFIX):
+                    continue  # a step folder without marker is never ours to half-write; leave it for a human
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            if removed:
+                log.info("removed %d unfinished checkpoint folder(s): %s", len(removed), ", ".join(p.name for p in removed))
+        _barrier()
+        return removed
 
     # ----------------------------------------------------------------------------- saving
     def save(
@@ -205,47 +215,62 @@ class CheckpointManager:
         async_save, once `wait()` or the next save returns).
 
         `dcp_state` goes through DCP; `write_collective(folder)` is called on every rank for state
-        with its own format (DeepSpeed); `extra_files(folder)` on rank 0 only."""
+        with its own format (DeepSpeed); `extra_files(folder)` on rank 0 only. A full disk raises one
+        CheckpointError naming ENOSPC and the folder; the previous checkpoint is left as it was."""
         self.wait()
         final = self.root / f"{STEP_PREFIX}{step}"
         tmp = self.root / f"{TMP_PREFIX}{step}"
         rank, world = _rank(), _world()
-        if rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            if final.exists():  # a complete checkpoint of this step already exists: replace it
-                shutil.rmtree(final)
-            (tmp / "rank").mkdir(parents=True)
-        _barrier()
-        torch.save(rank_state, tmp / "rank" / f"rank-{rank:05d}.pt")
-        if rank == 0:
-            torch.save(trainer_state, tmp / TRAINER_STATE)
-            if extra_files is not None:
-                extra_files(tmp)
+        try:
+            if rank == 0:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                (tmp / "rank").mkdir(parents=True)
+            _barrier()
+            torch.save(rank_state, tmp / "rank" / f"rank-{rank:05d}.pt")
+            if rank == 0:
+                torch.save(trainer_state, tmp / TRAINER_STATE)
+                if extra_files is not None:
+                    extra_files(tmp)
 
-        def finalize() -> None:
-            self._finalize(step, tmp, final)
+            def finalize() -> None:
+                self._finalize(step, tmp, final)
 
-        if write_collective is not None:
-            write_collective(tmp)
-        if dcp_state is not None and self.cfg.async_save and world > 1:
-            future = dcp.async_save(dcp_state, checkpoint_id=str(tmp))
-            self._pending = (future, finalize)
-            return final
-        if dcp_state is not None:
-            with _single_process_quiet():
-                dcp.save(dcp_state, checkpoint_id=str(tmp))
-        finalize()
+            if write_collective is not None:
+                write_collective(tmp)
+            if dcp_state is not None and self.cfg.async_save and world > 1:
+                future = dcp.async_save(dcp_state, checkpoint_id=str(tmp))
+                self._pending = (future, finalize, tmp)
+                return final
+            if dcp_state is not None:
+                with _single_process_quiet():
+                    dcp.save(dcp_state, checkpoint_id=str(tmp))
+            finalize()
+        except (Exception, CheckpointException) as err:
+            raise self._write_failed(tmp, err) from err
         return final
+
+    def _write_failed(self, tmp: Path, err: BaseException) -> CheckpointError:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = self.latest()
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        if _is_disk_full(err):
+            return CheckpointError(f"checkpoint {tmp.name} could not be written: no space left on device (ENOSPC) "
+                                   f"under {self.root}; {kept}. Free space or lower checkpoint.keep_last_k")
+        return CheckpointError(f"checkpoint {tmp.name} could not be written under {self.root}: {err}; {kept}")
 
     def wait(self) -> None:
         """Block until a pending async save is complete and published."""
         if self._pending is None:
             return
-        future, finalize = self._pending
+        future, finalize, tmp = self._pending
         self._pending = None
-        future.result()
-        finalize()
+        try:
+            future.result()
+            finalize()
+        except (Exception, CheckpointException) as err:
+            raise self._write_failed(tmp, err) from err
 
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
         rank, world = _rank(), _world()
@@ -254,27 +279,38 @@ class CheckpointManager:
         for path in _files_owned_by(tmp, rank, world):
             entry = {"bytes": path.stat().st_size}
             if self.cfg.verify_checksums:
-                entry["crc32"] = _crc32(path)
+                entry["crc32"] = crc32(path)
             files[str(path.relative_to(tmp))] = entry
         if world > 1:
             gathered: list[dict] = [None] * world  # type: ignore[list-item]
             dist.all_gather_object(gathered, files)
             files = {k: v for part in gathered for k, v in part.items()}
         if rank == 0:
-            marker = {"step": step, "world_size": world, "time": time.time(), "files": files}
+            previous = self.complete_checkpoints()
+            save_index = 1 + max((_marker_int(p, "save_index") for p in previous), default=0)
+            marker = {"step": step, "save_index": save_index, "world_size": world, "time": time.time(),
+                      "files": files}
             _atomic_write_text(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True))
             _fsync_dir(tmp)
+            old = None
+            if final.exists():  # the same step saved again: keep the old folder until the new one is in place
+                old = self.root / f"{_OLD_PREFIX}{step}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(self.root)
             _atomic_write_text(self.root / LATEST, final.name + "\n")
-            self._prune()
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            self._prune(final)
             log.info("checkpoint saved: %s", final)
         _barrier()
 
-    def _prune(self) -> None:
+    def _prune(self, newest: Path) -> None:
+        """Keep the newest keep_last_k checkpoints by save order; the one just written always stays."""
         if self.cfg.keep_last_k == 0:
             return
-        complete = self.complete_checkpoints()
+        complete = [p for p in self.complete_checkpoints() if p != newest] + [newest]
         for old in complete[: -self.cfg.keep_last_k]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -286,24 +322,10 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {folder} does not exist")
         if not is_complete(folder):
             raise CheckpointError(f"checkpoint {folder} is incomplete (no {MARKER}); it was never finished")
-        try:
-            marker = json.loads((folder / MARKER).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"checkpoint {folder}: unreadable {MARKER}: {err}") from err
+        marker = read_marker(folder)
         rank, world = _rank(), _world()
-        problems = []
-        for i, (name, entry) in enumerate(sorted(marker["files"].items())):
-            if i % world != rank:
-                continue
-            path = folder / name
-            if not path.is_file():
-                problems.append(f"{name} is missing")
-                continue
-            size = path.stat().st_size
-            if size != entry["bytes"]:
-                problems.append(f"{name} has {size} bytes, expected {entry['bytes']}")
-            elif "crc32" in entry and self.cfg.verify_checksums and _crc32(path) != entry["crc32"]:
-                problems.append(f"{name} fails its CRC32 check")
+        names = [name for i, name in enumerate(sorted(marker["files"])) if i % world == rank]
+        problems = verify_files(folder, names, marker, checksums=self.cfg.verify_checksums)
         if world > 1:
             gathered: list[list[str]] = [None] * world  # type: ignore[list-item]
             dist.all_gather_object(gathered, problems)
@@ -317,36 +339,48 @@ class CheckpointManager:
         *,
         dcp_state: dict[str, Any] | None,
         read_collective: Callable[[Path], None] | None = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any], bool]:
         """Verify `folder` and load DCP state in place (resharding as needed). Returns (trainer_state,
         rank_state, own): this rank's saved rank state, or rank 0's when the checkpoint was written by
-        fewer ranks (own=False)."""
+        fewer ranks (own=False). `check(trainer_state)` runs before any tensor is loaded (the run-identity
+        check); its errors propagate as they are. Nothing is unpickled beyond tensors and plain values."""
         folder = Path(folder)
         self.verify(folder)
         try:
+            trainer_state = load_tensors(folder / TRAINER_STATE)
+            own_path = folder / "rank" / f"rank-{_rank():05d}.pt"
+            own = own_path.is_file()
+            rank_state = load_tensors(own_path if own else folder / "rank" / "rank-00000.pt")
+            if not isinstance(trainer_state, dict) or not isinstance(rank_state, dict):
+                raise CheckpointError(f"checkpoint {folder}: trainer or rank state is not a dict")
+        except CheckpointError as err:
+            raise CheckpointError(f"checkpoint {folder} could not be loaded: {err}") from err
+        except (Exception, CheckpointException) as err:
+            raise CheckpointError(f"checkpoint {folder} could not be loaded: {_first_line(err)}") from err
+        if check is not None:
+            check(trainer_state)
+        try:
             if dcp_state is not None:
+                reader = SafeFileSystemReader(str(folder))
+                reader.read_metadata()  # refuse a planted metadata pickle by name, before DCP wraps the error
                 with _single_process_quiet():
-                    dcp.load(dcp_state, checkpoint_id=str(folder))
+                    dcp.load(dcp_state, storage_reader=reader, planner=SafeLoadPlanner())
             if read_collective is not None:
                 read_collective(folder)
-            trainer_state = torch.load(folder / TRAINER_STATE, weights_only=False)
-        except Exception as err:  # DCP raises several types for damaged data
+        except CheckpointError as err:
             raise CheckpointError(f"checkpoint {folder} could not be loaded: {err}") from err
-        own_path = folder / "rank" / f"rank-{_rank():05d}.pt"
-        own = own_path.is_file()
-        rank_state = torch.load(own_path if own else folder / "rank" / "rank-00000.pt", weights_only=False)
+        except (Exception, CheckpointException) as err:  # DCP raises several types for damaged data
+            raise CheckpointError(f"checkpoint {folder} could not be loaded: {_first_line(err)}") from err
         return trainer_state, rank_state, own
 
     def candidates(self, resume: str) -> list[Path]:
-        """Folders to try for a resume setting: 'none' -> [], 'auto' -> newest complete first,
-        anything else -> that path (a step folder, a checkpoints folder or a run directory)."""
+        """Folders to try for a resume setting: 'none' -> [], 'auto' -> complete ones newest first (save
+        order), anything else -> that path (a step folder, a checkpoints folder or a run directory)."""
         if resume == "none":
             return []
         if resume == "auto":
-            complete = self.complete_checkpoints()
-            latest = self.latest()
-            ordered = ([latest] if latest else []) + [p for p in reversed(complete) if p != latest]
-            return ordered
+            return list(reversed(self.complete_checkpoints()))
         path = Path(resume)
         if not path.exists():
             raise FileNotFoundError(f"resume={resume!r}: no such checkpoint or run directory")
@@ -360,3 +394,21 @@ class CheckpointManager:
             f"resume={resume!r}: no complete checkpoint found (expected a step-<N> folder with {MARKER}, "
             "or a run directory / checkpoints folder containing one)"
         )
+
+
+def _marker_int(folder: Path, key: str) -> int:
+    try:
+        return int(json.loads((folder / MARKER).read_text()).get(key, 0))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def _first_line(err: BaseException) -> str:
+    """One line for an error; for DCP's CheckpointException, the first rank's underlying error."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(failures.items()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return f"rank {rank}: {_first_line(inner) if isinstance(inner, BaseException) else inner}"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]

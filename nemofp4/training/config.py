@@ -104,6 +104,8 @@ class DebugConfig:
     nan_at_step: int = 0
     """Before this step, fill `nan_param` with NaN."""
     nan_param: str = ""
+    nan_loss_at_step: int = 0
+    """Make the loss of this step NaN (a transient fault: weights stay finite, gradients are NaN)."""
 
 
 @dataclass(kw_only=True)
@@ -157,8 +159,15 @@ class JobConfig:
     run_dir: str = "runs/run"
     """Where metrics, checkpoints and the resolved config go."""
     resume: str = "auto"
-    """'auto': continue from the newest complete checkpoint in run_dir if any; 'none': start fresh;
-    or a path to a step folder / run directory."""
+    """'auto': continue from the newest complete checkpoint in run_dir if any; 'none': start fresh
+    (refused in a directory that already holds a run, unless overwrite=true); or a path to a step
+    folder / run directory."""
+    resume_accept: list[str] = field(default_factory=list)
+    """Config keys (or sections, e.g. optim) whose change a resume accepts, beyond the safe set
+    (logging, eval, checkpoint, a longer budget). Recipe, model, data, seed and batch layout never."""
+    overwrite: bool = False
+    """Start over in a run_dir that holds a run: move its contents aside to
+    `<run_dir>.replaced-<UTC time>` first (nothing is deleted)."""
     model: NemotronHConfig
     precision: PrecisionConfig
     data: DataConfig

@@ -2,7 +2,9 @@
 
 Only rank 0 writes. `metrics.jsonl` holds one JSON object per line with a `kind` ("train",
 "eval", "quant", "event") and the `step`; on resume, lines past the resumed step (written by the
-interrupted run after its last checkpoint) are dropped so the file reads as one clean history.
+interrupted run after its last checkpoint) are dropped, and a train or eval record of a step already
+in the file is not written again (a rerun of a finished run), so the file reads as one clean history:
+one train record per step, one eval record per evaluated step.
 """
 
 from __future__ import annotations
@@ -69,20 +71,33 @@ def peak_tflops(cfg: LoggingConfig) -> float:
     return 0.0
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Drop lines with step > `step` (from a run interrupted after its last checkpoint)."""
+UNIQUE_KINDS = ("train", "eval")
+"""Kinds with at most one record per step."""
+
+
+def truncate_after(path: Path, step: int) -> dict[tuple[str, int], dict[str, Any]]:
+    """Drop lines with step > `step` (from a run interrupted after its last checkpoint) and repeated
+    train/eval records of one step; returns the kept train/eval records by (kind, step)."""
     if not path.is_file():
-        return
-    kept = []
+        return {}
+    kept, seen = [], {}
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
+            record = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a kill mid-write
             continue
+        if not isinstance(record, dict) or record.get("step", 0) > step:
+            continue
+        key = (record.get("kind"), record.get("step", 0))
+        if key[0] in UNIQUE_KINDS:
+            if key in seen:
+                continue
+            seen[key] = record
+        kept.append(line)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+    return seen
 
 
 class MetricsLogger:
@@ -108,11 +123,13 @@ class MetricsLogger:
         self._start = time.time()
         self._first_step = resume_step
         self.wandb_id = wandb_id
+        self.logged: dict[tuple[str, int], dict[str, Any]] = {}
+        """Train and eval records already in the file, by (kind, step)."""
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / METRICS_FILE
-        truncate_after(self.path, resume_step)
+        self.logged = truncate_after(self.path, resume_step)
         self._file = open(self.path, "a", buffering=1)
         if cfg.wandb and cfg.wandb_mode != "disabled":
             self._init_wandb(run_dir, run_name, config)
@@ -141,6 +158,10 @@ class MetricsLogger:
     def log(self, kind: str, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        if kind in UNIQUE_KINDS:
+            if (kind, step) in self.logged:
+                return  # this step's record is already in the history (a rerun of a finished run)
+            self.logged[(kind, step)] = {"kind": kind, "step": step, **metrics}
         record = {"kind": kind, "step": step, **metrics}
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         flat = {f"{kind}/{k}": v for k, v in _flatten(metrics).items() if isinstance(v, (int, float))}

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nemofp4.quant import quant_linears
+
 NONFINITE_POLICIES = ("stop", "skip")
 
 
@@ -16,9 +18,29 @@ class NonFiniteError(RuntimeError):
 
 def first_nonfinite_parameter(model: nn.Module) -> str | None:
     for name, param in model.named_parameters():
-        if not torch.isfinite(param).all():
+        local = param.to_local() if hasattr(param, "to_local") else param  # this rank's FSDP shard
+        if not torch.isfinite(local).all():
             return name
     return None
+
+
+def first_nonfinite_reference(model: nn.Module) -> str | None:
+    """The first held FP4 tensor reference (amax) that is not finite, as '<fqn>.<ref> amax'."""
+    for fqn, module in quant_linears(model):
+        for ref, held in sorted(module.references.held.items()):
+            if not torch.isfinite(held.amax).all():
+                return f"{fqn}.{ref} amax"
+    return None
+
+
+def first_nonfinite_state(model: nn.Module) -> str | None:
+    """The first non-finite parameter or held reference of this rank's shard, or None when all are finite
+    (what a checkpoint would save; the optimizer state stays finite when the weights do)."""
+    name = first_nonfinite_parameter(model)
+    if name is not None:
+        return f"parameter {name}"
+    ref = first_nonfinite_reference(model)
+    return f"held reference {ref}" if ref is not None else None
 
 
 def first_nonfinite_module(model: nn.Module, run_forward: Callable[[], object]) -> str | None:
@@ -52,7 +74,12 @@ def first_nonfinite_module(model: nn.Module, run_forward: Callable[[], object]) 
 
 
 def first_nonfinite_gradient(model: nn.Module) -> str | None:
-    for name, param in model.named_parameters():
-        if param.grad is not None and not torch.isfinite(param.grad).all():
-            return name
+    """The non-finite gradient that backward produced first: parameters are visited output side first
+    (backward order), so a NaN born in the last layer is not blamed on the embeddings it flowed into."""
+    for name, param in reversed(list(model.named_parameters())):
+        grad = param.grad
+        if grad is not None:
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            if not torch.isfinite(grad).all():
+                return name
     return None

@@ -16,9 +16,12 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """Generator states as tensors and plain values only, so they load with `weights_only=True`."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -28,7 +31,11 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    if isinstance(numpy, dict):
+        numpy = (numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"],
+                 numpy["cached_gaussian"])
+    np.random.set_state(numpy)  # a tuple as NumPy returns it: checkpoints written before the dict form
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

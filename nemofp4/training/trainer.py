@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches
-from nemofp4.models import build_model, param_groups
+from nemofp4.models import build_model, lm_loss, param_groups
 from nemofp4.quant import (
     load_reference_state_dict,
     quant_stats,
@@ -37,7 +36,7 @@ from nemofp4.quant import (
 )
 from nemofp4.recipes import apply_recipe, recipe_from_config
 from nemofp4.training import deepspeed_engine
-from nemofp4.training.checkpoint import CheckpointError, CheckpointManager
+from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step_of
 from nemofp4.training.config import CHECKPOINT_STALL_S, JobConfig, compute_budget
 from nemofp4.training.dist_env import (
     destroy_distributed,
@@ -51,13 +50,15 @@ from nemofp4.training.nonfinite import (
     NonFiniteError,
     first_nonfinite_gradient,
     first_nonfinite_module,
-    first_nonfinite_parameter,
+    first_nonfinite_state,
 )
 from nemofp4.training.optim import build_optimizer, set_lr
 from nemofp4.training.parallel import parallelize
 from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler
 from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
+from nemofp4.training.run_dir import RUN_CONFIG, RunDirectory, describe_used
+from nemofp4.training.run_identity import check_resume_config, validate_accept_list
 from nemofp4.training.schedule import lr_multiplier
 
 log = logging.getLogger("nemofp4")
@@ -69,12 +70,6 @@ def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= dist.get_world_size()
     return value
-
-
-def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in float32 over all positions."""
-    logits = model(input_ids)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 @torch.no_grad()
@@ -104,17 +99,21 @@ class Trainer:
         self.rank, self.world = self.env.rank, self.env.world_size
         self.device = local_device(self.env)
         self.run_dir = Path(cfg.run_dir)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.budget = compute_budget(cfg.train, self.world)
-        if self.budget.budget_remainder_tokens:
-            log.warning(
-                "train.tokens=%g is not a whole number of steps of %d tokens: %d tokens are left over and "
-                "will not be trained on (%d steps)",
-                cfg.train.tokens, self.budget.tokens_per_step, self.budget.budget_remainder_tokens,
-                self.budget.total_steps,
-            )
-        self._build()
+        validate_accept_list(cfg.resume_accept, cfg)
+        self.run_directory = RunDirectory(self.run_dir, rank=self.rank, world=self.world, overwrite=cfg.overwrite)
+        try:
+            if self.budget.budget_remainder_tokens:
+                log.warning(
+                    "train.tokens=%g is not a whole number of steps of %d tokens: %d tokens are left over and "
+                    "will not be trained on (%d steps)",
+                    cfg.train.tokens, self.budget.tokens_per_step, self.budget.budget_remainder_tokens,
+                    self.budget.total_steps,
+                )
+            self._build()
+        except BaseException:
+            self.run_directory.abandon()  # release the lock; leave no empty run directory behind
+            raise
 
     # ------------------------------------------------------------------------------------ build
     def _build(self) -> None:
@@ -177,6 +176,7 @@ class Trainer:
             )
             self.engine = deepspeed_engine.initialize(model, self.optimizer, ds_config)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.ckpt.remove_incomplete()
         if cfg.train.dtype == "bfloat16":
             self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         else:
@@ -187,6 +187,8 @@ class Trainer:
         self.wandb_id: str | None = None
         self.resumed_from: Path | None = None
         self._maybe_resume()
+        if self.rank == 0:
+            (self.run_dir / RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
         self.peak_flops = peak_tflops(cfg.logging) * 1e12
 
@@ -201,18 +203,28 @@ class Trainer:
     def _maybe_resume(self) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        candidates = self.ckpt.candidates(self.cfg.resume)
+        cfg = self.cfg
+        used = describe_used(self.run_dir)
+        if cfg.resume == "none" and used:
+            raise ValueError(
+                f"resume=none, but run_dir {self.run_dir} already holds a run ({used}). Resume it (resume=auto), "
+                "choose another run_dir, or pass overwrite=true to move it aside and start over"
+            )
+        candidates = self.ckpt.candidates(cfg.resume)
+        failures = []
         for folder in candidates:
             state = self._dcp_state()
             try:
                 trainer_state, rank_state, own = self.ckpt.load(
                     folder, dcp_state=state,
                     read_collective=(lambda f: deepspeed_engine.load(self.engine, f)) if self.engine else None,
+                    check=lambda saved, folder=folder: self._check_identity(saved, folder),
                 )
             except CheckpointError as err:
-                if self.cfg.resume != "auto":
+                if cfg.resume != "auto":
                     raise
                 log.warning("%s; falling back to the previous complete checkpoint", err)
+                failures.append(folder.name)
                 continue
             if state is not None:
                 set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -222,8 +234,24 @@ class Trainer:
             if self.rank == 0:
                 log.info("resumed from %s at step %d (%d tokens seen)", folder, self.step, self.tokens_seen)
             return
-        if candidates and self.cfg.resume == "auto":
-            log.warning("no loadable checkpoint in %s; starting fresh", self.ckpt.root)
+        if failures:
+            raise CheckpointError(
+                f"no checkpoint in {self.ckpt.root} could be loaded (tried {', '.join(failures)}; reasons above). "
+                "Repair or restore one, resume from another with resume=<path>, or pass overwrite=true to move this "
+                "run aside and start over"
+            )
+        saved = self.run_dir / RUN_CONFIG
+        if saved.is_file():  # an earlier start of this run that never wrote a checkpoint
+            check_resume_config(saved.read_text(), cfg, step=0, saved_total=None, new_total=self.budget.total_steps,
+                                where=f"run_dir {self.run_dir}", log_notes=self.rank == 0)
+
+    def _check_identity(self, trainer_state: dict[str, Any], folder: Path) -> None:
+        """Refuse a checkpoint trained with another configuration before any of its tensors is read."""
+        if "config" not in trainer_state:
+            raise CheckpointError(f"checkpoint {folder}: its trainer state has no config; it was not written by nemofp4")
+        check_resume_config(trainer_state["config"], self.cfg, step=int(trainer_state["step"]),
+                            saved_total=trainer_state.get("total_steps"), new_total=self.budget.total_steps,
+                            where=f"checkpoint {folder}", log_notes=self.rank == 0)
 
     def _restore(self, state: dict[str, Any], rank_state: dict[str, Any], own: bool) -> None:
         self.step = state["step"]
@@ -252,6 +280,7 @@ class Trainer:
             "wandb_id": self.metrics.wandb_id if self.metrics else self.wandb_id,
             "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
             "world_size": self.world,
+            "total_steps": self.budget.total_steps,
         }
 
     def _rank_state(self) -> dict[str, Any]:
@@ -265,7 +294,25 @@ class Trainer:
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def save_checkpoint(self, *, final: bool = False) -> Path:
+    def _unhealthy_state(self) -> str | None:
+        """The first non-finite parameter or held reference on any rank (collective), or None."""
+        found = first_nonfinite_state(self.model)
+        if self.world > 1:
+            gathered: list[str | None] = [None] * self.world
+            dist.all_gather_object(gathered, found)
+            found = next((f"{g} (rank {r})" for r, g in enumerate(gathered) if g), None)
+        return found
+
+    def save_checkpoint(self, *, final: bool = False) -> Path | None:
+        """Write a checkpoint of the current state, unless it is not finite (then None: a checkpoint is
+        only ever a good one, and retention keeps the last healthy checkpoint)."""
+        unhealthy = self._unhealthy_state()
+        if unhealthy is not None:
+            if self.rank == 0:
+                last = self.ckpt.latest()
+                log.error("step %d: not checkpointing: %s is not finite; the last healthy checkpoint is %s",
+                          self.step, unhealthy, last if last else "none (no checkpoint yet)")
+            return None
         weights = self.full_model_state_dict() if final and self.cfg.checkpoint.export_safetensors else None
 
         def extra_files(folder: Path) -> None:
@@ -297,7 +344,6 @@ class Trainer:
             resume_step=self.step, wandb_id=self.wandb_id,
         )
         if self.rank == 0:
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             print(f"run directory: {self.run_dir.resolve()}", flush=True)
         last_eval: dict[str, float] = {}
         if self.step == 0 and cfg.eval.at_start and self.val_batches:
@@ -323,7 +369,9 @@ class Trainer:
             if stop_reason == "budget":
                 if self.val_batches:
                     last_eval = self._eval()
-                already_saved = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
+                already_saved = (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or (
+                    self.resumed_from is not None and step_of(self.resumed_from) == self.step  # a finished run, rerun
+                )
                 if cfg.checkpoint.save_final and (not already_saved or cfg.checkpoint.export_safetensors):
                     self.save_checkpoint(final=True)
             self.ckpt.wait()
@@ -341,6 +389,12 @@ class Trainer:
         return {"step": self.step, "stop_reason": stop_reason, "exit_code": exit_code, **last_eval}
 
     def _eval(self) -> dict[str, float]:
+        logged = [self.metrics.logged.get(("eval", self.step))]  # only rank 0 reads the history
+        if self.world > 1:
+            dist.broadcast_object_list(logged, src=0)  # every rank evaluates, or none (FSDP collectives)
+        logged = logged[0]
+        if logged is not None:  # evaluated before (a rerun of a finished run): the same weights, the same result
+            return {k: v for k, v in logged.items() if k not in ("kind", "step")}
         result = evaluate(self.model, self.val_batches, device=self.device, autocast=self.autocast)
         self.metrics.log("eval", self.step, result)
         return result
@@ -369,6 +423,8 @@ class Trainer:
             first_batch = first_batch or (input_ids, labels)
             with self.autocast():
                 loss = lm_loss(forward, input_ids, labels)
+            if cfg.debug.nan_loss_at_step == step:
+                loss = loss * float("nan")  # fault injection: one bad step, finite weights
             if self.engine is not None:
                 self.engine.backward(loss)  # scales by 1/grad_accum itself
                 self.engine.step()  # clips and steps at the accumulation boundary
@@ -418,8 +474,9 @@ class Trainer:
                         self.step, loss.item(), grad_norm.item(), self.skipped_steps)
             if self.skipped_steps <= self.cfg.train.max_skipped_steps:
                 return
-        culprit = first_nonfinite_parameter(self.model)
-        where = f"parameter {culprit}" if culprit else None
+        # where it starts: weights, then held FP4 references (they poison outputs or gradients downstream),
+        # then the first layer output in execution order, then the first gradient in backward order
+        where = self._unhealthy_state()  # the same answer on every rank, so they all take the same path
         if where is None:
             input_ids, labels = batch
             module = first_nonfinite_module(self.model, lambda: self.model(input_ids))
@@ -434,6 +491,7 @@ class Trainer:
         )
 
     def close(self) -> None:
+        self.run_directory.close()
         destroy_distributed()
 
 

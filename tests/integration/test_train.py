@@ -85,6 +85,7 @@ def test_kill_during_checkpoint_write_keeps_previous_and_resumes(tmp_path):
 def test_corrupt_checkpoint_falls_back_under_auto_and_is_named_otherwise(tmp_path):
     common = ["precision=bf16", "train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last_k=0"]
     run_train(tmp_path, *common)
+    straight = train_curve(tmp_path)
     shard = next((tmp_path / "checkpoints" / "step-4").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     explicit = run_train(tmp_path, *common, f"resume={tmp_path / 'checkpoints' / 'step-4'}", expect_rc=1)
@@ -92,6 +93,8 @@ def test_corrupt_checkpoint_falls_back_under_auto_and_is_named_otherwise(tmp_pat
     auto = run_train(tmp_path, *common)
     log = auto.stdout + auto.stderr
     assert "is damaged" in log and "resumed from" in log and "step-2" in log
+    assert train_curve(tmp_path) == straight  # steps 3 and 4 again, bit for bit
+    assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3, 4]
 
 
 def test_injected_nan_stops_and_names_the_layer(tmp_path):

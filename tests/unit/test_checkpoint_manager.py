@@ -83,3 +83,93 @@ def test_auto_candidates_fall_back_newest_first(tmp_path):
     assert [p.name for p in mgr.candidates(str(tmp_path / "step-20"))] == ["step-20"]
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         mgr.candidates(str(tmp_path / "missing"))
+
+
+def test_retention_keeps_this_runs_newest_saves_not_the_highest_steps(tmp_path):
+    # a run that fell back to step-10 (its step-20 and step-30 damaged beyond use) saves step-11, step-12
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=2))
+    for step in (10, 20):
+        _save(mgr, step, step)
+    for step in (11, 12):
+        _save(mgr, step, step)
+    assert [p.name for p in mgr.complete_checkpoints()] == ["step-11", "step-12"]
+    assert latest_checkpoint(tmp_path).name == "step-12"
+    assert [p.name for p in mgr.candidates("auto")] == ["step-12", "step-11"]
+
+
+def test_same_step_save_replaces_the_folder_only_once_the_new_one_is_complete(tmp_path):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=0))
+    _save(mgr, 5, 1.0)
+    _save(mgr, 5, 2.0)
+    w, _, _ = _load(mgr, tmp_path / "step-5")
+    assert torch.equal(w, torch.full((64,), 2.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-5"]
+
+
+@pytest.mark.parametrize("pointer", ["step-1\n", "../../other/step-15\n", b"\xff\xfe\x00binary"])
+def test_stale_or_foreign_latest_pointer_never_hides_the_newest_complete_checkpoint(tmp_path, pointer):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=0))
+    _save(mgr, 1, 1.0)
+    _save(mgr, 2, 2.0)
+    other = tmp_path.parent / "other" / "step-15"
+    other.mkdir(parents=True, exist_ok=True)
+    (other / MARKER).write_text("{}")
+    # a kill between publishing step-2 and rewriting latest leaves it naming step-1; or it was tampered with
+    (tmp_path / "latest").write_bytes(pointer.encode() if isinstance(pointer, str) else pointer)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
+    assert mgr.candidates("auto")[0] == tmp_path / "step-2"
+
+
+@pytest.mark.parametrize("damage", ["no_files_table", "binary_marker", "garbage_trainer_state", "garbage_metadata"])
+def test_every_kind_of_damage_is_a_named_checkpoint_error(tmp_path, damage):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(verify_checksums=False))
+    folder = _save(mgr, 1, 1.0)
+    marker = json.loads((folder / MARKER).read_text())
+    if damage == "no_files_table":
+        (folder / MARKER).write_text(json.dumps({"step": 1}))
+    elif damage == "binary_marker":
+        (folder / MARKER).write_bytes(b"\x80\x04\x95garbage")
+    else:
+        name = "trainer_state.pt" if damage == "garbage_trainer_state" else ".metadata"
+        size = (folder / name).stat().st_size
+        (folder / name).write_bytes(b"\x00" * size)  # same size: only the load itself can notice
+        assert marker["files"][name]["bytes"] == size
+    with pytest.raises(CheckpointError, match=str(folder)):
+        _load(mgr, folder)
+
+
+def test_disk_full_names_enospc_and_the_path_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    mgr = CheckpointManager(tmp_path, CheckpointConfig())
+    _save(mgr, 1, 1.0)
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if "trainer_state" in str(f):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"no space left on device \(ENOSPC\)") as err:
+        _save(mgr, 2, 2.0)
+    assert str(tmp_path) in str(err.value) and "step-1" in str(err.value)
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+    with pytest.raises(CheckpointError, match="ENOSPC"):
+        _save(mgr, 2, 2.0)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert not (tmp_path / ".tmp-step-2").exists() and not (tmp_path / "step-2").exists()
+    assert latest_checkpoint(tmp_path).name == "step-1"
+    w, _, _ = _load(mgr, tmp_path / "step-1")
+    assert torch.equal(w, torch.full((64,), 1.0))
+
+
+def test_leftover_temporary_folders_are_removed_at_start(tmp_path):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig())
+    _save(mgr, 1, 1.0)
+    (tmp_path / ".tmp-step-2" / "rank").mkdir(parents=True)
+    (tmp_path / ".tmp-step-2" / "rank" / "rank-00000.pt").write_bytes(b"partial")
+    (tmp_path / ".old-step-1").mkdir()
+    removed = CheckpointManager(tmp_path, CheckpointConfig()).remove_incomplete()
+    assert sorted(p.name for p in removed) == [".old-step-1", ".tmp-step-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]

@@ -1,0 +1,40 @@
+"""The non-finite guard where a held amax is sampled: a NaN/Inf sample is never stored."""
+
+import torch
+
+from nemofp4.quant.reference import HeldReference, ReferenceState, finite_sample_or_previous
+
+
+def _state(interval=3):
+    return ReferenceState({"dy": interval})
+
+
+def test_a_non_finite_sample_keeps_the_previous_reference_for_another_interval():
+    state = _state()
+    state.step = 1
+    assert state.get("dy", torch.tensor([1.0, -4.0]), training=True).item() == 4.0
+    state.step = 4  # refresh due: the gradient is NaN (a skipped step)
+    used = state.get("dy", torch.tensor([float("nan"), 2.0]), training=True)
+    assert used.item() == 4.0 and state.held["dy"].amax.item() == 4.0 and state.held["dy"].refresh_step == 4
+    state.step = 5  # held, not re-sampled, finite
+    assert state.get("dy", torch.tensor([9.0]), training=True).item() == 4.0
+    state.step = 7  # the next refresh samples again
+    assert state.get("dy", torch.tensor([9.0]), training=True).item() == 9.0
+
+
+def test_a_non_finite_first_sample_stores_nothing_and_the_next_step_samples_again():
+    state = _state()
+    state.step = 1
+    assert torch.isinf(state.get("dy", torch.tensor([float("inf")]), training=True))
+    assert "dy" not in state.held
+    state.step = 2
+    assert state.get("dy", torch.tensor([3.0]), training=True).item() == 3.0
+    assert state.held["dy"].refresh_step == 2
+
+
+def test_guard_passes_finite_samples_through_bitwise():
+    prev = HeldReference(amax=torch.tensor(2.0), refresh_step=1)
+    sample = torch.tensor(0.1234567)
+    assert torch.equal(finite_sample_or_previous(sample, prev), sample)
+    assert torch.equal(finite_sample_or_previous(sample, None), sample)
+    assert finite_sample_or_previous(torch.tensor(float("nan")), None) is None
