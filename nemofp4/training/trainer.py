@@ -74,19 +74,28 @@ def lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tenso
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
              autocast: Any) -> dict[str, float]:
-    """Token-weighted mean loss over a fixed list of batches (all ranks see the same batches)."""
+    """Token-weighted mean loss over a fixed list of batches, data-parallel: each rank evaluates
+    every world-th batch and the NLL sums and token counts are all-reduced."""
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for batch in batches:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # NLL sum, token count
+    for index in range(rank, -(-len(batches) // world) * world, world):
+        # a rank past the end re-runs the last batch uncounted: every rank makes the same number of
+        # forward calls, so FSDP's / ZeRO-3's collectives stay matched
+        batch = batches[min(index, len(batches) - 1)]
         input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
         with autocast():
             loss = lm_loss(model, input_ids, labels)
-        total += loss.double().cpu() * labels.numel()
-        count += labels.numel()
+        if index < len(batches):
+            sums[0] += loss.double() * labels.numel()
+            sums[1] += labels.numel()
+    if world > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     model.train(was_training)
-    val_loss = (total / max(count, 1)).item()
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": count}
+    total, count = sums.tolist()
+    val_loss = total / max(count, 1)
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(count)}
 
 
 class Trainer:
