@@ -48,7 +48,7 @@ from nemofp4.training.nonfinite import (
     first_nonfinite_parameter,
 )
 from nemofp4.training.optim import build_optimizer, set_lr
-from nemofp4.training.parallel import parallelize
+from nemofp4.training.parallel import parallelize, set_gradient_sync
 from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler
 from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
@@ -357,7 +357,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
         forward = self.engine if self.engine is not None else self.model
-        for _ in range(self.budget.grad_accum):
+        for micro in range(self.budget.grad_accum):
+            set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
             batch = next(data_iter)
             input_ids = batch["input_ids"].to(self.device, non_blocking=True)
             labels = batch["labels"].to(self.device, non_blocking=True)
