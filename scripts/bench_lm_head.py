@@ -14,44 +14,12 @@ from __future__ import annotations
 
 import argparse
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemofp4.models.loss import chunked_cross_entropy
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak of the bytes held by storages created inside the mode (freed ones are subtracted)."""
-
-    def __init__(self, *existing: torch.Tensor) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-        self._existing = {t.untyped_storage().data_ptr() for t in existing}  # views of these are not new
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._seen or key in self._existing or storage.nbytes() == 0:
-            return
-        self._seen.add(key)
-        self.live += storage.nbytes()
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, storage.nbytes())
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
+from nemofp4.training.memory_plan import LiveTensorBytes
 
 
 def _plain(h, w, labels):
@@ -69,7 +37,7 @@ def measure(loss_fn, h, w, labels) -> tuple[float, int]:
         loss_fn(h, w, labels).backward()
         torch.cuda.synchronize()
         return time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
-    mode = LiveBytes(h, w, labels)
+    mode = LiveTensorBytes(h, w, labels)
     start = time.perf_counter()
     with mode:
         loss_fn(h, w, labels).backward()

@@ -40,6 +40,7 @@ from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager
 from nemofp4.training.config import JobConfig, compute_budget
 from nemofp4.training.dist_env import destroy_distributed, detect_dist_env, init_distributed
+from nemofp4.training.memory_plan import log_plan
 from nemofp4.training.metrics import MetricsLogger, peak_tflops
 from nemofp4.training.nonfinite import (
     NonFiniteError,
@@ -145,6 +146,8 @@ class Trainer:
         model = build_model(cfg.model, device="meta")
         self.recipe = recipe_from_config(cfg.precision)
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
+        if self.rank == 0:
+            log_plan(cfg, world_size=self.world, device=self.device, log=log)
         if self.rank == 0 and self.layer_table.count("fp4"):
             log.info("%s", kernels.describe(self.device))
         dist_cfg = cfg.distributed
