@@ -85,3 +85,14 @@ def test_bad_arguments_are_named():
         chunked_cross_entropy(h, w, labels, chunk_tokens=0)
     with pytest.raises(ValueError, match="do not match"):
         chunked_cross_entropy(h, w, labels[:, :-1])
+
+
+def test_tf32_option_is_scoped_to_the_head():
+    """allow_tf32 changes CUDA's FP32 matmul precision only inside the head and restores it after;
+    the default keeps true FP32 (on CPU both give the same values)."""
+    h, w, _, labels = _problem()
+    before = torch.backends.cuda.matmul.fp32_precision
+    loss = chunked_cross_entropy(h, w, labels, chunk_tokens=8, allow_tf32=True)
+    loss.backward()
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    assert loss.item() == chunked_cross_entropy(h, w, labels, chunk_tokens=8).item()
