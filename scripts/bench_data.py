@@ -13,7 +13,7 @@
 3. Start-up per rank. ``--ranks`` gloo processes (torchrun) each open the synthetic corpus as
    the trainer does (``verify=index``, the paper's 0.05% document hold-out split, the sample
    index), first with an empty cache (rank 0 builds it) and then with the cache present: wall
-   time and peak RSS of every rank.
+   time (a rank waiting for rank 0 counts the wait), CPU time and peak RSS of every rank.
 4. Tokenization. ``preprocess`` of the shipped corpus cut into ~4 KB documents and repeated,
    with the shipped tokenizer, workers=1 and 2 interleaved: tokens/s in total and per worker
    (median), including reading the jsonl and writing the shards.
@@ -157,9 +157,10 @@ if not hasattr(cache, "rank_zero_value"):  # a version where every rank splits f
 ds = PackedSequences(source, split=split, documents=documents, seq_len=seq_len, num_samples=num_samples, seed=1234,
                      cache_dir=cache_dir, vocab_size=131072)
 ready = time.perf_counter()
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+usage = resource.getrusage(resource.RUSAGE_SELF)
 with open(f"{out}.rank{dist.get_rank()}.json", "w") as f:
-    json.dump({"open_s": opened - start, "total_s": ready - start, "peak_rss": rss, "samples": len(ds)}, f)
+    json.dump({"open_s": opened - start, "total_s": ready - start, "cpu_s": usage.ru_utime + usage.ru_stime,
+               "peak_rss": usage.ru_maxrss * 1024, "samples": len(ds)}, f)
 dist.destroy_process_group()
 """
 
@@ -296,7 +297,8 @@ def main() -> None:
         if args.ranks:
             for r in bench_ranks(workdir, args.tokens, args.shards, args.ranks):
                 rows.append((f"start-up, {r['phase']}, rank {r['rank']}",
-                             f"{r['total_s']:.1f} s (open + verify {r['open_s']:.1f} s), peak RSS "
+                             f"{r['total_s']:.1f} s wall (open + verify {r['open_s']:.1f} s), "
+                             f"{r['cpu_s']:.1f} s CPU (process total, with the imports), peak RSS "
                              f"{r['peak_rss'] / 2**30:.2f} GiB, {r['samples']:,} samples"))
         if "tokenize" not in args.skip:
             for r in bench_tokenize(workdir, args.tokenize_repeat, args.repeats):

@@ -6,6 +6,7 @@ The model code is single-device; this module wraps each block, then the root, in
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -116,11 +117,33 @@ def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str) ->
         mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
-    if isinstance(getattr(model, "lm_head", None), FP32Linear):
-        # the FP4 recipes run the LM head in FP32: its own group keeps FSDP from casting it to BF16
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=fp32, reshard_after_forward=cfg.reshard_after_forward)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if isinstance(getattr(model, "lm_head", None), nn.Module) and not tied:
+        # its own group: the chunked loss runs inside the head's FSDP hooks (attach_head_loss), and the
+        # FP4 recipes' FP32 head keeps FP32 parameters instead of being cast to BF16
+        head_mp = mp
+        if isinstance(model.lm_head, FP32Linear):
+            head_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=head_mp, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+
+
+HEAD_LOSS_METHOD = "chunked_cross_entropy"
+
+
+def attach_head_loss(model: nn.Module) -> None:
+    """Give ``model.lm_head`` a ``chunked_cross_entropy(hidden, labels, **kwargs)`` method
+    (:func:`nemofp4.models.loss.head_cross_entropy` with that head). Under FSDP2 it is registered
+    as a forward method of the head, so the head's weight is all-gathered around it and its gradient
+    reduce-scattered after backward, as for a call of the head itself; without FSDP it is the plain
+    function. Use it with ``model(input_ids, return_hidden=True)``."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from nemofp4.models.loss import head_cross_entropy
+
+    head = model.lm_head
+    setattr(head, HEAD_LOSS_METHOD, functools.partial(head_cross_entropy, head))
+    register_fsdp_forward_method(head, HEAD_LOSS_METHOD)  # no-op unless head is an FSDP module
 
 
 def parallelize(model: nn.Module, cfg: DistributedConfig, *, device_type: str) -> nn.Module:
@@ -131,4 +154,6 @@ def parallelize(model: nn.Module, cfg: DistributedConfig, *, device_type: str) -
         apply_compile(model)
     if cfg.backend == "fsdp":
         apply_fsdp(model, cfg, device_type=device_type)
+    if hasattr(model, "lm_head"):
+        attach_head_loss(model)
     return model
