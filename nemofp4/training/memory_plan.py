@@ -371,8 +371,12 @@ def log_plan(cfg, *, world_size: int, device: torch.device, log) -> MemoryPlan |
     fit. CPU runs have no device budget to plan against and skip it."""
     if device.type != "cuda":
         return None
-    plan = plan_for_job(cfg, world_size=world_size,
-                        device_memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB)  # fmt: skip
+    try:
+        plan = plan_for_job(cfg, world_size=world_size,
+                            device_memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB)  # fmt: skip
+    except Exception as exc:  # a diagnostic: never the reason a run does not start
+        log.warning("no memory plan for this run (%s: %s)", type(exc).__name__, exc)
+        return None
     log.info("memory plan (nemofp4-plan):\n%s", plan.format())
     if not plan.fits:
         log.warning("the memory plan needs %.1f GiB per GPU, more than this device's %.1f GiB; consider "
