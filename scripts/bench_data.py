@@ -10,12 +10,17 @@
 2. Loader. A smaller corpus of real random int32 tokens (memory-mapped, page cache warm) is
    served by ``build_train_loader`` (seq_len 8,192, micro-batch 4, one process, no workers):
    tokens/s over a full pass, median of ``--repeats`` passes.
-3. Tokenization. ``preprocess`` of the shipped corpus cut into ~4 KB documents and repeated,
+3. Start-up per rank. ``--ranks`` gloo processes (torchrun) each open the synthetic corpus as
+   the trainer does (``verify=index``, the paper's 0.05% document hold-out split, the sample
+   index), first with an empty cache (rank 0 builds it) and then with the cache present: wall
+   time (a rank waiting for rank 0 counts the wait), CPU time and peak RSS of every rank.
+4. Tokenization. ``preprocess`` of the shipped corpus cut into ~4 KB documents and repeated,
    with the shipped tokenizer, workers=1 and 2 interleaved: tokens/s in total and per worker
    (median), including reading the jsonl and writing the shards.
 
     python scripts/bench_data.py                        # everything (~4 GB of .idx files in --workdir)
     python scripts/bench_data.py --tokens 2e9           # a quick smaller run
+    python scripts/bench_data.py --skip index loader tokenize --ranks 2 --tokens 2e10   # start-up per rank only
 """
 
 from __future__ import annotations
@@ -133,6 +138,55 @@ def bench_index(workdir: Path, total_tokens: float, num_shards: int) -> dict:
     return result
 
 
+RANK_CHILD = r"""
+import functools, json, os, resource, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+import nemofp4.data.cache as cache
+from nemofp4.data.datasets import PackedSequences, split_documents
+from nemofp4.data.manifest import open_token_source
+prefix, cache_dir, num_samples, seq_len, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+dist.barrier()
+start = time.perf_counter()
+source = open_token_source(prefix, verify="index")
+opened = time.perf_counter()
+split = {"holdout": "train", "fraction": 0.0005, "salt": 0}
+documents = functools.partial(split_documents, source.num_documents, 0.0005, 0, False)
+if not hasattr(cache, "rank_zero_value"):  # a version where every rank splits for itself
+    documents = documents()
+ds = PackedSequences(source, split=split, documents=documents, seq_len=seq_len, num_samples=num_samples, seed=1234,
+                     cache_dir=cache_dir, vocab_size=131072)
+ready = time.perf_counter()
+usage = resource.getrusage(resource.RUSAGE_SELF)
+with open(f"{out}.rank{dist.get_rank()}.json", "w") as f:
+    json.dump({"open_s": opened - start, "total_s": ready - start, "cpu_s": usage.ru_utime + usage.ru_stime,
+               "peak_rss": usage.ru_maxrss * 1024, "samples": len(ds)}, f)
+dist.destroy_process_group()
+"""
+
+
+def bench_ranks(workdir: Path, total_tokens: float, num_shards: int, ranks: int) -> list[dict]:
+    corpus_dir = workdir / "corpus"
+    corpus_dir.mkdir(parents=True, exist_ok=True)
+    prefix = make_synthetic_corpus(corpus_dir, total_tokens, num_shards)
+    num_samples = int(min(STEPS * GLOBAL_BATCH, (total_tokens * 0.99 - 1) // SEQ_LEN))
+    cache = workdir / "rank-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    child = workdir / "rank_child.py"
+    child.write_text(RANK_CHILD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env.setdefault("PYTHONPATH", str(REPO))
+    results = []
+    for phase in ("cold cache", "warm cache"):
+        out = workdir / "rank-result"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
+                        str(child), str(prefix), str(cache), str(num_samples), str(SEQ_LEN), str(out)],
+                       check=True, cwd=REPO, env=env, capture_output=True, text=True)  # fmt: skip
+        for rank in range(ranks):
+            results.append({"phase": phase, "rank": rank, **json.loads(Path(f"{out}.rank{rank}.json").read_text())})
+    return results
+
+
 def bench_loader(workdir: Path, loader_tokens: float, repeats: int) -> dict:
     from nemofp4.data import DataConfig, DataSourceConfig, build_train_loader, write_indexed_dataset
 
@@ -221,6 +275,7 @@ def main() -> None:
     parser.add_argument("--tokenize-repeat", type=int, default=4, help="copies of the shipped corpus to tokenize")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temp dir, removed)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["index", "loader", "tokenize"])
+    parser.add_argument("--ranks", type=int, default=0, help="also measure start-up per rank on this many processes")
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="nemofp4-bench-data-"))
@@ -239,6 +294,12 @@ def main() -> None:
             r = bench_loader(workdir, args.loader_tokens, args.repeats)
             rows.append(("loader throughput", f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s (target >= 10M), median of "
                                               f"{[round(x / 1e6, 1) for x in r['rates']]}M over {r['tokens'] / 1e6:.0f}M tokens"))
+        if args.ranks:
+            for r in bench_ranks(workdir, args.tokens, args.shards, args.ranks):
+                rows.append((f"start-up, {r['phase']}, rank {r['rank']}",
+                             f"{r['total_s']:.1f} s wall (open + verify {r['open_s']:.1f} s), "
+                             f"{r['cpu_s']:.1f} s CPU (process total, with the imports), peak RSS "
+                             f"{r['peak_rss'] / 2**30:.2f} GiB, {r['samples']:,} samples"))
         if "tokenize" not in args.skip:
             for r in bench_tokenize(workdir, args.tokenize_repeat, args.repeats):
                 rows.append((f"tokenize, workers={r['workers']}",

@@ -4,7 +4,10 @@
 writes into a private temporary folder that is renamed into place when complete, so a reader
 never sees a partial cache. Under ``torch.distributed`` rank 0 builds while the others wait on
 a barrier and then load (memory-mapped); a rank that still finds nothing (a cache folder that
-is not shared between nodes) builds the same bytes itself.
+is not shared between nodes) builds the same bytes itself. Whatever is expensive to work out
+before the cache key is known (checksums, document splits, token counts) rank 0 computes once
+and broadcasts (:func:`rank_zero_value`); every rank checks that its own description of a cache
+equals rank 0's, so ranks that see different data fail instead of mixing two sample orders.
 """
 
 from __future__ import annotations
@@ -17,10 +20,64 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _process_group():
+    """torch.distributed when a group of more than one process is initialized, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def is_rank_zero() -> bool:
+    dist = _process_group()
+    return dist is None or dist.get_rank() == 0
+
+
+def rank_zero_value(compute: Callable[[], T]) -> T:
+    """``compute()`` on rank 0, broadcast to the other ranks, which never call it (outside a
+    process group: just ``compute()``). A failure on rank 0 is raised on every rank."""
+    dist = _process_group()
+    if dist is None:
+        return compute()
+    box: list = [None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", compute())
+        except Exception as exc:  # tell the others, then raise here
+            error, box[0] = exc, ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    status, value = box[0]
+    if status == "error":
+        raise RuntimeError(f"rank 0 failed while preparing the data: {value}")
+    return value
+
+
+def check_same_as_rank_zero(value, *, what: str) -> None:
+    """Raise on any rank whose ``value`` (a small JSON-like description) differs from rank 0's."""
+    dist = _process_group()
+    if dist is None:
+        return
+    reference = rank_zero_value(lambda: value)
+    agree: list = [None] * dist.get_world_size()
+    dist.all_gather_object(agree, reference == value)  # every rank raises together: none is left waiting
+    if not all(agree):
+        differing = [rank for rank, same in enumerate(agree) if not same]
+        detail = (f"this rank's {json.dumps(value, sort_keys=True)[:400]} vs rank 0's "
+                  f"{json.dumps(reference, sort_keys=True)[:400]}" if reference != value else "")  # fmt: skip
+        raise ValueError(
+            f"rank(s) {differing} see different data than rank 0 for {what}{': ' + detail if detail else ''}; "
+            "every rank must read the same data files (a shared file system, or identical copies)"
+        )
 
 
 def description_hash(description: dict) -> str:
@@ -59,10 +116,9 @@ def cached_arrays(
     folder = Path(cache_dir) / f"{kind}-{description_hash(description)}"
     complete = folder / "description.json"
 
-    import torch.distributed as dist
-
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if distributed:
+    dist = _process_group()
+    if dist is not None:
+        check_same_as_rank_zero(description, what=f"the {kind} cache")
         if dist.get_rank() == 0 and not complete.is_file():
             _build(folder, description, build)
         dist.barrier()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from nemofp4.data.blending import build_blend_index, normalize_weights
-from nemofp4.data.cache import cached_arrays
+from nemofp4.data.cache import cached_arrays, rank_zero_value
 from nemofp4.data.indexed import CorruptDataError, bin_path
 from nemofp4.data.manifest import TokenSource
 from nemofp4.data.sample_index import (
@@ -52,9 +53,11 @@ def split_documents(num_documents: int, fraction: float, salt: int, validation: 
 class PackedSequences:
     """Samples of ``seq_len + 1`` tokens from one source's documents, in served order.
 
-    ``documents`` selects the source's documents (an id array, or a count for all of them);
-    ``split`` describes that selection for the cache key. Item ``k`` is the ``k``-th served
-    sample, as int64.
+    ``documents`` selects the source's documents (an id array, a callable returning one, or a
+    count for all of them); ``split`` describes that selection for the cache key. Under
+    torch.distributed only rank 0 evaluates the selection and counts its tokens; the other ranks
+    take the counts from it and load the cached index, computing the selection only if they must
+    build the cache themselves. Item ``k`` is the ``k``-th served sample, as int64.
     """
 
     def __init__(
@@ -62,7 +65,7 @@ class PackedSequences:
         source: TokenSource,
         *,
         split: dict,
-        documents: np.ndarray | int,
+        documents: np.ndarray | Callable[[], np.ndarray] | int,
         seq_len: int,
         num_samples: int,
         seed: int,
@@ -70,16 +73,29 @@ class PackedSequences:
         vocab_size: int,
     ):
         self.source, self.seq_len, self.vocab_size = source, seq_len, vocab_size
-        if split.get("all"):
-            tokens = source.num_tokens
-        else:
+        selected: list[np.ndarray] = []
+
+        def selection() -> np.ndarray | int:
+            if isinstance(documents, int) or not callable(documents):
+                return documents
+            if not selected:
+                selected.append(documents())
+            return selected[0]
+
+        def count_tokens() -> tuple[int, int]:
+            docs = selection()
+            if isinstance(docs, int):  # all documents
+                return docs, source.num_tokens
             all_lengths = source.all_document_lengths()
-            tokens = int(sum(int(all_lengths[documents[i : i + HOLDOUT_CHUNK]].sum(dtype=np.int64))
-                             for i in range(0, documents.size, HOLDOUT_CHUNK)))
-            del all_lengths
+            tokens = int(sum(int(all_lengths[docs[i : i + HOLDOUT_CHUNK]].sum(dtype=np.int64))
+                             for i in range(0, docs.size, HOLDOUT_CHUNK)))
+            return docs.size, tokens
+
+        count, tokens = rank_zero_value(count_tokens)
+        if count == 0:
+            raise ValueError(f"{source.name}: the {split} split selects no documents")
         if tokens == 0:
             raise ValueError(f"{source.name}: the {split} split has no tokens")
-        count = documents if isinstance(documents, int) else documents.size
         self.plan = plan_sample_index(tokens, count, seq_len, num_samples)
         description = {
             "source": source.identity,
@@ -91,7 +107,7 @@ class PackedSequences:
         }
 
         def build() -> dict[str, np.ndarray]:
-            document_index = build_document_index(documents, self.plan.num_epochs, seed)
+            document_index = build_document_index(selection(), self.plan.num_epochs, seed)
             all_lengths = source.all_document_lengths()
             sample_index = build_sample_index(
                 document_index, lambda docs: all_lengths[docs].astype(np.int64), seq_len, self.plan.num_samples

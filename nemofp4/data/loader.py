@@ -10,6 +10,7 @@ loading a state with another fingerprint is an error that names what changed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -79,10 +80,9 @@ def _build_blend(
     for (source, split), count in zip(prepared, needed):
         if split.get("all"):
             documents = source.num_documents  # ids 0..n-1, never materialized
-        else:
-            documents = split_documents(source.num_documents, split["fraction"], split["salt"], split["holdout"] == "validation")
-        if (documents if isinstance(documents, int) else documents.size) == 0:
-            raise ValueError(f"{source.name}: the {split} split selects no documents")
+        else:  # computed on rank 0 only, unless a rank has to build the cache itself
+            documents = functools.partial(split_documents, source.num_documents, split["fraction"], split["salt"],
+                                          split["holdout"] == "validation")  # fmt: skip
         datasets.append(
             PackedSequences(
                 source, split=split, documents=documents, seq_len=seq_len, num_samples=count, seed=seed,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nemofp4.data.cache import check_same_as_rank_zero, is_rank_zero
 from nemofp4.data.indexed import CorruptDataError, IndexedDataset, bin_path, file_sha256, idx_path
 from nemofp4.data.paths import resolve_prefix
 
@@ -129,8 +130,21 @@ def _sampled_digest(path: Path, sample_bytes: int = 1 << 20) -> str:
 
 
 def open_token_source(prefix: str | os.PathLike, *, verify: str = "index") -> TokenSource:
-    """Open ``<prefix>.manifest.json`` (sharded output) or else ``<prefix>.bin``/``.idx``."""
+    """Open ``<prefix>.manifest.json`` (sharded output) or else ``<prefix>.bin``/``.idx``.
+
+    Under torch.distributed only rank 0 verifies checksums (``verify``); the other ranks check file
+    sizes against the manifest and that their source's identity equals rank 0's, instead of each
+    re-hashing gigabytes of ``.idx`` files.
+    """
     prefix = resolve_prefix(prefix)
+    if not is_rank_zero() and verify in VERIFY_LEVELS:
+        verify = "sizes"
+    source = _open_token_source(prefix, verify)
+    check_same_as_rank_zero(source.identity, what=f"token source {prefix}")
+    return source
+
+
+def _open_token_source(prefix: str, verify: str) -> TokenSource:
     manifest_file = manifest_path(prefix)
     if manifest_file.is_file():
         manifest = json.loads(manifest_file.read_text())

@@ -49,6 +49,13 @@ class TrainConfig:
     (drop the update, count it, go on)."""
     max_skipped_steps: int = 10
     """With nonfinite=skip: stop once this many steps were skipped in total."""
+    head_chunk_tokens: int = 0
+    """LM head and loss in chunks of this many tokens, so full-vocabulary FP32 logits and their
+    gradient never exist at once (the 8B presets: 1024); 0: the full logits at once. Chunks compute
+    the head's products in FP32 in every recipe."""
+    head_tf32: bool = False
+    """With head_chunk_tokens: let CUDA run the head's FP32 matmuls on TF32 tensor cores (faster,
+    10-bit mantissa products). Off: the paper's true FP32 head."""
     kernels: str = "auto"
     """FP4 quantization kernels: 'auto' (fused Triton kernels on CUDA when importable; on CPU the
     quantizer compiled by torch.compile when a C++ compiler is present; else the eager PyTorch
@@ -61,6 +68,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"train.dtype={self.dtype!r}; valid: {COMPUTE_DTYPES}")
+        if self.head_chunk_tokens < 0:
+            raise ValueError(f"train.head_chunk_tokens={self.head_chunk_tokens}; must be >= 0 (0: unchunked)")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"train.nonfinite={self.nonfinite!r}; valid: {NONFINITE_POLICIES}")
         if self.kernels not in ("auto", "reference"):

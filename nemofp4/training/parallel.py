@@ -6,6 +6,7 @@ The model code is single-device; this module wraps each block, then the root, in
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from nemofp4.quant import FP32Linear
 log = logging.getLogger("nemofp4")
 
 BACKENDS = ("none", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+GRADIENT_SYNC = ("per_step", "per_micro_batch")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -36,6 +38,14 @@ class DistributedConfig:
     reduce_dtype: str = "float32"
     """Dtype of the gradient reduce-scatter / all-reduce."""
     reshard_after_forward: bool = True
+    replicate_degree: int = 1
+    """FSDP2 only: HSDP with a (replicate x shard) mesh. Parameters are sharded over
+    world_size / replicate_degree ranks (one node, say) and replicated over replicate_degree groups of
+    them; gradients are reduce-scattered within a group and all-reduced across groups. 1: plain FSDP."""
+    gradient_sync: str = "per_step"
+    """FSDP2 gradient accumulation: per_step reduces gradients once, after the last micro-batch
+    (each rank then holds its blocks' unsharded FP32 gradients between micro-batches); per_micro_batch
+    reduce-scatters after every micro-batch (sharded gradients only, micro-batches times the traffic)."""
     init_full_model: bool = True
     """Materialize and initialize the whole model on every rank before sharding, so a run's initial
     weights do not depend on the number of ranks. Turn off for models that do not fit one device
@@ -47,6 +57,13 @@ class DistributedConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"distributed.backend={self.backend!r}; valid: {BACKENDS}")
+        if self.gradient_sync not in GRADIENT_SYNC:
+            raise ValueError(f"distributed.gradient_sync={self.gradient_sync!r}; valid: {GRADIENT_SYNC}")
+        if self.replicate_degree < 1:
+            raise ValueError(f"distributed.replicate_degree={self.replicate_degree}; must be >= 1")
+        if self.replicate_degree > 1 and self.backend != "fsdp":
+            raise ValueError(f"distributed.replicate_degree={self.replicate_degree} needs distributed.backend=fsdp "
+                             f"(HSDP), got backend={self.backend!r}")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"distributed.{name}={getattr(self, name)!r}; valid: {tuple(_DTYPES)}")
@@ -65,23 +82,65 @@ def apply_compile(model: nn.Module) -> None:
         model.layers[i] = torch.compile(block, fullgraph=False)
 
 
-def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str) -> None:
-    """FSDP2 per block, then the root. Mixed precision applies on GPU only: CPU runs keep float32."""
+def data_parallel_mesh(cfg: DistributedConfig, *, device_type: str):
+    """1-D ("dp",) mesh for FSDP, or a 2-D ("replicate", "shard") mesh for HSDP, over all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    world = torch.distributed.get_world_size()
+    replicate = cfg.replicate_degree
+    if replicate == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+    if world % replicate:
+        raise ValueError(f"distributed.replicate_degree={replicate} does not divide the world size {world}; "
+                         f"valid: a divisor of {world} (e.g. the number of nodes)")
+    return init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+
+
+def set_gradient_sync(model: nn.Module, cfg: DistributedConfig, *, micro_batch: int, grad_accum: int) -> None:
+    """Before micro-batch ``micro_batch`` (0-based) of ``grad_accum``: under FSDP2 with
+    ``gradient_sync=per_step``, reduce gradients only in the last micro-batch's backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) and cfg.gradient_sync == "per_step":
+        model.set_requires_gradient_sync(micro_batch == grad_accum - 1)
+
+
+def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str) -> None:
+    """FSDP2 (HSDP with replicate_degree > 1) per block, then the root. Mixed precision applies on GPU
+    only: CPU runs keep float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),), mesh_dim_names=("dp",))
+    mesh = data_parallel_mesh(cfg, device_type=device_type)
     if device_type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype])
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
-    if isinstance(getattr(model, "lm_head", None), FP32Linear):
-        # the FP4 recipes run the LM head in FP32: its own group keeps FSDP from casting it to BF16
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=fp32, reshard_after_forward=cfg.reshard_after_forward)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if isinstance(getattr(model, "lm_head", None), nn.Module) and not tied:
+        # its own group: the chunked loss runs inside the head's FSDP hooks (attach_head_loss), and the
+        # FP4 recipes' FP32 head keeps FP32 parameters instead of being cast to BF16
+        head_mp = mp
+        if isinstance(model.lm_head, FP32Linear):
+            head_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=head_mp, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+
+
+def attach_head_loss(model: nn.Module) -> None:
+    """Give ``model.lm_head`` a ``chunked_cross_entropy(hidden, labels, **kwargs)`` method
+    (:func:`nemofp4.models.loss.head_cross_entropy` with that head). Under FSDP2 it is registered
+    as a forward method of the head, so the head's weight is all-gathered around it and its gradient
+    reduce-scattered after backward, as for a call of the head itself; without FSDP it is the plain
+    function. Use it with ``model(input_ids, return_hidden=True)``."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from nemofp4.models.loss import HEAD_LOSS_METHOD, head_cross_entropy
+
+    head = model.lm_head
+    setattr(head, HEAD_LOSS_METHOD, functools.partial(head_cross_entropy, head))
+    register_fsdp_forward_method(head, HEAD_LOSS_METHOD)  # no-op unless head is an FSDP module
 
 
 def parallelize(model: nn.Module, cfg: DistributedConfig, *, device_type: str) -> nn.Module:
@@ -92,4 +151,6 @@ def parallelize(model: nn.Module, cfg: DistributedConfig, *, device_type: str) -
         apply_compile(model)
     if cfg.backend == "fsdp":
         apply_fsdp(model, cfg, device_type=device_type)
+    if hasattr(model, "lm_head"):
+        attach_head_loss(model)
     return model

@@ -45,6 +45,7 @@ from nemofp4.training.dist_env import (
     local_device,
     require_process_group,
 )
+from nemofp4.training.memory_plan import log_plan
 from nemofp4.training.metrics import MetricsLogger, peak_tflops
 from nemofp4.training.nonfinite import (
     NonFiniteError,
@@ -53,7 +54,7 @@ from nemofp4.training.nonfinite import (
     first_nonfinite_state,
 )
 from nemofp4.training.optim import build_optimizer, set_lr
-from nemofp4.training.parallel import parallelize
+from nemofp4.training.parallel import parallelize, set_gradient_sync
 from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler
 from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
@@ -74,20 +75,29 @@ def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
-             autocast: Any) -> dict[str, float]:
-    """Token-weighted mean loss over a fixed list of batches (all ranks see the same batches)."""
+             autocast: Any, head_chunk_tokens: int = 0) -> dict[str, float]:
+    """Token-weighted mean loss over a fixed list of batches, data-parallel: each rank evaluates
+    every world-th batch and the NLL sums and token counts are all-reduced."""
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for batch in batches:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # NLL sum, token count
+    for index in range(rank, -(-len(batches) // world) * world, world):
+        # a rank past the end re-runs the last batch uncounted: every rank makes the same number of
+        # forward calls, so FSDP's / ZeRO-3's collectives stay matched
+        batch = batches[min(index, len(batches) - 1)]
         input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
         with autocast():
-            loss = lm_loss(model, input_ids, labels)
-        total += loss.double().cpu() * labels.numel()
-        count += labels.numel()
+            loss = lm_loss(model, input_ids, labels, head_chunk_tokens=head_chunk_tokens)
+        if index < len(batches):
+            sums[0] += loss.double() * labels.numel()
+            sums[1] += labels.numel()
+    if world > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     model.train(was_training)
-    val_loss = (total / max(count, 1)).item()
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": count}
+    total, count = sums.tolist()
+    val_loss = total / max(count, 1)
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(count)}
 
 
 class Trainer:
@@ -141,6 +151,8 @@ class Trainer:
         model = build_model(cfg.model, device="meta")
         self.recipe = recipe_from_config(cfg.precision)
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
+        if self.rank == 0:
+            log_plan(cfg, world_size=self.world, device=self.device, log=log)
         if self.rank == 0 and self.layer_table.count("fp4"):
             log.info("%s", kernels.describe(self.device))
         dist_cfg = cfg.distributed
@@ -395,7 +407,8 @@ class Trainer:
         logged = logged[0]
         if logged is not None:  # evaluated before (a rerun of a finished run): the same weights, the same result
             return {k: v for k, v in logged.items() if k not in ("kind", "step")}
-        result = evaluate(self.model, self.val_batches, device=self.device, autocast=self.autocast)
+        result = evaluate(self.model, self.val_batches, device=self.device, autocast=self.autocast,
+                          head_chunk_tokens=self.cfg.train.head_chunk_tokens)
         self.metrics.log("eval", self.step, result)
         return result
 
@@ -416,13 +429,15 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
         forward = self.engine if self.engine is not None else self.model
-        for _ in range(self.budget.grad_accum):
+        for micro in range(self.budget.grad_accum):
+            set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
             batch = next(data_iter)
             input_ids = batch["input_ids"].to(self.device, non_blocking=True)
             labels = batch["labels"].to(self.device, non_blocking=True)
             first_batch = first_batch or (input_ids, labels)
             with self.autocast():
-                loss = lm_loss(forward, input_ids, labels)
+                loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
+                               head_tf32=cfg.train.head_tf32)
             if cfg.debug.nan_loss_at_step == step:
                 loss = loss * float("nan")  # fault injection: one bad step, finite weights
             if self.engine is not None:

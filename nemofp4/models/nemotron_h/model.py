@@ -227,6 +227,19 @@ class Block(nn.Module):
         return x_BLD + self.mixer(self.norm(x_BLD))
 
 
+def _is_projection_or_conv(module: nn.Module) -> bool:
+    """A linear-like module (weight ``[out, in]``) or the depthwise conv, whatever its class.
+
+    A precision recipe may swap a projection for a module that is not an ``nn.Linear`` (e.g.
+    Transformer Engine's ``te.Linear``); it must get the same init as the plain linear, so this
+    tests the parameter, not the type. Norm weights are 1-D and are excluded.
+    """
+    if isinstance(module, (nn.Linear, nn.Conv1d)):
+        return True
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.dim() == 2
+
+
 class NemotronHModel(nn.Module):
     """The causal LM: embeddings -> blocks -> norm_f -> lm_head."""
 
@@ -284,10 +297,11 @@ class NemotronHModel(nn.Module):
             block.norm.reset_parameters()
             mixer = block.mixer
             for module in mixer.modules():
-                if isinstance(module, (nn.Linear, nn.Conv1d)):
+                if _is_projection_or_conv(module):
                     nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
+                    bias = getattr(module, "bias", None)
+                    if isinstance(bias, torch.Tensor) and bias.numel():
+                        nn.init.zeros_(bias)
             if isinstance(mixer, Mamba2Mixer):
                 mixer.reset_parameters(cfg, generator=generator)
                 if cfg.rescale_prenorm_residual:
