@@ -96,3 +96,48 @@ def test_tf32_option_is_scoped_to_the_head():
     loss.backward()
     assert torch.backends.cuda.matmul.fp32_precision == before
     assert loss.item() == chunked_cross_entropy(h, w, labels, chunk_tokens=8).item()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "ue5m3"])
+def test_lm_loss_with_head_chunks_equals_the_full_logits_loss(precision):
+    """The trainer's lm_loss with train.head_chunk_tokens: same loss and parameter gradients as the
+    unchunked head on the tiny model, through the head method that parallelize() attaches. Under
+    ue5m3 the gradients below the head pass FP4-quantized GEMMs, where a last-bit difference in dY can
+    move a code, so there the head's and the final norm's gradients are compared."""
+    from nemofp4.cli.train import compose_job_config
+    from nemofp4.models import build_model, lm_loss
+    from nemofp4.recipes import apply_recipe, recipe_from_config
+    from nemofp4.training.parallel import parallelize
+
+    cfg = compose_job_config([f"precision={precision}"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device="meta")
+    apply_recipe(model, recipe_from_config(cfg.precision), log=False)
+    model = parallelize(model, cfg.distributed, device_type="cpu")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, dims=1)
+
+    def loss_and_grads(chunk):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(2)
+        loss = lm_loss(model, ids, labels, head_chunk_tokens=chunk)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    full_loss, full_grads = loss_and_grads(0)
+    chunk_loss, chunk_grads = loss_and_grads(32)
+    assert abs(chunk_loss.item() - full_loss.item()) <= 1e-6 * abs(full_loss.item())
+    compared = [n for n in full_grads if precision == "bf16" or n.startswith(("lm_head", "norm_f"))]
+    assert len(compared) >= 2
+    for name in compared:
+        assert _rel(chunk_grads[name], full_grads[name]) <= 1e-5, name
+
+
+def test_lm_loss_with_head_chunks_needs_the_head_method():
+    from nemofp4.models import lm_loss
+
+    with pytest.raises(ValueError, match="head_chunk_tokens=8 needs a model whose lm_head"):
+        lm_loss(torch.nn.Linear(4, 4), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+                head_chunk_tokens=8)
