@@ -252,7 +252,10 @@ def test_two_recipe_sweep_through_hydra_slurm_launcher(workdir, jobs):
     jobs.extend(array_jobs)
     losses = {}
     for precision in ("bf16", "ue5m3"):
-        run_dir = sweep / "runs" / f"tiny-{precision}"
+        # each sweep job trains in <run_dir>/<its overrides> (docs/training.md, "Run directories")
+        job_dirs = [path for path in (sweep / "runs" / f"tiny-{precision}").iterdir() if path.is_dir()]
+        assert len(job_dirs) == 1, job_dirs
+        run_dir = job_dirs[0]
         losses[precision] = _losses(run_dir)
         assert sorted(losses[precision]) == [1, 2, 3], precision
         assert (run_dir / "checkpoints" / "step-3" / "COMPLETE.json").is_file()
