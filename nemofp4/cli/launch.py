@@ -37,13 +37,12 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from nemofp4.data.paths import CONFIG_DIR, REPO_ROOT  # the checkout, or the installed wheel's share/
 from nemofp4.training.dist_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from nemofp4.training.preemption import DEFAULT_SIGNALS
 
 logger = logging.getLogger("nemofp4.launch")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO_ROOT / "configs"
 LAUNCH_CONFIG = CONFIG_DIR / "launch.yaml"
 # configs/launch.yaml is registered under this name (not "launch", which would collide with the file
 # wherever configs/ is on a search path).

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from nemofp4.data.paths import CONFIG_DIR as _CONFIG_DIR
 from nemofp4.training.config import JobConfig
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+CONFIG_DIR = str(_CONFIG_DIR)
 
 
 def register_configs() -> None:
