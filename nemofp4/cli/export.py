@@ -22,6 +22,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from nemofp4.cli.errors import run_cli
 from nemofp4.cli.evaluate import store_primary_config
 from nemofp4.evaluation.config import ExportConfig
 
@@ -73,7 +74,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _main()
+    run_cli(_main, name="nemofp4-export-hf")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from nemofp4.cli.errors import run_cli
 from nemofp4.data.paths import CONFIG_DIR, REPO_ROOT  # the checkout, or the installed wheel's share/
 from nemofp4.training.dist_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from nemofp4.training.preemption import DEFAULT_SIGNALS
@@ -526,7 +527,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="[nemofp4-launch] %(message)s")
     register_configs()
-    _hydra_main()
+    run_cli(_hydra_main, name="nemofp4-launch")
 
 
 if __name__ == "__main__":

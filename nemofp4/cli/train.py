@@ -12,6 +12,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from nemofp4.cli.errors import run_cli
 from nemofp4.data.paths import CONFIG_DIR as _CONFIG_DIR
 from nemofp4.training.config import JobConfig
 
@@ -57,7 +58,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
-    _hydra_main()
+    run_cli(_hydra_main, name="nemofp4-train")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ from nemofp4.recipes import apply_recipe, recipe_from_config
 from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager
 from nemofp4.training.config import JobConfig, compute_budget
+from nemofp4.training.console import memory_record, run_summary
 from nemofp4.training.dist_env import destroy_distributed, detect_dist_env, init_distributed
-from nemofp4.training.metrics import MetricsLogger, peak_tflops
+from nemofp4.training.metrics import MetricsLogger, peak_tflops, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
     first_nonfinite_gradient,
@@ -93,6 +94,7 @@ class Trainer:
     """One training run; `run()` trains to the budget (or until preempted) and returns a summary."""
 
     def __init__(self, cfg: JobConfig):
+        self._started = time.perf_counter()
         self.cfg = cfg
         self.env = init_distributed(detect_dist_env())
         self.rank, self.world = self.env.rank, self.env.world_size
@@ -282,6 +284,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         total = self.budget.total_steps
+        first_step = self.step
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logging, rank=self.rank, run_name=cfg.name,
             config=OmegaConf.to_container(OmegaConf.structured(cfg)), total_steps=total,
@@ -321,9 +324,15 @@ class Trainer:
             exit_code = preemption.requeue_and_exit_code() if stop_reason == "preempted" else 0
         self.metrics.log("event", self.step, {"event": stop_reason, "tokens_seen": self.tokens_seen})
         self.metrics.close()
+        plot = None
         if self.rank == 0 and cfg.logging.plots:
             plot = plot_run(self.run_dir, title=f"{cfg.name}: {cfg.precision.name}")
-            print(f"loss curves: {plot.resolve()}", flush=True)
+        if self.rank == 0 and cfg.logging.console:
+            print(run_summary(
+                run_dir=self.run_dir, records=read_metrics(self.run_dir), first_step=first_step, step=self.step,
+                total_steps=total, tokens_seen=self.tokens_seen, wall_s=time.perf_counter() - self._started,
+                stop_reason=stop_reason, checkpoint=self.ckpt.latest(), plot=plot,
+            ), flush=True)  # fmt: skip
         return {"step": self.step, "stop_reason": stop_reason, "exit_code": exit_code, **last_eval}
 
     def _eval(self) -> dict[str, float]:
@@ -389,8 +398,8 @@ class Trainer:
         }
         if not finite:
             record["skipped"] = True
+        record.update(memory_record(self.device))
         if self.device.type == "cuda":
-            record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if self.peak_flops:
                 record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
         self.metrics.log("train", step, record)
