@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from nemofp4 import kernels
-from nemofp4.data import build_train_loader, build_validation_batches
+from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.models import build_model, param_groups
 from nemofp4.quant import (
     load_reference_state_dict,
@@ -117,6 +117,7 @@ class Trainer:
         cfg = self.cfg
         seed_everything(cfg.train.seed)
         kernels.use_triton(cfg.train.kernels == "auto")
+        check_model_vocab(cfg.data, cfg.model.vocab_size)
         self.loader = build_train_loader(
             cfg.data,
             seq_len=cfg.train.seq_len,
