@@ -2,7 +2,7 @@
 
 A bad override, a missing file or a value a config rejects is the user's to fix: the message
 says what and how, and a 30-90 line traceback only buries it. Such errors print as
-``<command>: error: <message>`` on stderr with exit status 2. Anything else is a bug and keeps
+``<command>: error: <message>`` on stderr with exit status 1 (what Hydra exits with). Anything else is a bug and keeps
 its traceback. ``HYDRA_FULL_ERROR=1`` shows the full traceback of everything.
 
 Hydra catches exceptions itself and prints a shortened traceback unless ``HYDRA_FULL_ERROR``
@@ -65,6 +65,6 @@ def run_cli(entry: Callable[[], object], *, name: str) -> None:
             raise
         print(f"{name}: error: {user_error_message(exc)} (HYDRA_FULL_ERROR=1 shows the traceback)",
               file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(1)
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)

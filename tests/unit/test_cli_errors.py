@@ -1,4 +1,4 @@
-"""Console scripts print a user error as one line (exit 2), keep tracebacks for bugs and on request."""
+"""Console scripts print a user error as one line (exit 1), keep tracebacks for bugs and on request."""
 
 import sys
 
@@ -15,11 +15,11 @@ def _raise(exc):
     return entry
 
 
-def test_a_user_error_is_one_line_on_stderr_with_exit_status_2(capsys, monkeypatch):
+def test_a_user_error_is_one_line_on_stderr_with_exit_status_1(capsys, monkeypatch):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         run_cli(_raise(ValueError("train.max_steps=-1 must be >= 0")), name="nemofp4-train")
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["nemofp4-train: error: train.max_steps=-1 must be >= 0 (HYDRA_FULL_ERROR=1 shows the traceback)"]
 
@@ -55,7 +55,7 @@ def test_every_console_script_reports_bad_input_in_one_line(module, argv, expect
     monkeypatch.setattr(sys, "argv", ["cmd", *argv])
     with pytest.raises(SystemExit) as exit_info:
         module.main()
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 1
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(err) == 1 and expected in err[0], err
     assert "Traceback" not in capsys.readouterr().err
