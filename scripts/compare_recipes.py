@@ -19,7 +19,11 @@ when the jobs are done to collect them). Table columns:
 * loss spikes: logged losses above ``--loss-threshold`` after ``--spike-after`` steps (default: the
   mean BF16 loss over the 10 steps before that point, i.e. a return to an earlier level of training);
 * grad-norm spikes: logged gradient norms above ``--grad-norm-threshold`` (1.0) after the same step.
-Every number is the mean +- sample standard deviation over the seeds.
+Every number is the mean +- sample standard deviation over the seeds. When the spike window is
+empty (``--steps`` at or below the preset's warmup), the spike columns say so instead.
+
+``--replot results.json`` redraws the plots of a finished study from its saved curves, without
+training or evaluating anything.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-norm-threshold", type=float, default=1.0)
     p.add_argument("--smooth", type=int, default=10, help="moving-average width of the plotted training curves")
     p.add_argument("--threads", type=int, default=0, help="OMP/torch threads of local runs (0: leave as is)")
+    p.add_argument("--replot", type=Path, metavar="RESULTS_JSON",
+                   help="only redraw the plots of a finished study from its results.json, into the same folder")
     args = p.parse_args(argv)
     if "bf16" not in args.recipes:
         p.error("--recipes must include bf16 (the baseline every gap is relative to)")
@@ -193,13 +199,14 @@ def aggregate(args, runs: list[dict]) -> dict:
     start = spike_start(args, runs[0]["warmup_steps"])
     bf16_runs = [r for r in runs if r["recipe"] == "bf16"]
     threshold = args.loss_threshold
-    if not threshold:  # BF16's mean loss over the 10 logged steps before counting starts
+    counted = start < args.steps  # else no step lies after the spike window's start
+    if counted and not threshold:  # BF16's mean loss over the 10 logged steps before counting starts
         before = [loss for r in bf16_runs for s, loss in zip(r["steps"], r["loss"]) if start - 10 < s <= start]
         threshold = statistics.fmean(before)
     for r in runs:
         after = [(loss, g) for s, loss, g in zip(r["steps"], r["loss"], r["grad_norm"]) if s > start]
-        r["loss_spikes"] = sum(loss > threshold for loss, _ in after)
-        r["grad_norm_spikes"] = sum(g > args.grad_norm_threshold for _, g in after)
+        r["loss_spikes"] = sum(loss > threshold for loss, _ in after) if counted else None
+        r["grad_norm_spikes"] = sum(g > args.grad_norm_threshold for _, g in after) if counted else None
     table = {}
     bf16_nll = mean_std([r["nll"]["current"] for r in bf16_runs])[0] if "current" in args.policies else None
     for recipe in args.recipes:
@@ -208,19 +215,21 @@ def aggregate(args, runs: list[dict]) -> dict:
             "seeds": [r["seed"] for r in rs],
             "final_loss": mean_std([r["final_loss"] for r in rs]),
             "nll": {p: mean_std([r["nll"][p] for r in rs]) for p in args.policies},
-            "loss_spikes": mean_std([r["loss_spikes"] for r in rs]),
-            "grad_norm_spikes": mean_std([r["grad_norm_spikes"] for r in rs]),
+            "loss_spikes": mean_std([r["loss_spikes"] for r in rs]) if counted else None,
+            "grad_norm_spikes": mean_std([r["grad_norm_spikes"] for r in rs]) if counted else None,
         }
         if bf16_nll is not None:
             gaps = [(r["nll"]["current"] - bf16_nll) / bf16_nll for r in rs]
             row["gap_to_bf16"] = mean_std(gaps)
         table[recipe] = row
-    return {"spike_after_step": start, "loss_threshold": threshold, "grad_norm_threshold": args.grad_norm_threshold,
-            "table": table}  # fmt: skip
+    return {"spike_after_step": start, "loss_threshold": threshold if counted else None,
+            "grad_norm_threshold": args.grad_norm_threshold, "table": table}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- report
-def _pm(value: tuple[float, float], fmt: str) -> str:
+def _pm(value: tuple[float, float] | None, fmt: str) -> str:
+    if value is None:
+        return "n/a"
     mean, std = value
     return f"{mean:{fmt}} ± {std:{fmt}}"
 
@@ -267,6 +276,10 @@ def plot(args, runs: list[dict], folder: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
+    def relative(curve_x, curve_y, reference):  # percent above a (smoothed) BF16 curve, where it has the step
+        return [(x_, 100 * (y / reference[x_] - 1)) for x_, y in zip(curve_x, _moving_average(curve_y, smooth))
+                if x_ in reference]
+
     for xkey, ykey, name, ylabel, smooth in (
         ("steps", "loss", "training_loss.png", "training loss", args.smooth),
         ("eval_steps", "val_loss", "validation_nll.png", "validation NLL (trainer's eval)", 1),
@@ -274,6 +287,10 @@ def plot(args, runs: list[dict], folder: Path) -> list[str]:
         fig, (ax_abs, ax_rel) = plt.subplots(1, 2, figsize=(12, 4.5))
         base_x, base_y, _, _ = _mean_curve([r for r in runs if r["recipe"] == "bf16"], xkey, ykey)
         base = dict(zip(base_x, _moving_average(base_y, smooth)))
+        # Seed s of a recipe is compared with BF16's seed s: the same data order and initial weights, so
+        # the band shows what the recipe changes, not how much the seeds' data orders differ.
+        bf16_by_seed = {r["seed"]: dict(zip(r[xkey], _moving_average(r[ykey], smooth)))
+                        for r in runs if r["recipe"] == "bf16"}
         for recipe in args.recipes:
             rs = [r for r in runs if r["recipe"] == recipe]
             x, mean, lo, hi = _mean_curve(rs, xkey, ykey)
@@ -282,10 +299,18 @@ def plot(args, runs: list[dict], folder: Path) -> list[str]:
             ax_abs.plot(x, mean_s, label=recipe, color=color, lw=1.2)
             if len(rs) > 1:
                 ax_abs.fill_between(x, _moving_average(lo, smooth), _moving_average(hi, smooth), color=color, alpha=0.15)
-            rel = [(x_, 100 * (m / base[x_] - 1)) for x_, m in zip(x, mean_s) if x_ in base]
+            rel = relative(x, mean, base)
             ax_rel.plot([a for a, _ in rel], [b for _, b in rel], label=recipe, color=color, lw=1.2)
-        ax_abs.set(xlabel="step", ylabel=ylabel, title=f"{ylabel} (mean over seeds {args.seeds}, min-max band)")
-        ax_rel.set(xlabel="step", ylabel="relative to BF16 (%)", title=f"{ylabel} relative to BF16")
+            paired = [dict(relative(r[xkey], r[ykey], bf16_by_seed[r["seed"]])) for r in rs if r["seed"] in bf16_by_seed]
+            if len(paired) > 1:
+                steps = [a for a, _ in rel if all(a in c for c in paired)]
+                ax_rel.fill_between(steps, [min(c[a] for c in paired) for a in steps],
+                                    [max(c[a] for c in paired) for a in steps], color=color, alpha=0.15)
+        seeds = ", ".join(str(s) for s in args.seeds)
+        ax_abs.set(xlabel="step", ylabel=ylabel)
+        ax_abs.set_title(f"{ylabel}: mean of seeds {seeds}, band min-max", fontsize=10)
+        ax_rel.set(xlabel="step", ylabel="relative to BF16 (%)")
+        ax_rel.set_title("relative to BF16 of the same seed: mean, band min-max", fontsize=10)
         ax_rel.axhline(0.0, color="black", lw=0.6)
         skip = max(args.steps // 10, 1) if xkey == "steps" else 0
         if skip:  # the first steps are far above the rest and would flatten the curves
@@ -318,8 +343,11 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
         f"Preset `{args.preset}`, {args.steps} steps per run, seeds {args.seeds}, recipes {', '.join(args.recipes)}.",
         f"Held-out NLL of each final checkpoint under the inference policies {', '.join(args.policies)} "
         f"(delayed: D = {args.delay} batches; calibrated: C = {args.calibration_sequences} sequences).",
-        f"Spikes are counted after step {summary['spike_after_step']}: losses above {summary['loss_threshold']:.4f}, "
-        f"gradient norms above {summary['grad_norm_threshold']:g}. Mean ± sample std over seeds.",
+        (f"Spikes are counted after step {summary['spike_after_step']}: losses above {summary['loss_threshold']:.4f}, "
+         f"gradient norms above {summary['grad_norm_threshold']:g}. Mean ± sample std over seeds."
+         if summary["loss_threshold"] is not None else
+         f"Spikes are not counted (n/a): counting starts after step {summary['spike_after_step']} (the warmup or a "
+         f"quarter of the budget), at or beyond the {args.steps}-step budget. Mean ± sample std over seeds."),
         "",
         "Command:",
         "",
@@ -344,9 +372,22 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     return folder
 
 
+def replot(results_json: Path) -> None:
+    """Redraw a finished study's plots from its results.json (the saved curves), beside it."""
+    if not results_json.is_file():
+        raise SystemExit(f"--replot {results_json}: no such file (a study's results.json)")
+    results = json.loads(results_json.read_text())
+    saved = argparse.Namespace(**results["args"])
+    written = plot(saved, results["runs"], results_json.parent)
+    print(f"redrew {', '.join(written)} in {results_json.parent}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.replot is not None:
+        replot(args.replot)
+        return
     start = time.perf_counter()
     missing = [(r, s) for r in args.recipes for s in args.seeds if not is_finished(run_dir(args, r, s), args.steps)]
     if missing and args.launcher == "slurm":

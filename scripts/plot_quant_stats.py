@@ -9,16 +9,20 @@ From each run's ``metrics.jsonl`` quant rows (``logging.quant_stats_interval`` >
 scale code rounds to zero) per operand role, averaged over the FP4 linears, against the step.
 
 With ``--checkpoint``, ``scale_exponents.png``: the checkpoint's model runs one validation batch;
-every FP4 linear's input X and weight W are block-quantized with both scale formats from the
-same current amax (T = 448) and the binary exponents of the decoded block scales are
-histogrammed per layer. E4M3 ends at 2^-9 (its smallest subnormal): blocks further down
-underflow to a zero scale, which UE5M3 still represents (down to 2^-17).
+every FP4 linear's input X and weight W are block-quantized with both scale formats (T = 448)
+under three tensor references: the current amax, and a held reference grown stale (the tensor
+grew 8x, or shrank 1024x, since it was sampled). The binary exponents of the block-scale codes are
+histogrammed over all FP4 linears, one panel per operand and reference. Under the current amax
+the codes lie in (2^-9, 448] in either format; a stale reference pushes them past 448, where
+E4M3 saturates and UE5M3 reaches 61,440, or below 2^-9, where E4M3 gives zero and UE5M3 reaches
+2^-17.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -78,9 +82,35 @@ def plot_block_fractions(run_dir: Path, out: Path) -> Path:
     return path
 
 
-def scale_exponent_histograms(checkpoint: str | Path, *, sequences: int = 4) -> dict[str, dict[str, dict[int, int]]]:
-    """layer operand ('<fqn>:x' / '<fqn>:w') -> scale format -> {exponent: block count} on one
-    validation batch. Exponent floor(log2(scale)); ZERO_BIN counts zero (underflowed) scales."""
+REFERENCES = {"current": 1.0, "stale, tensor grew 8x": 1 / 8, "stale, tensor shrank 1024x": 1024.0}
+"""Column of the figure -> held tensor reference as a multiple of the tensor's current amax."""
+SCALE_LIMITS = {"e4m3": (2.0**-9, 448.0), "ue5m3": (2.0**-17, 61440.0)}
+"""Smallest non-zero and largest block-scale code of each format."""
+
+
+def _block_amax(tensor, two_d: bool, block: int = 16):
+    """Per-block amax: 16-element blocks along the last dim, or 16x16 tiles (zero-padded)."""
+    import torch.nn.functional as F
+
+    t = tensor.detach().float().abs().reshape(-1, tensor.shape[-1])
+    rows, cols = t.shape
+    t = F.pad(t, (0, -cols % block, 0, (-rows % block) if two_d else 0))
+    if two_d:
+        return t.reshape(t.shape[0] // block, block, t.shape[1] // block, block).amax(dim=(1, 3)).flatten()
+    return t.reshape(-1, block).amax(dim=-1)
+
+
+def scale_exponent_histograms(checkpoint: str | Path, *, sequences: int = 4) -> dict:
+    """operand ('x' / 'w') -> reference -> scale format -> {"hist": {exponent: blocks}, "blocks",
+    "saturated", "zero"}, summed over the FP4 linears, on one validation batch. Exponent
+    floor(log2(block-scale code)); ZERO_BIN counts zero codes. ``saturated``: blocks whose exact code
+    (T * block amax / reference) exceeds the format's largest; ``zero``: non-zero blocks coded 0.
+
+    Every operand is quantized with both formats under the same reference (T = 448): the current
+    amax, where the codes span at most (2^-9, 448] whatever the format and the two histograms
+    nearly agree, and a held reference that has grown stale (the case of sample-and-hold), where
+    codes leave E4M3's range at one end or the other while UE5M3 still represents them.
+    """
     import torch
 
     from nemofp4.evaluation import EvalSession
@@ -99,45 +129,68 @@ def scale_exponent_histograms(checkpoint: str | Path, *, sequences: int = 4) -> 
         session.model(batch["input_ids"])
     for handle in handles:
         handle.remove()
-    histograms: dict[str, dict[str, dict[int, int]]] = {}
+    histograms: dict = {op: {ref: {fmt: {"hist": {}, "blocks": 0, "saturated": 0, "zero": 0} for fmt in SCALE_FORMATS}
+                             for ref in REFERENCES} for op in ("x", "w")}  # fmt: skip
     for fqn, module in quant_linears(session.model):
         for operand, tensor, two_d in (("x", inputs[fqn].reshape(-1, inputs[fqn].shape[-1]), False),
                                        ("w", module.weight.detach(), True)):  # fmt: skip
-            per_format = {}
-            for fmt in SCALE_FORMATS:
-                scales = quantize_blocks(tensor, scale_format=fmt, two_d=two_d).block_scales().flatten()
-                exps = torch.where(scales > 0, torch.floor(torch.log2(scales.clamp_min(1e-30))), float(ZERO_BIN))
-                values, counts = torch.unique(exps.to(torch.int64), return_counts=True)
-                per_format[fmt] = dict(zip(values.tolist(), counts.tolist()))
-            histograms[f"{fqn}:{operand}"] = per_format
+            amax = tensor.abs().max().float()
+            block_amax = _block_amax(tensor, two_d)
+            for ref, factor in REFERENCES.items():
+                exact_codes = 448.0 * block_amax / (amax * factor)
+                for fmt in SCALE_FORMATS:
+                    scales = quantize_blocks(tensor, scale_format=fmt, two_d=two_d,
+                                             tensor_amax=amax * factor).block_scales().flatten()  # fmt: skip
+                    exps = torch.where(scales > 0, torch.floor(torch.log2(scales.clamp_min(1e-30))), float(ZERO_BIN))
+                    values, counts = torch.unique(exps.to(torch.int64), return_counts=True)
+                    entry = histograms[operand][ref][fmt]
+                    for v, c in zip(values.tolist(), counts.tolist()):
+                        entry["hist"][v] = entry["hist"].get(v, 0) + c
+                    entry["blocks"] += scales.numel()
+                    # the block holding the amax codes T exactly; a relative 1e-6 absorbs the float32 division
+                    entry["saturated"] += int((exact_codes > SCALE_LIMITS[fmt][1] * (1 + 1e-6)).sum())
+                    entry["zero"] += int(((scales == 0) & (block_amax > 0)).sum())
     return histograms
 
 
-def plot_scale_exponents(histograms: dict[str, dict[str, dict[int, int]]], out: Path) -> Path:
+def plot_scale_exponents(histograms: dict, out: Path, *, title: str = "") -> Path:
+    """Six panels: rows X and W, columns the reference (current, and two stale ones)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    names = sorted(histograms)
-    cols = 4
-    rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        for offset, fmt in zip((-0.2, 0.2), SCALE_FORMATS):
-            hist = histograms[name][fmt]
-            total = sum(hist.values())
-            xs = sorted(hist)
-            ax.bar([x + offset for x in xs], [100 * hist[x] / total for x in xs], width=0.4, label=fmt)
-        ax.set_title(name, fontsize=8)
-        ax.set_xlabel(f"block-scale exponent ({ZERO_BIN} = zero scale)", fontsize=7)
-        ax.set_ylabel("% of blocks", fontsize=7)
-        ax.tick_params(labelsize=7)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
+    operands = [op for op in ("x", "w") if op in histograms]
+    refs = list(REFERENCES)
+    colors = {"e4m3": "tab:blue", "ue5m3": "tab:red"}
+    fig, axes = plt.subplots(len(operands), len(refs), figsize=(5.2 * len(refs), 3.6 * len(operands)), squeeze=False)
+    low = min(int(math.floor(math.log2(lo))) for lo, _ in SCALE_LIMITS.values()) - 2
+    for row, operand in enumerate(operands):
+        for col, ref in enumerate(refs):
+            ax = axes[row][col]
+            for offset, fmt in zip((-0.2, 0.2), SCALE_FORMATS):
+                entry = histograms[operand][ref][fmt]
+                hist = {int(e): c for e, c in entry["hist"].items()}  # JSON keys are strings
+                total = entry["blocks"]
+                xs = sorted(hist)
+                shown = [low if x == ZERO_BIN else x for x in xs]  # zero codes drawn at the left edge
+                zero, saturated = 100 * entry["zero"] / total, 100 * entry["saturated"] / total
+                ax.bar([x + offset for x in shown], [100 * hist[x] / total for x in xs], width=0.4, color=colors[fmt],
+                       label=f"{fmt}: {saturated:.1f}% saturated, {zero:.1f}% zero")  # fmt: skip
+            for fmt, (lo, hi) in SCALE_LIMITS.items():
+                for limit in (lo, hi):
+                    ax.axvline(math.log2(limit), color=colors[fmt], ls="--", lw=0.8)
+            ax.set_xlim(low - 1, 17)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_title(f"{'activations X' if operand == 'x' else 'weights W'}, reference {ref}", fontsize=10)
+            ax.set_xlabel(f"log2 of the block-scale code (bar at {low}: zero code)", fontsize=9)
+            ax.set_ylabel("% of blocks (all FP4 linears)", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(title or "block-scale codes under E4M3 and UE5M3 (dashed: each format's smallest and largest code)",
+                 fontsize=11)
     fig.tight_layout()
     path = out / "scale_exponents.png"
     fig.savefig(path, dpi=100)

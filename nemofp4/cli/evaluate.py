@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from nemofp4.cli.errors import run_cli
+from nemofp4.data.paths import CONFIG_DIR
 from nemofp4.evaluation.config import EvaluateConfig
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 log = logging.getLogger("nemofp4")
 
 
@@ -55,7 +55,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _main()
+    run_cli(_main, name="nemofp4-eval")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
     nemofp4-export-hf checkpoint=runs/tiny-ue5m3 out=exports/tiny-ue5m3
     nemofp4-export-hf checkpoint=runs/tiny-ue5m3/checkpoints/step-200 out=exports/x dtype=bfloat16
 
-Writes config.json and model.safetensors (``NemotronHForCausalLM.from_pretrained`` loads it)
-plus the run's tokenizer files, and ``nemofp4_export.json`` naming the source checkpoint and
-its recipe. The weights are the master weights: the FP4 recipe is not part of the folder, so
+Writes config.json, generation_config.json and model.safetensors
+(``NemotronHForCausalLM.from_pretrained`` loads it) plus the run's tokenizer files with the
+end-of-document token as eos/bos/pad (``AutoTokenizer`` loads them, and ``generate`` stops at
+the end of a document), and ``nemofp4_export.json`` naming the source checkpoint and its recipe. The weights are the master weights: the FP4 recipe is not part of the folder, so
 transformers runs the model unquantized (as ``nemofp4-eval policy=unquantized`` does). The
 reverse import is ``nemofp4.models.nemotron_h.import_hf`` (``nemofp4-eval`` accepts such a
 folder directly).
@@ -22,6 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from nemofp4.cli.errors import run_cli
 from nemofp4.cli.evaluate import store_primary_config
 from nemofp4.evaluation.config import ExportConfig
 
@@ -33,6 +35,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def export_checkpoint(cfg: ExportConfig) -> Path:
     """Export ``cfg.checkpoint`` to ``cfg.out``; returns the folder."""
+    from nemofp4.data import load_tokenizer
     from nemofp4.data.paths import resolve_path
     from nemofp4.evaluation.checkpoint import load_checkpoint_model, resolve_checkpoint
     from nemofp4.models.nemotron_h import export_hf
@@ -40,10 +43,18 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
     folder = resolve_checkpoint(cfg.checkpoint)
     # bf16: no recipe is applied, the state dict is the same either way and nothing FP4 is needed.
     model, job, state = load_checkpoint_model(folder, precision="bf16")
-    out = export_hf(model, cfg.out, dtype=getattr(torch, cfg.dtype))
-    copied = []
     tokenizer = cfg.tokenizer or job.data.tokenizer
+    loaded = None
     if tokenizer != "none":
+        loaded = load_tokenizer(resolve_path(tokenizer), eod_token=job.data.eod_token or None)
+        if loaded.vocab_size > job.model.vocab_size:
+            raise ValueError(
+                f"tokenizer {loaded.path} has {loaded.vocab_size} tokens, more than the model's "
+                f"vocab_size={job.model.vocab_size}: it is not the tokenizer this model was trained with"
+            )
+    out = export_hf(model, cfg.out, dtype=getattr(torch, cfg.dtype), eod_token_id=loaded.eod_id if loaded else None)
+    copied = []
+    if loaded is not None:
         source = resolve_path(tokenizer)
         source_dir = source if source.is_dir() else source.parent
         names = TOKENIZER_FILES if source.is_dir() else (source.name, *TOKENIZER_FILES[1:])
@@ -51,8 +62,9 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
             if (source_dir / name).is_file():
                 shutil.copyfile(source_dir / name, out / name)
                 copied.append(name)
-        if not copied:
-            log.warning("no tokenizer files found at %s; the folder has weights and config only", source)
+        _write_special_tokens(out / "tokenizer_config.json", loaded.eod_token)
+        if "tokenizer_config.json" not in copied:
+            copied.append("tokenizer_config.json")
     provenance = {
         "source_checkpoint": str(folder),
         "step": state.get("step"),
@@ -62,7 +74,17 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
         "tokenizer_files": copied,
     }
     (out / "nemofp4_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    log.info("exported step %s of a run trained with recipe %s: the master weights, which transformers runs "
+             "unquantized", state.get("step"), job.precision.name)
     return out
+
+
+def _write_special_tokens(path: Path, eod_token: str) -> None:
+    """tokenizer_config.json with the EOD token as eos, bos and pad (kept beside any other settings)."""
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    settings.update(eos_token=eod_token, bos_token=eod_token, pad_token=eod_token)
+    path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
 @hydra.main(version_base=None, config_path=None, config_name="export")
@@ -73,7 +95,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _main()
+    run_cli(_main, name="nemofp4-export-hf")
 
 
 if __name__ == "__main__":

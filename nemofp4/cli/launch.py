@@ -41,6 +41,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from nemofp4.cli.errors import run_cli
+from nemofp4.data.paths import CONFIG_DIR, REPO_ROOT  # the checkout, or the installed wheel's share/
 from nemofp4.training.dist_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from nemofp4.training.preemption import DEFAULT_SIGNALS
 
@@ -49,8 +51,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nemofp4.launch")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO_ROOT / "configs"
 LAUNCH_CONFIG = CONFIG_DIR / "launch.yaml"
 # configs/launch.yaml is registered under this name (not "launch", which would collide with the file
 # wherever configs/ is on a search path).
@@ -669,7 +669,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="[nemofp4-launch] %(message)s")
     register_configs()
-    _hydra_main()
+    run_cli(_hydra_main, name="nemofp4-launch")
 
 
 if __name__ == "__main__":

@@ -10,15 +10,16 @@ The settings are the fields of :class:`nemofp4.data.preprocessing.PreprocessConf
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from nemofp4.cli.errors import run_cli
+from nemofp4.data.paths import CONFIG_DIR as _CONFIG_DIR
 from nemofp4.data.preprocessing import PreprocessConfig, preprocess
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+CONFIG_DIR = str(_CONFIG_DIR)
 ConfigStore.instance().store(name="preprocess_schema", node=PreprocessConfig)
 log = logging.getLogger("nemofp4.preprocess")
 
@@ -33,7 +34,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _main()
+    run_cli(_main, name="nemofp4-preprocess")
 
 
 if __name__ == "__main__":

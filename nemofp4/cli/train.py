@@ -16,9 +16,11 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from nemofp4.cli.errors import run_cli
+from nemofp4.data.paths import CONFIG_DIR as _CONFIG_DIR
 from nemofp4.training.config import JobConfig
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+CONFIG_DIR = str(_CONFIG_DIR)
 
 
 def register_configs() -> None:
@@ -86,7 +88,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
-    _hydra_main()
+    run_cli(_hydra_main, name="nemofp4-train")
 
 
 if __name__ == "__main__":

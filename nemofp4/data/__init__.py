@@ -17,6 +17,7 @@ _EXPORTS = {
     "TrainLoader": "loader",
     "build_train_loader": "loader",
     "build_validation_batches": "loader",
+    "check_model_vocab": "loader",
     "TokenSource": "manifest",
     "open_token_source": "manifest",
     "PreprocessConfig": "preprocessing",

@@ -47,6 +47,9 @@ class DataConfig:
     tokenizer: str = SHIPPED_TOKENIZER
     """``tokenizer.json`` or a folder holding one; the data must have been tokenized with it
     (checked against the manifest's tokenizer hash and largest token id)."""
+    tokenizer_mismatch: str = "error"
+    """When a manifest records another tokenizer hash than ``tokenizer``'s: ``error`` (the ids
+    would mean other tokens) or ``warn`` (for a tokenizer known to be equivalent)."""
     eod_token: str = ""
     """Override the tokenizer's end-of-document token."""
     seq_len: int = 0
@@ -84,6 +87,8 @@ class DataConfig:
             raise ValueError(
                 f"data.num_workers must be >= 0 and prefetch_factor >= 1, got {self.num_workers}, {self.prefetch_factor}"
             )
+        if self.tokenizer_mismatch not in ("error", "warn"):
+            raise ValueError(f"data.tokenizer_mismatch must be 'error' or 'warn', got {self.tokenizer_mismatch!r}")
         if self.seq_len < 0:
             raise ValueError(f"data.seq_len must be >= 0 (0 = set by the trainer), got {self.seq_len}")
 

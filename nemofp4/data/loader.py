@@ -30,13 +30,34 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-def _check_tokenizer(source, tokenizer: LoadedTokenizer) -> None:
+def _check_tokenizer(source, tokenizer: LoadedTokenizer, mismatch: str = "error") -> None:
     source.check_vocab(tokenizer.vocab_size)
     if source.tokenizer_hash is not None and source.tokenizer_hash != tokenizer.hash:
-        warnings.warn(
-            f"{source.name} was tokenized with a different tokenizer (hash {source.tokenizer_hash[:12]}) "
-            f"than {tokenizer.path} (hash {tokenizer.hash[:12]})",
-            stacklevel=3,
+        message = (
+            f"{source.name} was tokenized with another tokenizer: its manifest records tokenizer hash "
+            f"{source.tokenizer_hash[:12]}, data.tokenizer={tokenizer.path} has hash {tokenizer.hash[:12]}"
+        )
+        if mismatch == "error":
+            raise ValueError(
+                f"{message}; use the tokenizer the data was made with, or data.tokenizer_mismatch=warn "
+                "for one known to be equivalent"
+            )
+        warnings.warn(message, stacklevel=3)
+
+
+def check_model_vocab(cfg: DataConfig, vocab_size: int) -> None:
+    """The model's embedding must cover every id the data's tokenizer can produce (checked at start).
+
+    Otherwise the first out-of-range id is an IndexError deep in the embedding (a device-side
+    assert on GPU), steps into the run.
+    """
+    cfg = as_data_config(cfg)
+    tokenizer = load_tokenizer(resolve_path(cfg.tokenizer), eod_token=cfg.eod_token or None)
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"model.vocab_size={vocab_size} is smaller than the vocabulary of data.tokenizer={tokenizer.path} "
+            f"({tokenizer.vocab_size} tokens): ids up to {tokenizer.vocab_size - 1} would index past the "
+            f"embedding; set model.vocab_size >= {tokenizer.vocab_size}"
         )
 
 
@@ -70,7 +91,7 @@ def _build_blend(
         source = open_token_source(prefix, verify=cfg.verify)
         if source_cfg.name:
             source.name = source_cfg.name
-        _check_tokenizer(source, tokenizer)
+        _check_tokenizer(source, tokenizer, cfg.tokenizer_mismatch)
         prepared.append((source, split))
         identities.append({"source": source.identity, "split": split, "weight": source_cfg.weight})
     blend_description = {"sources": identities, "seed": seed, "seq_len": seq_len}

@@ -1,7 +1,11 @@
-"""Resolving user paths: relative to the working directory first, then to the repository root.
+"""Where the shipped files live, and resolving user paths against the working directory first.
 
-The shipped defaults (``data/...``) are relative paths; resolving them against the repository
-root as well lets the main command run from any working directory (Hydra may change it).
+The shipped files are ``configs/``, ``slurm/`` and ``data/`` (tokenizer, tokens, tasks). In a
+checkout (editable install included) they sit at the repository root; an installed wheel
+carries them as package data under ``nemofp4/share/`` (setup.py maps the folders there without
+moving them). ``REPO_ROOT`` is whichever of the two holds them. The shipped defaults
+(``data/...``) are relative paths; resolving them against that root as well lets every command
+run from any working directory (Hydra may change it).
 """
 
 from __future__ import annotations
@@ -9,7 +13,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
+def _shipped_root() -> Path:
+    installed = Path(__file__).resolve().parents[1] / "share"
+    return installed if (installed / "configs").is_dir() else Path(__file__).resolve().parents[2]
+
+
+REPO_ROOT = _shipped_root()
+"""The folder holding configs/, slurm/ and data/: the checkout, or the installed package's share/."""
+CONFIG_DIR = REPO_ROOT / "configs"
 
 
 def resolve_path(path: str | os.PathLike) -> Path:

@@ -46,6 +46,7 @@ BUILDER_BY_SUFFIX = {
     ".jsonl.gz": "json",
     ".json.gz": "json",
     ".parquet": "parquet",
+    ".arrow": "arrow",
     ".txt": "text",
     ".txt.gz": "text",
 }
@@ -58,8 +59,9 @@ class PreprocessConfig:
     """Settings of one preprocessing run (the ``nemofp4-preprocess`` Hydra app)."""
 
     input: str
-    """A file, a folder (searched recursively), a glob, or ``hf://<dataset>[/<config>]`` for the hub.
-    Files: .jsonl/.json(.gz), .parquet, .txt(.gz)."""
+    """A file, a folder (searched recursively), a glob, a folder written by ``datasets``'
+    ``save_to_disk``, or ``hf://<dataset>[/<config>]`` for the hub.
+    Files: .jsonl/.json(.gz), .parquet, .arrow, .txt(.gz)."""
     tokenizer: str
     """A ``tokenizer.json``, a folder holding one, or ``train`` to train a byte-level BPE on the input."""
     output_prefix: str
@@ -114,8 +116,35 @@ def _suffix(path: str) -> str | None:
     return None
 
 
+def _saved_dataset_files(folder: Path) -> list[str] | None:
+    """The .arrow files of a ``Dataset.save_to_disk`` folder in their order, or None for another folder.
+
+    Such a folder also holds ``state.json`` and ``dataset_info.json``, which are metadata, not
+    documents. A ``DatasetDict`` folder holds one such folder per split: the user picks one.
+    """
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        raise ValueError(
+            f"input {str(folder)!r} is a DatasetDict saved with save_to_disk (splits {splits}); "
+            f"point input at one split's folder, e.g. input={folder / (splits[0] if splits else 'train')}"
+        )
+    state = folder / "state.json"
+    if not (state.is_file() and (folder / "dataset_info.json").is_file()):
+        return None
+    try:
+        names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{state}: not a readable datasets state file ({error})") from error
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing or not names:
+        raise FileNotFoundError(f"{folder}: save_to_disk folder lists data files {missing or names} that do not exist")
+    return [str(folder / name) for name in names]
+
+
 def resolve_input_files(spec: str) -> list[str]:
-    """The input files of ``spec`` (file, folder, or glob), sorted; errors name what was searched."""
+    """The input files of ``spec`` (file, folder, save_to_disk folder or glob); errors name what was searched."""
+    if os.path.isdir(spec) and (saved := _saved_dataset_files(Path(spec))) is not None:
+        return saved
     if os.path.isdir(spec):
         candidates = [str(p) for p in Path(spec).rglob("*") if p.is_file()]
     elif any(ch in spec for ch in "*?["):
@@ -136,6 +165,8 @@ def _iter_file_texts(file: str, cfg: PreprocessConfig) -> Iterator[str]:
     import datasets
 
     builder = BUILDER_BY_SUFFIX[_suffix(file)]
+    if os.path.getsize(file) == 0:
+        raise ValueError(f"{file}: the file is empty (0 bytes); remove it or give input= without it")
     kwargs = {"sample_by": cfg.text_unit} if builder == "text" else {}
     key = "text" if builder == "text" else cfg.text_key
     try:

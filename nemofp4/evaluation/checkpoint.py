@@ -104,7 +104,9 @@ def load_checkpoint_model(
     dcp.load({"model": model_state}, storage_reader=reader, planner=SafeLoadPlanner())
     set_model_state_dict(model, model_state)
     model.eval()
-    log.info("loaded %s (step %s, recipe %s)", folder, trainer_state.get("step"), (precision or cfg.precision).name)
+    used = (precision or cfg.precision).name
+    log.info("loaded %s (step %s, trained with recipe %s%s)", folder, trainer_state.get("step"), cfg.precision.name,
+             "" if used == cfg.precision.name else f", evaluated as {used}")
     return model, cfg, trainer_state
 
 

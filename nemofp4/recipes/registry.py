@@ -109,7 +109,7 @@ def _fp4_linear(
 def _bf16_tail_rules(num_bf16_last_layers: int, fp4_part: str = "fp4") -> tuple[Rule, ...]:
     rules = [Rule(pattern=LM_HEAD, part="fp32")]
     if num_bf16_last_layers:
-        rules.append(Rule(pattern=LAYER_ELIGIBLE, layers=last_layers(num_bf16_last_layers), part="bf16"))
+        rules.append(Rule(pattern=LAYER_ELIGIBLE, layers=last_layers(num_bf16_last_layers, at_most_fifth=True), part="bf16"))
     rules.append(Rule(pattern=ELIGIBLE, part=fp4_part))
     return tuple(rules)
 

@@ -9,16 +9,17 @@ one train record per step, one eval record per evaluated step.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
 import os
 import secrets
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .console import StepLine
 
 log = logging.getLogger("nemofp4")
 
@@ -51,6 +52,11 @@ class LoggingConfig:
             raise ValueError(f"logging.wandb_mode={self.wandb_mode!r}; valid: offline, online, disabled")
         if self.log_interval < 1:
             raise ValueError(f"logging.log_interval must be >= 1, got {self.log_interval}")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                "logging.tensorboard=true needs the tensorboard package, which is not installed: "
+                "pip install 'nemofp4[tensorboard]' (or tensorboard), or set logging.tensorboard=false"
+            )
 
 
 # Dense BF16 tensor-core peaks (TFLOP/s), for MFU.
@@ -120,8 +126,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.wandb_run = None
         self.tb = None
-        self._start = time.time()
-        self._first_step = resume_step
+        self._step_line = StepLine(total_steps)
         self.wandb_id = wandb_id
         self.logged: dict[tuple[str, int], dict[str, Any]] = {}
         """Train and eval records already in the file, by (kind, step)."""
@@ -170,30 +175,15 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in flat.items():
                 self.tb.add_scalar(k, v, step)
+        if kind == "train":
+            self._step_line.update(metrics.get("step_time_s", math.nan))
         if self.cfg.console and kind == "train" and (step % self.cfg.log_interval == 0 or step == self.total_steps):
-            self._console_train(step, metrics)
+            print(self._step_line.format(step, metrics), flush=True)
         elif self.cfg.console and kind == "eval":
             print(
                 f"[eval] step {step:>6}  val_loss {metrics['val_loss']:.4f}  val_ppl {metrics['val_ppl']:.2f}",
                 flush=True,
             )
-
-    def _console_train(self, step: int, m: dict[str, Any]) -> None:
-        elapsed = time.time() - self._start
-        done = step - self._first_step
-        remaining = self.total_steps - step
-        eta = elapsed / done * remaining if done > 0 else math.nan
-        parts = [
-            f"step {step:>6}/{self.total_steps}",
-            f"loss {m['loss']:.4f}",
-            f"grad_norm {m['grad_norm']:.3f}",
-            f"lr {m['lr']:.2e}",
-            f"tok/s {m['tokens_per_s']:,.0f}",
-        ]
-        if m.get("mfu"):
-            parts.append(f"mfu {m['mfu']:.1%}")
-        parts.append(f"eta {_fmt_seconds(eta)}")
-        print("  ".join(parts), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if not self.enabled:
@@ -219,13 +209,6 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-def _fmt_seconds(s: float) -> str:
-    if not math.isfinite(s):
-        return "?"
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from nemofp4 import kernels
-from nemofp4.data import build_train_loader, build_validation_batches
+from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.models import build_model, lm_loss, param_groups
 from nemofp4.quant import (
     load_reference_state_dict,
@@ -38,6 +38,7 @@ from nemofp4.recipes import apply_recipe, recipe_from_config
 from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step_of
 from nemofp4.training.config import CHECKPOINT_STALL_S, JobConfig, compute_budget
+from nemofp4.training.console import memory_record, run_summary
 from nemofp4.training.dist_env import (
     destroy_distributed,
     detect_dist_env,
@@ -46,7 +47,7 @@ from nemofp4.training.dist_env import (
     require_process_group,
 )
 from nemofp4.training.memory_plan import log_plan
-from nemofp4.training.metrics import MetricsLogger, peak_tflops
+from nemofp4.training.metrics import MetricsLogger, peak_tflops, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
     first_nonfinite_gradient,
@@ -104,6 +105,7 @@ class Trainer:
     """One training run; `run()` trains to the budget (or until preempted) and returns a summary."""
 
     def __init__(self, cfg: JobConfig):
+        self._started = time.perf_counter()
         self.cfg = cfg
         self.env = init_distributed(detect_dist_env())
         self.rank, self.world = self.env.rank, self.env.world_size
@@ -130,6 +132,7 @@ class Trainer:
         cfg = self.cfg
         seed_everything(cfg.train.seed)
         kernels.use_triton(cfg.train.kernels == "auto")
+        check_model_vocab(cfg.data, cfg.model.vocab_size)
         self.loader = build_train_loader(
             cfg.data,
             seq_len=cfg.train.seq_len,
@@ -350,6 +353,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         total = self.budget.total_steps
+        first_step = self.step
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logging, rank=self.rank, run_name=cfg.name,
             config=OmegaConf.to_container(OmegaConf.structured(cfg)), total_steps=total,
@@ -395,9 +399,15 @@ class Trainer:
                 preemption.requeue_and_exit_code(checkpoint=self.ckpt.latest(), step=self.step)
                 if stop_reason == "preempted" else 0
             )  # fmt: skip
+        plot = None
         if self.rank == 0 and cfg.logging.plots:
             plot = plot_run(self.run_dir, title=f"{cfg.name}: {cfg.precision.name}")
-            print(f"loss curves: {plot.resolve()}", flush=True)
+        if self.rank == 0 and cfg.logging.console:
+            print(run_summary(
+                run_dir=self.run_dir, records=read_metrics(self.run_dir), first_step=first_step, step=self.step,
+                total_steps=total, tokens_seen=self.tokens_seen, wall_s=time.perf_counter() - self._started,
+                stop_reason=stop_reason, checkpoint=self.ckpt.latest(), plot=plot,
+            ), flush=True)  # fmt: skip
         return {"step": self.step, "stop_reason": stop_reason, "exit_code": exit_code, **last_eval}
 
     def _eval(self) -> dict[str, float]:
@@ -474,8 +484,8 @@ class Trainer:
         }
         if not finite:
             record["skipped"] = True
+        record.update(memory_record(self.device))
         if self.device.type == "cuda":
-            record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if self.peak_flops:
                 record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
         self.metrics.log("train", step, record)

@@ -123,8 +123,15 @@ def test_quant_plots_from_the_run(nvfp4_run, tmp_path):
     for path in written:
         assert path.read_bytes()[:4] == b"\x89PNG"
     histograms = json.loads((out / "scale_exponents.json").read_text())
-    # X of layer 0's in_proj: 2 sequences x 64 tokens x 128 features in 16-element blocks, per format.
+    x = histograms["x"]
+    assert len({entry["blocks"] for by_fmt in x.values() for entry in by_fmt.values()}) == 1  # the same blocks
+    hist = {ref: {fmt: {int(e): c for e, c in entry["hist"].items()} for fmt, entry in by_fmt.items()}
+            for ref, by_fmt in x.items()}  # fmt: skip
+    current, grown, shrunk = (x[ref] for ref in ("current", "stale, tensor grew 8x", "stale, tensor shrank 1024x"))
     for fmt in ("ue5m3", "e4m3"):
-        counts = histograms["layers.0.mixer.in_proj:x"][fmt]
-        assert sum(counts.values()) == 2 * 64 * 128 // 16
-        assert max(int(e) for e in counts) <= 8  # block codes <= T = 448 < 2^9 under the current amax
+        assert max(hist["current"][fmt]) <= 8 and current[fmt]["saturated"] == 0  # codes <= T = 448 < 2^9
+    assert grown["e4m3"]["saturated"] > 0 and max(hist["stale, tensor grew 8x"]["e4m3"]) == 8  # clipped at 448
+    assert grown["ue5m3"]["saturated"] == 0 and max(hist["stale, tensor grew 8x"]["ue5m3"]) >= 10  # up to 2^11.8
+    # too large a reference: only codes below E4M3's 2^-9 become zero there; UE5M3 reaches 2^-17
+    below = sum(c for e, c in hist["stale, tensor shrank 1024x"]["ue5m3"].items() if e < -9)
+    assert shrunk["ue5m3"]["zero"] == 0 and shrunk["e4m3"]["zero"] <= below

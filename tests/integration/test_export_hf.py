@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -68,3 +69,37 @@ def test_eval_accepts_the_exported_folder(exported):
     from_run = evaluate(EvaluateConfig(checkpoint=str(run), **{**kwargs, "val_data": "checkpoint"}))
     assert from_hf["val_tokens"] == from_run["val_tokens"]
     assert from_hf["val_loss"] == pytest.approx(from_run["val_loss"], abs=1e-6)
+
+
+def test_auto_classes_load_offline_and_generate_stops_at_the_end_of_document(exported, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run, out = exported
+    eod = 0  # <|endoftext|> in the shipped tokenizer
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    for ids in (config, generation):
+        assert (ids["bos_token_id"], ids["eos_token_id"], ids["pad_token_id"]) == (eod, eod, eod)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>" and tokenizer.eos_token_id == eod
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.generation_config.eos_token_id == eod and model.generation_config.pad_token_id == eod
+    prompt = tokenizer("It is a truth universally acknowledged", return_tensors="pt")
+    with torch.no_grad():
+        free = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    new = free[0, prompt.input_ids.shape[1]:].tolist()
+    assert len(new) == 12 and eod not in new, new  # this 2-step model never ends a document on its own
+    # Relabel ids 0 <-> first generated token in a copy: the same model, whose first new token is now EOD.
+    first = new[0]
+    assert first != eod and not {eod, first} & set(prompt.input_ids[0].tolist())
+    swapped = tmp_path / "swapped"
+    shutil.copytree(out, swapped)
+    weights = load_file(str(out / "model.safetensors"))
+    for name in ("backbone.embeddings.weight", "lm_head.weight"):
+        weights[name][[eod, first]] = weights[name][[first, eod]]
+    save_file(weights, str(swapped / "model.safetensors"), metadata={"format": "pt"})
+    relabeled = transformers.AutoModelForCausalLM.from_pretrained(swapped, dtype=torch.float32).eval()
+    with torch.no_grad():
+        stopped = relabeled.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert stopped[0, prompt.input_ids.shape[1]:].tolist() == [eod]  # stopped at the end-of-document token

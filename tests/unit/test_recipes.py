@@ -128,12 +128,30 @@ def test_apply_swaps_classes_in_place_on_meta_and_keeps_the_parameters():
         apply_recipe(model, get_recipe("ue5m3"), log=False)
 
 
+@pytest.mark.parametrize(
+    ("num_layers", "requested", "kept"),
+    [(52, 8, 8), (62, 8, 8), (20, 8, 4), (24, 8, 4), (6, 8, 1), (6, 2, 1), (3, 8, 1), (2, 8, 1), (52, 3, 3)],
+)
+def test_the_bf16_tail_is_at_most_a_fifth_of_the_layers_and_at_least_one(num_layers, requested, kept):
+    # The NVFP4 paper's proportions: last 4 of 20 blocks (1.2B), last 8 of 52 (8B) and of 62 (12B).
+    span = last_layers(requested, at_most_fifth=True)
+    assert span.resolve(num_layers) == list(range(num_layers - kept, num_layers))
+    assert last_layers(requested).resolve(num_layers) == list(range(max(num_layers - requested, 0), num_layers))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "ue5m3_te_settings", "mxfp4"])
+def test_bf16_tail_recipes_run_on_the_tiny_and_small_presets_by_one_override(name):
+    tiny = build_model(get_model_config("tiny"), device="meta")  # 6 layers: "last 8" keeps layer 5 only
+    assert _layers_of(apply_recipe(tiny, get_recipe(name), log=False), "bf16") == [5]
+    small = build_model(get_model_config("small"), device="meta")  # 24 layers: the last 4
+    assert _layers_of(apply_recipe(small, get_recipe(name), log=False), "bf16") == [20, 21, 22, 23]
+
+
 def test_an_empty_selection_is_an_error_that_names_the_rule_and_the_fix():
-    tiny = build_model(get_model_config("tiny"), device="meta")  # 6 layers: "last 8" is everything
     with pytest.raises(ValueError, match="num_bf16_last_layers"):
-        apply_recipe(tiny, get_recipe("nvfp4"), log=False)
-    table = apply_recipe(tiny, get_recipe("nvfp4", num_bf16_last_layers=2), log=False)
-    assert _layers_of(table, "bf16") == [4, 5]
+        apply_recipe(StandInModel("M"), get_recipe("nvfp4"), log=False)  # 1 layer: nothing left for FP4
+    with pytest.raises(ValueError, match="at_most_fifth"):
+        LayerSpan(first=2, at_most_fifth=True)
     recipe = dataclasses.replace(get_recipe("ue5m3"), rules=(Rule(pattern="layers.*.mixer.in_projj", part="fp4"),))
     with pytest.raises(ValueError, match="in_projj"):
         apply_recipe(StandInModel("M-"), recipe, log=False)

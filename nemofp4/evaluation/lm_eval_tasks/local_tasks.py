@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-TASKS_DIR = Path(__file__).resolve().parents[3] / "data" / "tasks"
+from nemofp4.data.paths import REPO_ROOT
+
+TASKS_DIR = REPO_ROOT / "data" / "tasks"
 
 
 def _jsonl_split(name: str) -> dict:

@@ -165,11 +165,18 @@ def from_hf_config(hf_config) -> NemotronHConfig:
 
 
 # ---------------------------------------------------------------------------- folders
-def export_hf(model: NemotronHModel, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export_hf(
+    model: NemotronHModel, out_dir: str | Path, dtype: torch.dtype | None = None, *, eod_token_id: int | None = None
+) -> Path:
     """Write ``config.json`` + ``model.safetensors`` that ``NemotronHForCausalLM.from_pretrained`` loads.
 
     ``dtype`` casts the weights (default: keep the model's). Tied weights are written twice
     (HF's NemotronH does not tie), so the folder loads with no missing keys.
+
+    ``eod_token_id``: the end-of-document token the model was trained with. It becomes the eos,
+    bos and pad id of ``config.json`` and ``generation_config.json``: documents were packed as
+    ``text EOD text EOD ...``, so EOD both ends one document and precedes the next, and without
+    these keys transformers would assume NemotronH's own ids (bos 1, eos 2, pad 0).
     """
     from safetensors.torch import save_file
 
@@ -183,7 +190,13 @@ def export_hf(model: NemotronHModel, out_dir: str | Path, dtype: torch.dtype | N
         state["lm_head.weight"] = state["embeddings.weight"].clone()
     save_dtype = dtype or next(iter(state.values())).dtype
     save_file(to_hf_state_dict(state), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(to_hf_config(model.config, save_dtype), indent=2) + "\n")
+    hf_config = to_hf_config(model.config, save_dtype)
+    if eod_token_id is not None:
+        special = {"bos_token_id": eod_token_id, "eos_token_id": eod_token_id, "pad_token_id": eod_token_id}
+        hf_config.update(special)
+        generation = {**special, "do_sample": False, "_from_model_config": False}
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return out
 
 
