@@ -1,7 +1,7 @@
 """Training-step time and saved-activation memory of every emulated precision recipe vs bf16.
 
     python scripts/bench_recipes.py [--repeats 7] [--batch 4] [--seq-len 256] [--threads 1]
-                                    [--kernels auto|reference]
+                                    [--kernels auto|compiled|eager]
 
 Two workloads, all recipes side by side in one run:
 
@@ -12,8 +12,8 @@ Two workloads, all recipes side by side in one run:
 
 Time: float32 on CPU (the trainer's CPU default), recipes interleaved round after round, median
 of ``--repeats`` rounds after a warm-up round (which also compiles the CPU quantizer); ratios are
-against bf16 in the same run. ``--kernels reference`` times the eager quantizer instead of the
-compiled one, as ``train.kernels=reference`` does. Threads
+against bf16 in the same run. ``--kernels eager`` times the torch quantization program run
+eagerly instead of compiled, as ``train.kernels=eager`` does. Threads
 default to 1: the CI machine's 2 cores are shared, and with 2 intra-op threads many small ops
 mostly wait on each other.
 
@@ -38,9 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemofp4 import kernels
 from nemofp4.models import build_model, get_model_config
-from nemofp4.quant import set_quant_stats, set_step
+from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
 
 RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_all_fp4_no_rht", "mxfp4"]
@@ -103,6 +102,7 @@ def time_tiny(args) -> dict[str, float]:
     for name in RECIPES:
         model, _, _ = build_tiny(name, args.tiny_bf16_last_layers)
         set_quant_stats(model, args.stats)  # the trainer collects them only on logging steps
+        set_quant_backend(model, args.kernels)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     times = {name: [] for name in RECIPES}
     for round_index in range(args.repeats + 1):
@@ -121,6 +121,7 @@ def time_linear(args) -> dict[str, float]:
     runs = {name: build_linear(name, args.width)[0] for name in RECIPES}
     for model in runs.values():
         set_quant_stats(model, args.stats)
+        set_quant_backend(model, args.kernels)
     times = {name: [] for name in RECIPES}
     for round_index in range(args.repeats + 1):
         for name, model in runs.items():
@@ -199,13 +200,12 @@ def main() -> None:
     parser.add_argument("--memory-tokens", type=int, default=64)
     parser.add_argument("--tiny-bf16-last-layers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--kernels", choices=["auto", "reference"], default="auto",
-                        help="'reference': the eager PyTorch quantizer (as train.kernels=reference)")
+    parser.add_argument("--kernels", choices=["auto", "compiled", "eager"], default="auto",
+                        help="FP4 kernels backend, as train.kernels (eager: the torch program run op by op)")
     parser.add_argument("--stats", action="store_true",
                         help="collect quantization statistics every step (the trainer does so only on logging steps)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels.use_triton(args.kernels == "auto")
     warnings.filterwarnings("ignore")
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}, "
           f"kernels={args.kernels}")

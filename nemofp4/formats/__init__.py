@@ -5,6 +5,9 @@ fmt = get_format("e2m1")          # "e4m3", "e5m2", "ue8m0", "ue5m3" (paper), "u
 fmt.round(x, rounding="rne")      # float32 grid values, saturating; also "sr8", "sr"
 q = quantize_blocks(x, scale_format="ue5m3")   # "e4m3" (NVFP4), "ue5m3_cuda", "ue8m0" (MX)
 q.dequantize()
+
+The shared scaling formulas are in ``formats.scaling``; ``BlockOperand``/``PackedOperand`` are the
+operand type the fast quantizers return and the GEMMs consume.
 """
 
 from .block import SCALE_FORMATS, QuantizedBlocks, amax, quantize_blocks
@@ -27,8 +30,11 @@ from .minifloat import (
     sr8_words,
     unpack_fp4,
 )
+from .operand import BlockOperand, PackedOperand
 
 __all__ = [
+    "BlockOperand",
+    "PackedOperand",
     "E2M1",
     "E4M3",
     "E5M2",

@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemofp4 import kernels
-from nemofp4.formats import hadamard_transform
+from nemofp4.formats import BlockOperand, PackedOperand, hadamard_transform
 
-from .blocks import BlockOperand, PackedOperand
 from .config import LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, gemm
 from .reference import ReferenceState
@@ -89,7 +88,7 @@ class _Quantizer:
 
     def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> BlockOperand:
         op: OperandQuant = self.config.operand(role)
-        q = kernels.quantize_operand(  # Triton on CUDA, nemofp4.quant.blocks otherwise
+        q = kernels.quantize_operand(
             x,
             op,
             tensor_amax=self.reference(role, x),
@@ -97,6 +96,7 @@ class _Quantizer:
             two_d=two_d,
             pack=pack or self.pack_all,
             stats=self.layer.collect_stats,
+            backend=self.layer.quant_backend,
         )
         self.layer._record(role, q)
         return q
@@ -115,6 +115,7 @@ class _Quantizer:
             pack_x=self.pack_all,
             pack_xt=True,
             stats=self.layer.collect_stats,
+            backend=self.layer.quant_backend,
         )
         self.layer._record(Role.X, qx)
         self.layer._record(Role.X_WGRAD, qxt)
@@ -123,7 +124,8 @@ class _Quantizer:
     @property
     def pack_all(self) -> bool:
         # The Triton hardware GEMM reads packed codes.
-        return self.config.gemm == "hardware" and kernels.triton_enabled() and kernels.triton_available()
+        device = self.layer.weight.device
+        return self.config.gemm == "hardware" and kernels.resolve_backend(self.layer.quant_backend, device) == "triton"
 
 
 class _QuantLinearFunction(torch.autograd.Function):
@@ -143,7 +145,7 @@ class _QuantLinearFunction(torch.autograd.Function):
             if needs_dw:  # X^T with the Hadamard transform along the tokens
                 qxt = quantize(Role.X_WGRAD, hadamard_transform(_pad_tokens(x_TK).t()), pack=True)
         qw = quantize(Role.W, weight, pack=needs_dx and config.w.two_d)
-        y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype)
+        y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype, backend=layer.quant_backend)
         layer._capture_gemm("fprop", qx, qw, False, y_TN)
         del qx
         if bias is not None:
@@ -190,7 +192,7 @@ class _QuantLinearFunction(torch.autograd.Function):
                 wt = GemmOperand(_operand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.w_meta), config.gemm), transposed=True)
             else:
                 wt = GemmOperand(quantize(Role.W, saved[0].t(), two_d=False))
-            dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=ctx.compute_dtype)
+            dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=ctx.compute_dtype, backend=layer.quant_backend)
             layer._capture_gemm("dgrad", qdy, wt.q, wt.transposed, dx_TK)
             del qdy, wt
             dx = dx_TK.to(ctx.x_dtype).reshape(ctx.x_shape)
@@ -199,7 +201,7 @@ class _QuantLinearFunction(torch.autograd.Function):
             if config.dy_wgrad.hadamard:
                 dyt_NTp = hadamard_transform(dyt_NTp)
             qdyt = quantize(Role.DY_WGRAD, dyt_NTp)
-            dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=ctx.compute_dtype)
+            dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=ctx.compute_dtype, backend=layer.quant_backend)
             layer._capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
             dw = dw_NK.to(layer.weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -259,6 +261,7 @@ class QuantLinear(nn.Linear):
         self._generator: torch.Generator | None = None
         self._generator_seed: int | None = None
         self.collect_stats = True
+        self.quant_backend = "auto"  # kernels backend: 'auto', 'triton', 'compiled' or 'eager'
         self._stats: dict[str, BlockOperand] = {}
         self._capture: list | None = None  # test hook: a list collects every GEMM (operands, product)
 

@@ -53,12 +53,13 @@ class ReferenceState:
         self.step: int | None = None
         self.reduce_group: dist.ProcessGroup | None = None
         self.held_reduce_group: dist.ProcessGroup | None = None
+        self.backend = "auto"  # the kernels backend that measures amaxes
         self._warned_no_step = False
 
     def measure(self, x: torch.Tensor, *, for_held: bool = False) -> torch.Tensor:
         """Current amax of ``x`` as fp32 0-d, all-reduced (max) over ``reduce_group`` if set (and over
         ``held_reduce_group`` when sampling a held reference)."""
-        value = kernels.amax(x)  # Triton reduction on CUDA, nemofp4.formats.amax otherwise
+        value = kernels.amax(x, backend=self.backend)  # Triton on CUDA, nemofp4.formats.amax otherwise
         group = self.reduce_group if self.reduce_group is not None else (self.held_reduce_group if for_held else None)
         if group is not None:
             value = value.clone()

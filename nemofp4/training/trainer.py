@@ -32,6 +32,7 @@ from nemofp4.quant import (
     reference_state_dict,
     reset_references,
     set_held_reference_reduce_group,
+    set_quant_backend,
     set_quant_stats,
     set_step,
 )
@@ -114,7 +115,6 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.train.seed)
-        kernels.use_triton(cfg.train.kernels == "auto")
         self.loader = build_train_loader(
             cfg.data,
             seq_len=cfg.train.seq_len,
@@ -136,8 +136,9 @@ class Trainer:
         model = build_model(cfg.model, device="meta")
         self.recipe = recipe_from_config(cfg.precision)
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
+        set_quant_backend(model, cfg.train.kernels)
         if self.rank == 0 and self.layer_table.count("fp4"):
-            log.info("%s", kernels.describe(self.device))
+            log.info("%s", kernels.describe(self.device, cfg.train.kernels))
         dist_cfg = cfg.distributed
         if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model:
             model.to_empty(device=self.device)

@@ -141,7 +141,7 @@ def test_hardware_gemm_on_cuda(scale_format):
 
 def test_operand_adapter_and_dispatch_on_cuda(monkeypatch):
     from nemofp4.kernels import operand, quantize
-    from nemofp4.quant.blocks import quantize_operand
+    from nemofp4.kernels.program import quantize_operand
     from nemofp4.quant.config import OperandQuant
 
     x = make_input(2000, 1024, seed=9)
@@ -161,6 +161,6 @@ def test_operand_adapter_and_dispatch_on_cuda(monkeypatch):
     kernels.quantize_blocks(x, "ue5m3")
     kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"))
     assert len(calls) == 2
-    with kernels.using_triton(False):
-        kernels.quantize_blocks(x, "ue5m3")
+    kernels.quantize_blocks(x, "ue5m3", backend="eager")
+    kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend="compiled")
     assert len(calls) == 2

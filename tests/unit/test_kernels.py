@@ -34,6 +34,7 @@ from nemofp4.kernels.quantize import (  # noqa: E402
     triton_quantize_blocks,
     triton_quantize_with_draws,
 )
+from nemofp4.quant.config import OperandQuant  # noqa: E402
 
 if not isinstance(_quantize_kernels.quantize_kernel, InterpretedFunction):
     pytest.skip(
@@ -301,8 +302,7 @@ def test_bad_arguments_raise():
 # --------------------------------------------------------------------------- quant adapter, dispatch
 def test_quant_operand_adapter_matches_quantize_operand():
     from nemofp4.kernels.operand import triton_quantize_operand, triton_quantize_operand_pair
-    from nemofp4.quant.blocks import quantize_operand
-    from nemofp4.quant.config import OperandQuant
+    from nemofp4.kernels.program import quantize_operand
 
     x = make_input(50, 72, seed=4, dtype=torch.bfloat16)
     ops = [
@@ -340,8 +340,9 @@ def test_dispatch_and_switch(monkeypatch):
     monkeypatch.setattr("nemofp4.kernels.quantize.triton_quantize_blocks", lambda *a, **k: calls.append(1))
     assert_same(kernels.quantize_blocks(x, "ue5m3"), quantize_blocks(x, "ue5m3"))
     assert torch.equal(kernels.amax(x), amax(x)) and not calls
-    assert kernels.triton_enabled()
-    with kernels.using_triton(False):
-        assert not kernels.triton_enabled()
-    assert kernels.triton_enabled()
+    assert kernels.resolve_backend("auto", "cpu") in ("compiled", "eager")
+    with pytest.raises(ValueError, match="backend 'triton' needs CUDA tensors"):
+        kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend="triton")
+    with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):
+        kernels.amax(x, backend="reference")
     assert set(SCALE_FORMATS) == set(FORMATS)

@@ -1,13 +1,14 @@
-"""The fast operand quantizer (nemofp4.quant.blocks) against the reference quantize_blocks: bitwise."""
+"""The torch quantization program (nemofp4.kernels.program), run eagerly, against the reference
+quantize_blocks: bitwise."""
 
 import itertools
 
 import pytest
 import torch
 
-from nemofp4.formats import quantize_blocks
+from nemofp4.formats import PackedOperand, quantize_blocks
+from nemofp4.kernels.program import quantize_operand
 from nemofp4.quant import OperandQuant
-from nemofp4.quant.blocks import PackedOperand, quantize_operand
 from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
 
 
