@@ -52,14 +52,16 @@ _SCALE_GRIDS = {name: scale_grid(name) for name in ("e4m3", "ue5m3", "ue5m3_cuda
 
 @dataclass(frozen=True)
 class _Spec:
-    """The static part of one quantization: one compiled graph per distinct spec."""
+    """The static part of one quantization: one compiled graph per distinct spec.
+
+    The statistics counts are always computed (three block-level reductions, cheap): a run that
+    collects them only on logging steps then never compiles a second graph variant for them."""
 
     scale_format: str
     block_size: int
     two_d: bool
     rounding: str
     pack: bool
-    stats: bool
 
 
 _compile_failed = False
@@ -93,7 +95,7 @@ def _quantize_core(
     ``g`` is the tensor reference and ``target`` float32(T * 6), both 0-d float32; ``draws`` the
     random bits (sr8: int32 words; sr: float64 uniforms shaped like ``blocks``). Returns (scaled
     values shaped like ``blocks``, tensor_scale, uint8 E2M1 codes shaped like ``blocks`` | None,
-    scale codes [R or R/b, C/b] | None, counts [3] | None).
+    scale codes [R or R/b, C/b] | None, counts [3]: saturated, underflowed and zero blocks).
     """
     block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
 
@@ -138,7 +140,7 @@ def _quantize_core(
         rounded = steps / inv
     values = torch.copysign(rounded, blocks) * block_scale
 
-    codes = scale_codes = counts = None
+    codes = scale_codes = None
     if spec.pack:
         # E2M1 code = sign * 8 + the binade's first code (0, 2, 4 spacings) + steps.
         offset = torch.where(upper, 4.0, torch.where(middle, 2.0, 0.0))
@@ -151,8 +153,7 @@ def _quantize_core(
         else:
             scale_codes = encode_scales(block_scale, grid)
         scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
-    if spec.stats:
-        counts = torch.stack((saturated, underflow, block_amax == 0)).view(3, -1).sum(1)
+    counts = torch.stack((saturated, underflow, block_amax == 0)).view(3, -1).sum(1)
     return values, tensor_scale, codes, scale_codes, counts
 
 
@@ -224,7 +225,7 @@ def quantize_operand(
     elif op.rounding == "sr":
         draws = torch.rand((rows_p, cols_p), generator=generator, device=x.device, dtype=torch.float64)
         draws = draws.view(blocks.shape)
-    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, stats)
+    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack)
     if compiled and not torch.compiler.is_compiling():
         core = functools.partial(_run_compiled, spec)
         torch._dynamo.mark_dynamic(blocks, (0, 2))  # one graph for every operand shape

@@ -72,10 +72,21 @@ def test_outputs_without_packing_or_statistics_are_the_same(rounding):
 
 
 @needs_compiler
+def test_statistics_on_and_off_share_one_graph():
+    """Collecting statistics only on logging steps must not compile another graph variant."""
+    op = OperandQuant(scale_format="ue5m3_cuda", rounding="sr8")
+    x = torch.randn(32, 64)
+    quantize_operand(x, op, generator=torch.Generator().manual_seed(1), stats=False, compiled=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    quantize_operand(x, op, generator=torch.Generator().manual_seed(1), stats=True, compiled=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_compiler
 def test_one_graph_serves_every_operand_shape():
     """Sizes are dynamic: new shapes (ragged ones padded) reuse the compiled graph."""
     op = OperandQuant(scale_format="ue5m3", rounding="rne")
-    core = program._compiled(program._Spec("ue5m3", 16, False, "rne", False, False))
+    core = program._compiled(program._Spec("ue5m3", 16, False, "rne", False))
     quantize_operand(torch.randn(48, 64), op, stats=False, compiled=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for shape in [(80, 160), (33, 40), (256, 32), (16, 1024)]:
@@ -83,7 +94,7 @@ def test_one_graph_serves_every_operand_shape():
         out = quantize_operand(x, op, stats=False, compiled=True)
         assert torch.equal(out.scaled, quantize_operand(x, op, stats=False).scaled), shape
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert core is program._compiled(program._Spec("ue5m3", 16, False, "rne", False, False))
+    assert core is program._compiled(program._Spec("ue5m3", 16, False, "rne", False))
 
 
 @needs_compiler
