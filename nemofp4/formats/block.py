@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 
@@ -59,7 +58,7 @@ from .minifloat import (
     check_rounding,
     round_magnitude_to_index,
 )
-from .operand import e2m1_pair_table
+from .operand import QuantizedBlocks
 from .scaling import FLT_MAX, FP4_MAX, global_scales, mx_floor_exponent, scaled_target
 
 __all__ = ["SCALE_FORMATS", "QuantizedBlocks", "amax", "quantize_blocks"]
@@ -81,74 +80,6 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("amax of an empty tensor is undefined")
     lo, hi = torch.aminmax(x.detach())
     return torch.maximum(hi, -lo).float()
-
-
-@dataclass(kw_only=True)
-class QuantizedBlocks:
-    """An FP4 block-quantized tensor: packed E2M1 codes, block-scale codes and a tensor scale.
-
-    dequantize() == values() * block_scales() (broadcast) * tensor_scale, unpadded.
-    """
-
-    codes: torch.Tensor
-    """uint8 [*padded_shape[:-1], padded_shape[-1] // 2], two E2M1 codes per byte, even element low."""
-    scale_codes: torch.Tensor
-    """uint8 [*shape[:-1], n_blocks] (1-D blocks) or [row_tiles, col_tiles] (2-D tiles)."""
-    tensor_scale: torch.Tensor
-    """float32 0-d decode multiplier applied after the block scales (1/G; 1.0 for ue8m0)."""
-    tensor_amax: torch.Tensor
-    """float32 0-d reference g that was used (given or measured)."""
-    shape: torch.Size
-    padded_shape: torch.Size
-    block_size: int
-    two_d: bool
-    scale_format: str
-    _counts: dict[str, torch.Tensor]
-    _num_blocks: int
-    _num_elements: int
-
-    @property
-    def scale_fmt(self) -> FloatFormat:
-        return SCALE_FORMATS[self.scale_format]
-
-    def values(self) -> torch.Tensor:
-        """Decoded E2M1 payloads, float32, padded shape."""
-        # One gather of both nibbles per byte; int32 indices are ~1.5x faster than int64 on CPU.
-        pairs = torch.index_select(e2m1_pair_table(self.codes.device), 0, self.codes.reshape(-1).int())
-        return pairs.view(self.padded_shape)
-
-    def block_scales(self) -> torch.Tensor:
-        """Decoded block-scale codes, float32, same shape as ``scale_codes``."""
-        return self.scale_fmt.decode(self.scale_codes)
-
-    def scaled_values(self) -> torch.Tensor:
-        """values * broadcast block scale, padded shape, without the tensor scale (exact)."""
-        values = self.values()
-        scales = self.block_scales()
-        b = self.block_size
-        if self.two_d:
-            rows, cols = self.padded_shape
-            values.view(rows // b, b, cols // b, b).mul_(scales[:, None, :, None])
-        else:
-            values.view(*self.padded_shape[:-1], -1, b).mul_(scales[..., None])
-        return values
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 tensor of the original shape: scaled_values()[unpad] * tensor_scale."""
-        out = self.scaled_values().mul_(self.tensor_scale)
-        if self.two_d:
-            return out[: self.shape[0], : self.shape[1]]
-        return out[..., : self.shape[-1]]
-
-    def stats(self) -> dict[str, float]:
-        """Fractions: saturated / underflowed (non-zero) / all-zero blocks, clipped elements."""
-        counts = {k: int(v) for k, v in self._counts.items()}
-        return {
-            "saturated_blocks": counts["saturated_blocks"] / self._num_blocks,
-            "underflow_blocks": counts["underflow_blocks"] / self._num_blocks,
-            "zero_blocks": counts["zero_blocks"] / self._num_blocks,
-            "clipped_elements": counts["clipped_elements"] / self._num_elements,
-        }
 
 
 def quantize_blocks(
@@ -268,9 +199,9 @@ def quantize_blocks(
         block_size=b,
         two_d=two_d,
         scale_format=scale_format,
-        _counts=counts,
-        _num_blocks=block_amax.numel(),
-        _num_elements=x.numel(),
+        counts=counts,
+        num_blocks=block_amax.numel(),
+        num_elements=x.numel(),
     )
 
 

@@ -6,14 +6,14 @@
 * ``auto``: Triton on CUDA when importable, the compiled program on CPU when a C++ compiler is
   present, the eager program otherwise.
 
-Every path returns the same :class:`nemofp4.formats.BlockOperand` and equals the float64-checked
+Every path returns the same :class:`nemofp4.formats.QuantizedBlocks` and equals the float64-checked
 reference :func:`nemofp4.formats.quantize_blocks` bit for bit (RNE; stochastic rounding on the
 Triton path draws its own Philox bits). The backend is an argument, not a process-wide switch,
 and nothing here imports triton until a Triton kernel runs (the first import decides whether
 kernels compile for the GPU or run in Triton's CPU interpreter, ``TRITON_INTERPRET=1``):
 
     from nemofp4 import kernels
-    op = kernels.quantize_operand(x, op_quant, tensor_amax=g, backend="auto")   # BlockOperand
+    op = kernels.quantize_operand(x, op_quant, tensor_amax=g, backend="auto")   # QuantizedBlocks
     q = kernels.quantize_blocks(x, scale_format="ue5m3")                        # QuantizedBlocks
     c = kernels.gemm_hardware(qa, qb)                                           # float32 A @ B^T
 """
@@ -27,9 +27,10 @@ import os
 import torch
 
 from nemofp4.formats import amax as reference_amax
+from nemofp4.formats import hadamard_transform as reference_hadamard_transform
 from nemofp4.formats import quantize_blocks as reference_quantize_blocks
 
-from .program import cpu_compile_available
+from .program import compiled_hadamard_transform, cpu_compile_available
 from .program import quantize_operand as program_quantize_operand
 from .quantize import SUPPORTED_BLOCK_SIZES
 
@@ -40,6 +41,7 @@ __all__ = [
     "cpu_compile_available",
     "describe",
     "gemm_hardware",
+    "hadamard_transform",
     "quantize_blocks",
     "quantize_operand",
     "quantize_operand_pair",
@@ -109,6 +111,14 @@ def amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
         return triton_amax(x)
     return reference_amax(x)
+
+
+def hadamard_transform(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``nemofp4.formats.hadamard_transform`` (TE's wgrad signs), compiled where the backend
+    compiles the quantizer (same bits)."""
+    if resolve_backend(backend, x.device) == "compiled":
+        return compiled_hadamard_transform(x)
+    return reference_hadamard_transform(x)
 
 
 def quantize_blocks(
@@ -226,10 +236,7 @@ def gemm_hardware(
     (operands need packed codes), else the vectorized PyTorch twin (same numerics)."""
     from .hardware_gemm import hardware_gemm_torch, triton_hardware_gemm
 
-    device_tensor = getattr(a_q, "codes", None)
-    if device_tensor is None:
-        device_tensor = a_q.packed.codes if getattr(a_q, "packed", None) is not None else a_q.tensor_scale
-    has_codes = all(hasattr(q, "codes") or getattr(q, "packed", None) is not None for q in (a_q, b_q))
-    if has_codes and resolve_backend(backend, device_tensor.device) == "triton":
+    has_codes = a_q.codes is not None and b_q.codes is not None
+    if has_codes and resolve_backend(backend, a_q.tensor_scale.device) == "triton":
         return triton_hardware_gemm(a_q, b_q, b_transposed=b_transposed, lattice_snap=lattice_snap)
     return hardware_gemm_torch(a_q, b_q, b_transposed=b_transposed, lattice_snap=lattice_snap)

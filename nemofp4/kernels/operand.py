@@ -1,7 +1,7 @@
-"""Triton quantization of QuantLinear's GEMM operands, returning the BlockOperand every quantizer returns.
+"""Triton quantization of QuantLinear's GEMM operands, returning QuantizedBlocks as every quantizer does.
 
 :func:`triton_quantize_operand` is a drop-in for :func:`nemofp4.kernels.program.quantize_operand`
-(same arguments, same :class:`~nemofp4.formats.BlockOperand`, bitwise equal for RNE), and
+(same arguments, same :class:`~nemofp4.formats.QuantizedBlocks`, bitwise equal for RNE), and
 :func:`triton_quantize_operand_pair` quantizes X for fprop and X^T for wgrad (blocks along the
 tokens) in one launch.
 
@@ -13,15 +13,18 @@ differ from that path's).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from nemofp4.formats import BlockOperand, PackedOperand
+from nemofp4.formats import QuantizedBlocks
 
-from .quantize import TritonQuantized, triton_quantize
+from .quantize import triton_quantize
 
 __all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
 
 _TOKEN_MULTIPLE = 16  # QuantLinear pads the tokens of wgrad operands to this multiple
+_OPERAND_STATS = ("saturated_blocks", "underflow_blocks", "zero_blocks")
 
 
 def triton_quantize_operand(
@@ -111,31 +114,9 @@ def _seed(rounding: str, generator: torch.Generator | None, device: torch.device
     ).to(device)  # fmt: skip
 
 
-def _block_operand(q: TritonQuantized, shape: tuple[int, int], pack: bool, stats: bool) -> BlockOperand:
-    """The BlockOperand for ``q``, with the counters the torch program fills in (a test compares
-    the two, so a change there is caught)."""
-    packed = None
-    if pack:
-        packed = PackedOperand(
-            codes=q.codes,
-            scale_codes=q.scale_codes,
-            tensor_scale=q.tensor_scale,
-            tensor_amax=q.tensor_amax,
-            scale_format=q.scale_format,
-            shape=shape,
-            padded_shape=tuple(q.padded_shape),
-            block_size=q.block_size,
-            two_d=q.two_d,
-        )
-    names = ("saturated_blocks", "underflow_blocks", "zero_blocks")
-    return BlockOperand(
-        scaled=q.scaled,
-        tensor_scale=q.tensor_scale,
-        tensor_amax=q.tensor_amax,
-        shape=shape,
-        block_size=q.block_size,
-        two_d=q.two_d,
-        counts={name: q.counts[i] for i, name in enumerate(names)} if stats else {},
-        num_blocks=q.num_blocks,
-        packed=packed,
-    )
+def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, stats: bool) -> QuantizedBlocks:
+    """``q`` as the torch program returns it: the operand's own (unpadded-token) shape, packed
+    codes only when asked for, and the three block counts (a test compares the two)."""
+    counts = {name: q.counts[name] for name in _OPERAND_STATS} if stats else {}
+    codes = dict(codes=q.codes, scale_codes=q.scale_codes) if pack else dict(codes=None, scale_codes=None)
+    return dataclasses.replace(q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, **codes)

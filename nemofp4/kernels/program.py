@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nemofp4.formats import BlockOperand, PackedOperand
+from nemofp4.formats import QuantizedBlocks, hadamard_transform
 from nemofp4.formats.minifloat import sr8_bytes, sr8_words
 from nemofp4.formats.scaling import (
     FLT_MAX,
@@ -42,7 +42,7 @@ from nemofp4.formats.scaling import (
     scaled_target,
 )
 
-__all__ = ["cpu_compile_available", "quantize_operand"]
+__all__ = ["compiled_hadamard_transform", "cpu_compile_available", "quantize_operand"]
 
 _STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks")
 _PROGRAM_RECOMPILE_LIMIT = 128  # one graph per Spec; every Spec recompiles the same core function
@@ -183,6 +183,23 @@ def _run_compiled(spec: _Spec, *args):
     return _quantize_core(*args, spec=spec)
 
 
+@functools.cache
+def _compiled_hadamard():
+    return torch.compile(hadamard_transform, dynamic=False, fullgraph=True)
+
+
+def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """:func:`nemofp4.formats.hadamard_transform` (TE's wgrad signs) fused by Inductor into one
+    loop instead of a dozen eager passes: the same sign flips, scaling and butterfly additions
+    in the same order, so the same bits. Falls back to the eager transform where compiling is
+    off (no compiler, or a failed build)."""
+    if _compile_failed or torch.compiler.is_compiling():
+        return hadamard_transform(x)
+    torch._dynamo.mark_dynamic(x, tuple(range(x.dim())))
+    with torch._dynamo.config.patch(recompile_limit=_PROGRAM_RECOMPILE_LIMIT):
+        return _compiled_hadamard()(x)
+
+
 # ------------------------------------------------------------------------------------ entry
 def quantize_operand(
     x: torch.Tensor,
@@ -194,15 +211,16 @@ def quantize_operand(
     pack: bool = False,
     stats: bool = True,
     compiled: bool = False,
-) -> BlockOperand:
+) -> QuantizedBlocks:
     """Quantize a 2-D ``x`` along its last dim (or in 2-D tiles) as ``op`` (an ``OperandQuant``:
     ``scale_format``, ``block_size``, ``two_d``, ``rounding``, ``scale_target``) says.
 
     Equals ``quantize_blocks(x, op.scale_format, op.block_size, two_d, op.scale_target,
     tensor_amax, op.rounding, generator)`` bitwise (``scaled`` == its ``scaled_values()``).
-    ``pack`` also produces the packed codes (for operands saved for backward); ``stats`` the
-    saturation/underflow/zero counts (on the device, no synchronization). ``compiled`` runs the
-    core through ``torch.compile`` (inside an already compiled region it is inlined).
+    The result has the scaled form; ``pack`` adds the packed codes (for operands saved for
+    backward). ``stats`` keeps the saturation/underflow/zero counts (on the device, no
+    synchronization). ``compiled`` runs the core through ``torch.compile`` (inside an already
+    compiled region it is inlined).
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
@@ -235,30 +253,23 @@ def quantize_operand(
         core = functools.partial(_quantize_core, spec=spec)
     values, tensor_scale, codes, scale_codes, counts = core(blocks, g, target, draws)
 
-    packed = None
     if pack:
         # two codes per byte, even element in the low nibble (outside the fused loop, whose
         # vectorized body would otherwise compute every element twice, once per nibble)
         pairs = codes.view(-1, 2)
-        packed = PackedOperand(
-            codes=torch.bitwise_or(pairs[:, 1] << 4, pairs[:, 0]).view(rows_p, cols_p // 2),
-            scale_codes=scale_codes,
-            tensor_scale=tensor_scale,
-            tensor_amax=g,
-            scale_format=op.scale_format,
-            shape=(rows, cols),
-            padded_shape=(rows_p, cols_p),
-            block_size=b,
-            two_d=two_d,
-        )
-    return BlockOperand(
-        scaled=values.view(rows_p, cols_p),
-        tensor_scale=tensor_scale,
-        tensor_amax=g,
+        codes = torch.bitwise_or(pairs[:, 1] << 4, pairs[:, 0]).view(rows_p, cols_p // 2)
+    return QuantizedBlocks(
         shape=(rows, cols),
+        padded_shape=(rows_p, cols_p),
         block_size=b,
         two_d=two_d,
+        scale_format=op.scale_format,
+        tensor_scale=tensor_scale,
+        tensor_amax=g,
+        codes=codes,
+        scale_codes=scale_codes,
+        scaled=values.view(rows_p, cols_p),
         counts=dict(zip(_STAT_NAMES, counts.unbind())) if stats else {},
         num_blocks=(rows_p // row_block) * (cols_p // b),
-        packed=packed,
+        num_elements=rows * cols,
     )

@@ -5,8 +5,6 @@ reference (amax) state, and the model-level controls the trainer calls.
     set_step(model, step, seed=seed, rank=rank)   # once per optimizer step, before forward
 """
 
-from nemofp4.formats import BlockOperand, PackedOperand
-
 from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
 from .linear import FP32Linear, QuantLinear
@@ -29,13 +27,11 @@ __all__ = [
     "GEMM_MODES",
     "ROUNDING_MODES",
     "SCALE_FORMATS",
-    "BlockOperand",
     "FP32Linear",
     "GemmOperand",
     "HeldReference",
     "LinearQuantConfig",
     "OperandQuant",
-    "PackedOperand",
     "QuantLinear",
     "ReferenceState",
     "Role",

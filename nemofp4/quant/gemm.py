@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nemofp4 import kernels
-from nemofp4.formats import BlockOperand, PackedOperand, QuantizedBlocks
+from nemofp4.formats import QuantizedBlocks
 
 __all__ = ["GemmOperand", "decoded_gemm", "gemm", "reference_gemm", "scaled_gemm"]
 
@@ -36,7 +36,7 @@ class GemmOperand:
     GEMM reuses the fprop weight without quantizing it again.
     """
 
-    q: BlockOperand | PackedOperand | QuantizedBlocks
+    q: QuantizedBlocks
     transposed: bool = False
 
     def __post_init__(self) -> None:

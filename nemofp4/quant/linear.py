@@ -25,14 +25,12 @@ Tp tokens padded to a multiple of 16.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nemofp4 import kernels
-from nemofp4.formats import BlockOperand, PackedOperand, hadamard_transform
+from nemofp4.formats import QuantizedBlocks
 
 from .config import LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, gemm
@@ -41,7 +39,6 @@ from .reference import ReferenceState
 __all__ = ["FP32Linear", "QuantLinear"]
 
 _TOKEN_MULTIPLE = 16
-_EMPTY_F32 = torch.empty(0)
 
 
 def _mix_seed(*values: int) -> int:
@@ -63,7 +60,7 @@ def _pad_tokens(x_TD: torch.Tensor) -> torch.Tensor:
     return F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
 
 
-def _operand(packed: PackedOperand, gemm_mode: str):
+def _operand(packed: QuantizedBlocks, gemm_mode: str) -> QuantizedBlocks:
     """A saved operand in the form its GEMM reads: the hardware model takes the packed codes."""
     return packed if gemm_mode == "hardware" else packed.unpack()
 
@@ -86,7 +83,7 @@ class _Quantizer:
             self.references[ref] = self.layer._references.get(ref, x, training=self.layer.training)
         return self.references[ref]
 
-    def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> BlockOperand:
+    def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> QuantizedBlocks:
         op: OperandQuant = self.config.operand(role)
         q = kernels.quantize_operand(
             x,
@@ -101,7 +98,7 @@ class _Quantizer:
         self.layer._record(role, q)
         return q
 
-    def x_and_xt(self, x_TK: torch.Tensor) -> tuple[BlockOperand, BlockOperand]:
+    def x_and_xt(self, x_TK: torch.Tensor) -> tuple[QuantizedBlocks, QuantizedBlocks]:
         """X for fprop and X^T [K, Tp] for wgrad (packed, it is saved), in one read on CUDA."""
         config = self.config
         amax = self.reference(Role.X, x_TK)
@@ -143,7 +140,8 @@ class _QuantLinearFunction(torch.autograd.Function):
             qx = quantize(Role.X, x_TK)
             qxt = None
             if needs_dw:  # X^T with the Hadamard transform along the tokens
-                qxt = quantize(Role.X_WGRAD, hadamard_transform(_pad_tokens(x_TK).t()), pack=True)
+                rht = kernels.hadamard_transform(_pad_tokens(x_TK).t(), backend=layer.quant_backend)
+                qxt = quantize(Role.X_WGRAD, rht, pack=True)
         qw = quantize(Role.W, weight, pack=needs_dx and config.w.two_d)
         y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype, backend=layer.quant_backend)
         layer._capture_gemm("fprop", qx, qw, False, y_TN)
@@ -156,12 +154,12 @@ class _QuantLinearFunction(torch.autograd.Function):
         saved: list[torch.Tensor] = []
         ctx.xt_meta = ctx.w_meta = None
         if needs_dw:
-            saved += qxt.packed.tensors()
-            ctx.xt_meta = qxt.packed.meta()
+            saved += qxt.tensors()
+            ctx.xt_meta = qxt.meta()
         if needs_dx:
-            if qw.packed is not None:  # 16x16 tiles: W^T's quantization is this one, transposed
-                saved += qw.packed.tensors()
-                ctx.w_meta = qw.packed.meta()
+            if qw.codes is not None:  # 16x16 tiles: W^T's quantization is this one, transposed
+                saved += qw.tensors()
+                ctx.w_meta = qw.meta()
             else:
                 saved.append(weight)
         ctx.save_for_backward(*saved)
@@ -179,7 +177,7 @@ class _QuantLinearFunction(torch.autograd.Function):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         saved = list(ctx.saved_tensors)
         if needs_dw:
-            qxt = _operand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.xt_meta), config.gemm)
+            qxt = _operand(QuantizedBlocks.from_tensors(tuple(saved[:4]), ctx.xt_meta), config.gemm)
             saved = saved[4:]
         out_features = dy.shape[-1]
         dy_TN = dy.reshape(-1, out_features)
@@ -189,7 +187,7 @@ class _QuantLinearFunction(torch.autograd.Function):
         if needs_dx:
             qdy = quantize(Role.DY_DGRAD, dy_TN)
             if ctx.w_meta is not None:
-                wt = GemmOperand(_operand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.w_meta), config.gemm), transposed=True)
+                wt = GemmOperand(_operand(QuantizedBlocks.from_tensors(tuple(saved[:4]), ctx.w_meta), config.gemm), transposed=True)
             else:
                 wt = GemmOperand(quantize(Role.W, saved[0].t(), two_d=False))
             dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=ctx.compute_dtype, backend=layer.quant_backend)
@@ -199,7 +197,7 @@ class _QuantLinearFunction(torch.autograd.Function):
         if needs_dw:
             dyt_NTp = _pad_tokens(dy_TN).t()
             if config.dy_wgrad.hadamard:
-                dyt_NTp = hadamard_transform(dyt_NTp)
+                dyt_NTp = kernels.hadamard_transform(dyt_NTp, backend=layer.quant_backend)
             qdyt = quantize(Role.DY_WGRAD, dyt_NTp)
             dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=ctx.compute_dtype, backend=layer.quant_backend)
             layer._capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
@@ -262,7 +260,7 @@ class QuantLinear(nn.Linear):
         self._generator_seed: int | None = None
         self.collect_stats = True
         self.quant_backend = "auto"  # kernels backend: 'auto', 'triton', 'compiled' or 'eager'
-        self._stats: dict[str, BlockOperand] = {}
+        self._stats: dict[str, QuantizedBlocks] = {}
         self._capture: list | None = None  # test hook: a list collects every GEMM (operands, product)
 
     # ----------------------------------------------------------------- step, seeds, references
@@ -286,10 +284,10 @@ class QuantLinear(nn.Linear):
         return self._references
 
     # ----------------------------------------------------------------- statistics and test hooks
-    def _record(self, role: Role, q: BlockOperand) -> None:
+    def _record(self, role: Role, q: QuantizedBlocks) -> None:
         if self.collect_stats:
             # Keep only the block counts (device scalars, read lazily), not the data.
-            self._stats[role.value] = dataclasses.replace(q, scaled=_EMPTY_F32, packed=None)
+            self._stats[role.value] = q.without_data()
 
     def quant_stats(self) -> dict[str, float]:
         """Fractions of the last quantization of each role: '<role>/<stat>' -> value."""

@@ -100,8 +100,8 @@ def test_sr8_rule_statistics_and_determinism_on_cuda():
     row = np.concatenate([np.full((4, 1), 6.0, np.float32), values], axis=1).reshape(-1)
     draws = 65536
     x = torch.from_numpy(np.tile(row, (draws, 1))).cuda()
-    rows, _ = triton_quantize_with_draws(x, scale_format="e4m3", tensor_amax=2688.0, rounding="sr8", seed=1)
-    r = rows.draws.cpu().numpy().reshape(draws, 4, 16)[:, :, 1:].astype(np.float64)
+    (rows, rows_draws), _ = triton_quantize_with_draws(x, scale_format="e4m3", tensor_amax=2688.0, rounding="sr8", seed=1)
+    r = rows_draws.cpu().numpy().reshape(draws, 4, 16)[:, :, 1:].astype(np.float64)
     frac = (values.astype(np.float64) - grid[lower]) / (grid[lower + 1] - grid[lower])
     away = frac + (2 * r + 1) / 512 >= 1
     magnitude = unpack_fp4(rows.codes).cpu().numpy().reshape(draws, 4, 16)[:, :, 1:] & 7

@@ -211,3 +211,14 @@ def test_set_quant_backend_reaches_every_linear_and_refuses_unknown_names():
     assert {(m.quant_backend, m.references.backend) for _, m in quant_linears(model)} == {("eager", "eager")}
     with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):
         set_quant_backend(model, "reference")
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", [(64, 48), (16, 16), (40, 1024)])
+def test_compiled_hadamard_transform_is_bitwise_the_eager_one(shape):
+    from nemofp4.formats import hadamard_transform
+    from nemofp4.kernels.program import compiled_hadamard_transform
+
+    x = torch.randn(shape[1] + 3, shape[0], generator=torch.Generator().manual_seed(7)) * 100
+    xt = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[0] % 16)).t()  # as QuantLinear calls it: [K, Tp], a view
+    assert torch.equal(_bits(compiled_hadamard_transform(xt)), _bits(hadamard_transform(xt)))
