@@ -62,6 +62,9 @@ class _Spec:
     two_d: bool
     rounding: str
     pack: bool
+    measure: bool
+    """Current scaling: the tensor reference is max |x|, reduced from the block amaxes inside
+    the program (one pass over ``x`` fewer than a separate amax)."""
 
 
 _compile_failed = False
@@ -92,12 +95,15 @@ def _quantize_core(
     """Quantize ``blocks``, padded float32 ``x`` viewed as [R, 1, C/b, b] (1-D blocks) or
     [R/b, b, C/b, b] (2-D tiles), so that a block is dims 1 and 3.
 
-    ``g`` is the tensor reference and ``target`` float32(T * 6), both 0-d float32; ``draws`` the
-    random bits (sr8: int32 words; sr: float64 uniforms shaped like ``blocks``). Returns (scaled
-    values shaped like ``blocks``, tensor_scale, uint8 E2M1 codes shaped like ``blocks`` | None,
+    ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
+    0-d float32; ``draws`` the random bits (sr8: int32 words; sr: float64 uniforms shaped like
+    ``blocks``). Returns (scaled values shaped like ``blocks``, tensor_scale, g, uint8 E2M1 codes
+    shaped like ``blocks`` | None,
     scale codes [R or R/b, C/b] | None, counts [3]: saturated, underflowed and zero blocks).
     """
     block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    if spec.measure:
+        g = block_amax.amax()  # == max |x| (padding is zero), exactly
 
     if spec.scale_format == "ue8m0":  # OCP MX: power-of-two block scales, no tensor scale
         tensor_scale = torch.ones((), dtype=torch.float32, device=blocks.device)
@@ -154,7 +160,7 @@ def _quantize_core(
             scale_codes = encode_scales(block_scale, grid)
         scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
     counts = torch.stack((saturated, underflow, block_amax == 0)).view(3, -1).sum(1)
-    return values, tensor_scale, codes, scale_codes, counts
+    return values, tensor_scale, g, codes, scale_codes, counts
 
 
 @functools.cache
@@ -195,7 +201,7 @@ def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     off (no compiler, or a failed build)."""
     if _compile_failed or torch.compiler.is_compiling():
         return hadamard_transform(x)
-    torch._dynamo.mark_dynamic(x, tuple(range(x.dim())))
+    torch._dynamo.maybe_mark_dynamic(x, tuple(range(x.dim())))  # a 16-token dim specializes
     with torch._dynamo.config.patch(recompile_limit=_PROGRAM_RECOMPILE_LIMIT):
         return _compiled_hadamard()(x)
 
@@ -234,8 +240,7 @@ def quantize_operand(
     rows_p, cols_p = x32.shape
     row_block = b if two_d else 1
     blocks = x32.contiguous().view(rows_p // row_block, row_block, cols_p // b, b)
-    # Current scaling: the tensor's own amax, one reduction before the fused pass (it is exact).
-    g = x32.abs().amax() if tensor_amax is None else tensor_amax.detach().float().reshape(())
+    g = None if tensor_amax is None else tensor_amax.detach().float().reshape(())
     target = scaled_target(op.scale_target if op.scale_format != "ue8m0" else 448.0, x.device)
     draws = None
     if op.rounding == "sr8":
@@ -243,7 +248,7 @@ def quantize_operand(
     elif op.rounding == "sr":
         draws = torch.rand((rows_p, cols_p), generator=generator, device=x.device, dtype=torch.float64)
         draws = draws.view(blocks.shape)
-    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack)
+    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=g is None)
     if compiled and not torch.compiler.is_compiling():
         core = functools.partial(_run_compiled, spec)
         torch._dynamo.mark_dynamic(blocks, (0, 2))  # one graph for every operand shape
@@ -251,7 +256,7 @@ def quantize_operand(
             torch._dynamo.mark_dynamic(draws, 0 if op.rounding == "sr8" else (0, 2))
     else:
         core = functools.partial(_quantize_core, spec=spec)
-    values, tensor_scale, codes, scale_codes, counts = core(blocks, g, target, draws)
+    values, tensor_scale, g, codes, scale_codes, counts = core(blocks, g, target, draws)
 
     if pack:
         # two codes per byte, even element in the low nibble (outside the fused loop, whose

@@ -66,16 +66,17 @@ class ReferenceState:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return value
 
-    def get(self, name: str, x: torch.Tensor, *, training: bool) -> torch.Tensor:
-        """The reference to quantize ``x`` with, refreshing the held value when it is due.
+    def get(self, name: str, x: torch.Tensor, *, training: bool) -> torch.Tensor | None:
+        """The reference to quantize ``x`` with (None: the quantizer measures it), refreshing the held
+        value when it is due.
 
         Outside training (eval) a held value is used as is and never refreshed, so evaluation
         cannot change a training trajectory; an empty reference then falls back to the current
         amax without storing it.
         """
         interval = self.intervals[name]
-        if interval == 0:
-            return self.measure(x)
+        if interval == 0:  # current scaling: the quantizer measures max |x| in its own pass
+            return None if self.reduce_group is None else self.measure(x)
         held = self.held.get(name)
         if not training:
             return held.amax if held is not None else self.measure(x)

@@ -86,7 +86,7 @@ def test_statistics_on_and_off_share_one_graph():
 def test_one_graph_serves_every_operand_shape():
     """Sizes are dynamic: new shapes (ragged ones padded) reuse the compiled graph."""
     op = OperandQuant(scale_format="ue5m3", rounding="rne")
-    core = program._compiled(program._Spec("ue5m3", 16, False, "rne", False))
+    core = program._compiled(program._Spec("ue5m3", 16, False, "rne", False, True))
     quantize_operand(torch.randn(48, 64), op, stats=False, compiled=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for shape in [(80, 160), (33, 40), (256, 32), (16, 1024)]:
@@ -94,7 +94,7 @@ def test_one_graph_serves_every_operand_shape():
         out = quantize_operand(x, op, stats=False, compiled=True)
         assert torch.equal(out.scaled, quantize_operand(x, op, stats=False).scaled), shape
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert core is program._compiled(program._Spec("ue5m3", 16, False, "rne", False))
+    assert core is program._compiled(program._Spec("ue5m3", 16, False, "rne", False, True))
 
 
 @needs_compiler
@@ -214,7 +214,7 @@ def test_set_quant_backend_reaches_every_linear_and_refuses_unknown_names():
 
 
 @needs_compiler
-@pytest.mark.parametrize("shape", [(64, 48), (16, 16), (40, 1024)])
+@pytest.mark.parametrize("shape", [(64, 48), (16, 16), (40, 1024), (64, 13)])
 def test_compiled_hadamard_transform_is_bitwise_the_eager_one(shape):
     from nemofp4.formats import hadamard_transform
     from nemofp4.kernels.program import compiled_hadamard_transform
