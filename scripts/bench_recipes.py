@@ -2,6 +2,7 @@
 
     python scripts/bench_recipes.py [--repeats 7] [--batch 4] [--seq-len 256] [--threads 1]
                                     [--kernels auto|compiled|eager]
+    python scripts/bench_recipes.py --run-steps 120 [--recipe ue5m3] [--stats-interval 50]
 
 Two workloads, all recipes side by side in one run:
 
@@ -16,6 +17,11 @@ against bf16 in the same run. ``--kernels eager`` times the torch quantization p
 eagerly instead of compiled, as ``train.kernels=eager`` does. Threads
 default to 1: the CI machine's 2 cores are shared, and with 2 intra-op threads many small ops
 mostly wait on each other.
+
+``--run-steps N`` instead times every step of one N-step run of the tiny model under ``--recipe``
+(held-reference refreshes and quantization statistics every ``--stats-interval`` steps, as the
+trainer collects them): the first step (which compiles), the median of the others and the
+slowest of them against that median.
 
 Memory: the tensors autograd saves during one forward pass, counted once per storage
 (parameters excluded), run under CPU autocast to bfloat16 as a GPU run would be: an
@@ -114,6 +120,30 @@ def time_tiny(args) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def time_run(args) -> None:
+    """Every step of one run: a step much slower than the median would be a recompile."""
+    vocab = get_model_config("tiny").vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    model, _, knobs = build_tiny(args.recipe, args.tiny_bf16_last_layers)
+    set_quant_backend(model, args.kernels)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = []
+    for step in range(1, args.run_steps + 1):
+        set_quant_stats(model, step % args.stats_interval == 0)
+        start = time.perf_counter()
+        _tiny_step(model, optimizer, ids, step)
+        times.append(time.perf_counter() - start)
+    rest = times[1:]
+    median = statistics.median(rest)
+    slowest = max(range(len(rest)), key=rest.__getitem__)
+    label = args.recipe + (f" ({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else "")
+    print(f"\n## {label}: {args.run_steps} training steps of the tiny model, {args.batch}x{args.seq_len} tokens, "
+          f"statistics every {args.stats_interval} steps")
+    print("| step 1 s | median s (steps 2+) | slowest step | slowest s | slowest / median |")
+    print("|---|---|---|---|---|")
+    print(f"| {times[0]:.3f} | {median:.3f} | {slowest + 2} | {rest[slowest]:.3f} | {rest[slowest] / median:.2f}x |")
+
+
 def time_linear(args) -> dict[str, float]:
     g = torch.Generator().manual_seed(2)
     x = torch.randn(args.linear_tokens, args.width, generator=g)
@@ -204,11 +234,17 @@ def main() -> None:
                         help="FP4 kernels backend, as train.kernels (eager: the torch program run op by op)")
     parser.add_argument("--stats", action="store_true",
                         help="collect quantization statistics every step (the trainer does so only on logging steps)")
+    parser.add_argument("--run-steps", type=int, default=0, help="time every step of one run of this many steps")
+    parser.add_argument("--recipe", choices=RECIPES, default="ue5m3", help="the recipe of --run-steps")
+    parser.add_argument("--stats-interval", type=int, default=50, help="statistics steps of --run-steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}, "
           f"kernels={args.kernels}")
+    if args.run_steps:
+        time_run(args)
+        return
 
     tiny_time = time_tiny(args)
     linear_time = time_linear(args)
