@@ -207,6 +207,14 @@ class _QuantLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+@torch.compiler.disable
+def _quant_linear(x, weight, bias, layer, compute_dtype):
+    """The FP4 linear as one opaque call for a compiled model (``distributed.compile``): dynamo
+    does not trace the quantization bookkeeping (held references, generators, statistics), whose
+    Python state would recompile the block again and again; the quantizer compiles itself."""
+    return _QuantLinearFunction.apply(x, weight, bias, layer, compute_dtype)
+
+
 class QuantLinear(nn.Linear):
     """``nn.Linear`` with emulated FP4 fprop, dgrad and wgrad GEMMs (see the module docstring).
 
@@ -305,7 +313,7 @@ class QuantLinear(nn.Linear):
         else:
             compute_dtype = x.dtype
         with torch.autocast(device_type, enabled=False):
-            return _QuantLinearFunction.apply(x, self.weight, self.bias, self, compute_dtype)
+            return _quant_linear(x, self.weight, self.bias, self, compute_dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, quant=[{self.quant_config.summary()}]"
