@@ -25,6 +25,8 @@ Tp tokens padded to a multiple of 16.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -207,12 +209,14 @@ class _QuantLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-@torch.compiler.disable
-def _quant_linear(x, weight, bias, layer, compute_dtype):
+@functools.cache
+def _opaque_quant_linear():
     """The FP4 linear as one opaque call for a compiled model (``distributed.compile``): dynamo
     does not trace the quantization bookkeeping (held references, generators, statistics), whose
-    Python state would recompile the block again and again; the quantizer compiles itself."""
-    return _QuantLinearFunction.apply(x, weight, bias, layer, compute_dtype)
+    Python state would recompile the block again and again; the quantizer compiles itself.
+    Built at first use: ``torch.compiler.disable`` imports dynamo, which imports triton, and the
+    first triton import must come after ``TRITON_INTERPRET`` is set where it is used."""
+    return torch.compiler.disable(_QuantLinearFunction.apply)
 
 
 class QuantLinear(nn.Linear):
@@ -313,7 +317,7 @@ class QuantLinear(nn.Linear):
         else:
             compute_dtype = x.dtype
         with torch.autocast(device_type, enabled=False):
-            return _quant_linear(x, self.weight, self.bias, self, compute_dtype)
+            return _opaque_quant_linear()(x, self.weight, self.bias, self, compute_dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, quant=[{self.quant_config.summary()}]"
