@@ -13,7 +13,7 @@
    ue5m3 recipes: forward + backward of the four blocks and an AdamW step on their parameters
    (the embedding is frozen and the LM head unused, so the vocabulary-sized tensors that every
    recipe shares do not dilute the comparison). The FP4 recipes run with the Triton kernels
-   (the default on CUDA) and again with ``nemofp4.kernels.use_triton(False)``, the PyTorch
+   (the default on CUDA) and again with ``kernels=eager``, the PyTorch
    quantization path.
 
 Prints one table; ``--json`` also writes every number. Timings are CUDA-event medians after
@@ -80,8 +80,8 @@ def ceilings() -> tuple[float, float]:
 # ------------------------------------------------------------------------------------ quantize
 def quantize_section(copy_gbs: float, quick: bool) -> None:
     from nemofp4.formats import quantize_blocks
+    from nemofp4.kernels.program import quantize_operand
     from nemofp4.kernels.quantize import triton_amax, triton_quantize
-    from nemofp4.quant.blocks import quantize_operand
     from nemofp4.quant.config import OperandQuant
 
     rows, cols = (8192, 8192) if quick else (16384, 8192)  # 128 / 256 MiB of bf16: >> the 60 MB L2
@@ -119,7 +119,7 @@ def quantize_section(copy_gbs: float, quick: bool) -> None:
     torch_variants = [
         ("PyTorch reference quantize_blocks, UE5M3 held", lambda: quantize_blocks(x, "ue5m3", tensor_amax=g)),
         (
-            "PyTorch quant.blocks.quantize_operand, UE5M3 held",
+            "torch program quantize_operand (eager), UE5M3 held",
             lambda: quantize_operand(x, OperandQuant(scale_format="ue5m3"), tensor_amax=g),
         ),
     ]
@@ -162,27 +162,29 @@ def quantize_section(copy_gbs: float, quick: bool) -> None:
 
 # ------------------------------------------------------------------------------------ training step
 STEP_RUNS = [
-    # (label, recipe, knobs, Triton kernels on)
-    ("bf16", "bf16", {}, True),
-    ("ue5m3 (Triton quantization)", "ue5m3", {}, True),
-    ("nvfp4 (Triton quantization)", "nvfp4", {"num_bf16_last_layers": 0}, True),
-    ("ue5m3 (PyTorch quantization)", "ue5m3", {}, False),
-    ("nvfp4 (PyTorch quantization)", "nvfp4", {"num_bf16_last_layers": 0}, False),
-    ("ue5m3, gemm=hardware (Triton)", "ue5m3", {"gemm": "hardware"}, True),
+    # (label, recipe, knobs, kernels backend)
+    ("bf16", "bf16", {}, "auto"),
+    ("ue5m3 (Triton quantization)", "ue5m3", {}, "triton"),
+    ("nvfp4 (Triton quantization)", "nvfp4", {"num_bf16_last_layers": 0}, "triton"),
+    ("ue5m3 (PyTorch quantization)", "ue5m3", {}, "eager"),
+    ("nvfp4 (PyTorch quantization)", "nvfp4", {"num_bf16_last_layers": 0}, "eager"),
+    ("ue5m3, gemm=hardware (Triton)", "ue5m3", {"gemm": "hardware"}, "triton"),
 ]
 
 
 class _Step:
     """One training step of a 4-layer nemotron_h_8b slice under ``recipe``."""
 
-    def __init__(self, recipe: str, knobs: dict, seq: int) -> None:
+    def __init__(self, recipe: str, knobs: dict, seq: int, backend: str) -> None:
         from nemofp4.models import build_model, get_model_config
+        from nemofp4.quant import set_quant_backend
         from nemofp4.recipes import apply_recipe, get_recipe
 
         config = get_model_config("nemotron_h_8b", hybrid_layer_pattern="M*M-")
         torch.manual_seed(0)
         self.model = build_model(config, device="meta")
         apply_recipe(self.model, get_recipe(recipe, **knobs), log=False)
+        set_quant_backend(self.model, backend)
         self.model.to_empty(device="cuda")
         self.model.init_weights()
         self.model.embeddings.weight.requires_grad_(False)  # shared by every recipe: left out
@@ -205,16 +207,13 @@ class _Step:
 
 
 def step_section(seq: int, steps: int, deadline: float) -> None:
-    import nemofp4.kernels as kernels
-
-    for label, recipe, knobs, use_triton in STEP_RUNS:
+    for label, recipe, knobs, backend in STEP_RUNS:
         if time.monotonic() > deadline:
             add_row(f"step: {label}", "skipped (time budget)", "")
             continue
-        kernels.use_triton(use_triton)
         step = None
         try:
-            step = _Step(recipe, knobs, seq)
+            step = _Step(recipe, knobs, seq, backend)
             torch.cuda.reset_peak_memory_stats()
             ms = cuda_time_ms(step, warmup=2, reps=steps)
             peak_gib = torch.cuda.max_memory_allocated() / 2**30
@@ -223,7 +222,6 @@ def step_section(seq: int, steps: int, deadline: float) -> None:
             RESULTS["step"][label] = {"error": f"{type(error).__name__}: {error}"}
             add_row(f"step: {label}", f"FAILED {type(error).__name__}: {str(error)[:80]}", "")
         finally:
-            kernels.use_triton(True)
             del step
             torch.cuda.empty_cache()
     base = RESULTS["step"].get("bf16", {}).get("ms")

@@ -1,7 +1,8 @@
 """Training-step time and saved-activation memory of every emulated precision recipe vs bf16.
 
     python scripts/bench_recipes.py [--repeats 7] [--batch 4] [--seq-len 256] [--threads 1]
-                                    [--kernels auto|reference]
+                                    [--kernels auto|compiled|eager]
+    python scripts/bench_recipes.py --run-steps 120 [--recipe ue5m3] [--stats-interval 50]
 
 Two workloads, all recipes side by side in one run:
 
@@ -12,10 +13,15 @@ Two workloads, all recipes side by side in one run:
 
 Time: float32 on CPU (the trainer's CPU default), recipes interleaved round after round, median
 of ``--repeats`` rounds after a warm-up round (which also compiles the CPU quantizer); ratios are
-against bf16 in the same run. ``--kernels reference`` times the eager quantizer instead of the
-compiled one, as ``train.kernels=reference`` does. Threads
+against bf16 in the same run. ``--kernels eager`` times the torch quantization program run
+eagerly instead of compiled, as ``train.kernels=eager`` does. Threads
 default to 1: the CI machine's 2 cores are shared, and with 2 intra-op threads many small ops
 mostly wait on each other.
+
+``--run-steps N`` instead times every step of one N-step run of the tiny model under ``--recipe``
+(held-reference refreshes and quantization statistics every ``--stats-interval`` steps, as the
+trainer collects them): the first step (which compiles), the median of the others and the
+slowest of them against that median.
 
 Memory: the tensors autograd saves during one forward pass, counted once per storage
 (parameters excluded), run under CPU autocast to bfloat16 as a GPU run would be: an
@@ -38,9 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemofp4 import kernels
 from nemofp4.models import build_model, get_model_config
-from nemofp4.quant import set_quant_stats, set_step
+from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
 
 RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_all_fp4_no_rht", "mxfp4"]
@@ -103,6 +108,7 @@ def time_tiny(args) -> dict[str, float]:
     for name in RECIPES:
         model, _, _ = build_tiny(name, args.tiny_bf16_last_layers)
         set_quant_stats(model, args.stats)  # the trainer collects them only on logging steps
+        set_quant_backend(model, args.kernels)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     times = {name: [] for name in RECIPES}
     for round_index in range(args.repeats + 1):
@@ -114,6 +120,30 @@ def time_tiny(args) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def time_run(args) -> None:
+    """Every step of one run: a step much slower than the median would be a recompile."""
+    vocab = get_model_config("tiny").vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    model, _, knobs = build_tiny(args.recipe, args.tiny_bf16_last_layers)
+    set_quant_backend(model, args.kernels)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = []
+    for step in range(1, args.run_steps + 1):
+        set_quant_stats(model, step % args.stats_interval == 0)
+        start = time.perf_counter()
+        _tiny_step(model, optimizer, ids, step)
+        times.append(time.perf_counter() - start)
+    rest = times[1:]
+    median = statistics.median(rest)
+    slowest = max(range(len(rest)), key=rest.__getitem__)
+    label = args.recipe + (f" ({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else "")
+    print(f"\n## {label}: {args.run_steps} training steps of the tiny model, {args.batch}x{args.seq_len} tokens, "
+          f"statistics every {args.stats_interval} steps")
+    print("| step 1 s | median s (steps 2+) | slowest step | slowest s | slowest / median |")
+    print("|---|---|---|---|---|")
+    print(f"| {times[0]:.3f} | {median:.3f} | {slowest + 2} | {rest[slowest]:.3f} | {rest[slowest] / median:.2f}x |")
+
+
 def time_linear(args) -> dict[str, float]:
     g = torch.Generator().manual_seed(2)
     x = torch.randn(args.linear_tokens, args.width, generator=g)
@@ -121,6 +151,7 @@ def time_linear(args) -> dict[str, float]:
     runs = {name: build_linear(name, args.width)[0] for name in RECIPES}
     for model in runs.values():
         set_quant_stats(model, args.stats)
+        set_quant_backend(model, args.kernels)
     times = {name: [] for name in RECIPES}
     for round_index in range(args.repeats + 1):
         for name, model in runs.items():
@@ -199,16 +230,21 @@ def main() -> None:
     parser.add_argument("--memory-tokens", type=int, default=64)
     parser.add_argument("--tiny-bf16-last-layers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--kernels", choices=["auto", "reference"], default="auto",
-                        help="'reference': the eager PyTorch quantizer (as train.kernels=reference)")
+    parser.add_argument("--kernels", choices=["auto", "compiled", "eager"], default="auto",
+                        help="FP4 kernels backend, as train.kernels (eager: the torch program run op by op)")
     parser.add_argument("--stats", action="store_true",
                         help="collect quantization statistics every step (the trainer does so only on logging steps)")
+    parser.add_argument("--run-steps", type=int, default=0, help="time every step of one run of this many steps")
+    parser.add_argument("--recipe", choices=RECIPES, default="ue5m3", help="the recipe of --run-steps")
+    parser.add_argument("--stats-interval", type=int, default=50, help="statistics steps of --run-steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels.use_triton(args.kernels == "auto")
     warnings.filterwarnings("ignore")
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}, "
           f"kernels={args.kernels}")
+    if args.run_steps:
+        time_run(args)
+        return
 
     tiny_time = time_tiny(args)
     linear_time = time_linear(args)

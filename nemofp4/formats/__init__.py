@@ -5,9 +5,12 @@ fmt = get_format("e2m1")          # "e4m3", "e5m2", "ue8m0", "ue5m3" (paper), "u
 fmt.round(x, rounding="rne")      # float32 grid values, saturating; also "sr8", "sr"
 q = quantize_blocks(x, scale_format="ue5m3")   # "e4m3" (NVFP4), "ue5m3_cuda", "ue8m0" (MX)
 q.dequantize()
+
+The shared scaling formulas are in ``formats.scaling``; ``QuantizedBlocks`` is the one quantized
+tensor type every quantizer returns and every GEMM consumes.
 """
 
-from .block import SCALE_FORMATS, QuantizedBlocks, amax, quantize_blocks
+from .block import SCALE_FORMATS, amax, quantize_blocks
 from .hadamard import TE_WGRAD_SIGNS, hadamard_matrix, hadamard_transform, inverse_hadamard_transform
 from .minifloat import (
     E2M1,
@@ -27,6 +30,7 @@ from .minifloat import (
     sr8_words,
     unpack_fp4,
 )
+from .operand import QuantizedBlocks
 
 __all__ = [
     "E2M1",

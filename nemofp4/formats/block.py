@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +58,8 @@ from .minifloat import (
     check_rounding,
     round_magnitude_to_index,
 )
+from .operand import QuantizedBlocks
+from .scaling import FLT_MAX, FP4_MAX, global_scales, mx_floor_exponent, scaled_target
 
 __all__ = ["SCALE_FORMATS", "QuantizedBlocks", "amax", "quantize_blocks"]
 
@@ -71,9 +72,6 @@ SCALE_FORMATS: dict[str, FloatFormat] = {
 DEFAULT_BLOCK_SIZE = {"e4m3": 16, "ue5m3": 16, "ue5m3_cuda": 16, "ue8m0": 32}
 MX_SCALE_MODES = ("floor", "ceil")
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FP4_MAX = 6.0
-_FLT_MAX = torch.finfo(torch.float32).max
-_E2M1_EMAX = 2  # floor(log2(6)): OCP MX's shared exponent offset for FP4 payloads
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -82,74 +80,6 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("amax of an empty tensor is undefined")
     lo, hi = torch.aminmax(x.detach())
     return torch.maximum(hi, -lo).float()
-
-
-@dataclass(kw_only=True)
-class QuantizedBlocks:
-    """An FP4 block-quantized tensor: packed E2M1 codes, block-scale codes and a tensor scale.
-
-    dequantize() == values() * block_scales() (broadcast) * tensor_scale, unpadded.
-    """
-
-    codes: torch.Tensor
-    """uint8 [*padded_shape[:-1], padded_shape[-1] // 2], two E2M1 codes per byte, even element low."""
-    scale_codes: torch.Tensor
-    """uint8 [*shape[:-1], n_blocks] (1-D blocks) or [row_tiles, col_tiles] (2-D tiles)."""
-    tensor_scale: torch.Tensor
-    """float32 0-d decode multiplier applied after the block scales (1/G; 1.0 for ue8m0)."""
-    tensor_amax: torch.Tensor
-    """float32 0-d reference g that was used (given or measured)."""
-    shape: torch.Size
-    padded_shape: torch.Size
-    block_size: int
-    two_d: bool
-    scale_format: str
-    _counts: dict[str, torch.Tensor]
-    _num_blocks: int
-    _num_elements: int
-
-    @property
-    def scale_fmt(self) -> FloatFormat:
-        return SCALE_FORMATS[self.scale_format]
-
-    def values(self) -> torch.Tensor:
-        """Decoded E2M1 payloads, float32, padded shape."""
-        # One gather of both nibbles per byte; int32 indices are ~1.5x faster than int64 on CPU.
-        pairs = torch.index_select(_e2m1_pair_table(self.codes.device), 0, self.codes.reshape(-1).int())
-        return pairs.view(self.padded_shape)
-
-    def block_scales(self) -> torch.Tensor:
-        """Decoded block-scale codes, float32, same shape as ``scale_codes``."""
-        return self.scale_fmt.decode(self.scale_codes)
-
-    def scaled_values(self) -> torch.Tensor:
-        """values * broadcast block scale, padded shape, without the tensor scale (exact)."""
-        values = self.values()
-        scales = self.block_scales()
-        b = self.block_size
-        if self.two_d:
-            rows, cols = self.padded_shape
-            values.view(rows // b, b, cols // b, b).mul_(scales[:, None, :, None])
-        else:
-            values.view(*self.padded_shape[:-1], -1, b).mul_(scales[..., None])
-        return values
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 tensor of the original shape: scaled_values()[unpad] * tensor_scale."""
-        out = self.scaled_values().mul_(self.tensor_scale)
-        if self.two_d:
-            return out[: self.shape[0], : self.shape[1]]
-        return out[..., : self.shape[-1]]
-
-    def stats(self) -> dict[str, float]:
-        """Fractions: saturated / underflowed (non-zero) / all-zero blocks, clipped elements."""
-        counts = {k: int(v) for k, v in self._counts.items()}
-        return {
-            "saturated_blocks": counts["saturated_blocks"] / self._num_blocks,
-            "underflow_blocks": counts["underflow_blocks"] / self._num_blocks,
-            "zero_blocks": counts["zero_blocks"] / self._num_blocks,
-            "clipped_elements": counts["clipped_elements"] / self._num_elements,
-        }
 
 
 def quantize_blocks(
@@ -226,8 +156,8 @@ def quantize_blocks(
         saturated = unclamped > 127
         underflow = (unclamped < -127) & (block_amax > 0)
     else:
-        tensor_scale, code_multiplier = _global_scales(scale_format, g, scale_target)
-        ideal = (block_amax * code_multiplier).clamp_(max=_FLT_MAX)
+        tensor_scale, code_multiplier = global_scales(scale_format, g, scaled_target(scale_target, device))
+        ideal = (block_amax * code_multiplier).clamp_(max=FLT_MAX)
         saturated = ideal > fmt.max_finite
         index = round_magnitude_to_index(fmt, ideal.clamp(max=fmt.max_finite), "rne", None)
         underflow = (index == 0) & (block_amax > 0)
@@ -236,7 +166,7 @@ def quantize_blocks(
             index = torch.where(index == 0, one, index)
         scale_codes = index.to(torch.uint8)
         block_scale = fmt.decode(scale_codes)
-        encode = torch.reciprocal(block_scale * tensor_scale).clamp_(max=_FLT_MAX)
+        encode = torch.reciprocal(block_scale * tensor_scale).clamp_(max=FLT_MAX)
 
     # ---- payload: x * enc_b, clamp to +-6, round to E2M1
     if two_d:
@@ -244,7 +174,7 @@ def quantize_blocks(
     else:
         y = x_blocks * encode[..., None]
     block_peak = block_amax * encode  # == max |y| of the block (rounding is monotonic)
-    clipped_blocks = block_peak > _FP4_MAX
+    clipped_blocks = block_peak > FP4_MAX
     y = y.view(padded_shape)
     negative = torch.signbit(y)
     # |y| > 6 saturates inside the rounding (RNE counts midpoints below |y|; SR clamps first),
@@ -269,35 +199,18 @@ def quantize_blocks(
         block_size=b,
         two_d=two_d,
         scale_format=scale_format,
-        _counts=counts,
-        _num_blocks=block_amax.numel(),
-        _num_elements=x.numel(),
+        counts=counts,
+        num_blocks=block_amax.numel(),
+        num_elements=x.numel(),
     )
-
-
-def _global_scales(
-    scale_format: str, g: torch.Tensor, scale_target: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor_scale = 1/G, G * fp32(1/6)) in TE's / the UE5M3 emulator's FP32 order."""
-    numerator = torch.tensor(scale_target * _FP4_MAX, dtype=torch.float32, device=g.device)
-    multiplier = torch.minimum(numerator / g, torch.tensor(_FLT_MAX, device=g.device))
-    if scale_format == "e4m3":
-        # TE: g = 0 gives inf -> FLT_MAX; only a zero multiplier (g = inf) is replaced by 1.
-        multiplier = torch.where(multiplier == 0, 1.0, multiplier)
-    else:
-        multiplier = torch.where(g == 0, 1.0, multiplier)
-    tensor_scale = torch.reciprocal(multiplier)
-    inv_fp4_max = torch.tensor(1.0 / _FP4_MAX, dtype=torch.float32, device=g.device)
-    return tensor_scale, multiplier * inv_fp4_max
 
 
 def _mx_exponent(block_amax: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact power-of-two block exponent (clamped to [-127, 127]) and the unclamped one."""
     if mode == "floor":
-        mantissa, exp = torch.frexp(block_amax)  # amax = mantissa * 2^exp, mantissa in [0.5, 1)
-        unclamped = torch.where(block_amax > 0, exp - 1 - _E2M1_EMAX, -127)
+        unclamped = mx_floor_exponent(block_amax)
     else:
-        decode = block_amax / _FP4_MAX
+        decode = block_amax / FP4_MAX
         mantissa, exp = torch.frexp(decode)
         unclamped = torch.where(mantissa == 0.5, exp - 1, exp)
         # amax / 6 can underflow to 0 for a non-zero block: TE's log2(0) = -inf clamps to -127
@@ -312,20 +225,10 @@ def _count_clipped(x_blocks: torch.Tensor, encode: torch.Tensor, clipped_blocks:
         selected = x_blocks[clipped_blocks].flatten(1)
     else:
         selected = x_blocks[clipped_blocks]
-    return ((selected * encode[clipped_blocks][:, None]).abs() > _FP4_MAX).sum()
+    return ((selected * encode[clipped_blocks][:, None]).abs() > FP4_MAX).sum()
 
 
-_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
 _UE8M0_RECIPROCALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _e2m1_pair_table(device: torch.device) -> torch.Tensor:
-    """[256, 2] float32: the two E2M1 values packed in each byte (low nibble first)."""
-    if device not in _PAIR_TABLES:
-        values = E2M1.decode(torch.arange(16, dtype=torch.uint8))
-        byte = torch.arange(256)
-        _PAIR_TABLES[device] = torch.stack((values[byte & 15], values[byte >> 4]), dim=-1).to(device)
-    return _PAIR_TABLES[device]
 
 
 def _ue8m0_reciprocal_table(device: torch.device) -> torch.Tensor:

@@ -1,49 +1,55 @@
-"""The fast paths of FP4 quantization: fused Triton kernels on CUDA, an Inductor-compiled
-quantizer on CPU, and the ``hardware`` GEMM emulator.
+"""Fast forms of the FP4 programs, chosen by a backend setting: ``auto | triton | compiled | eager``.
 
-Every function here has a PyTorch reference with the same numerics (``nemofp4.formats`` for
-quantization; :mod:`nemofp4.kernels.hardware_gemm` for the GEMM model). The dispatchers below
-pick the Triton kernel for CUDA tensors when Triton is importable and the switch allows it,
-the ``torch.compile``-fused quantizer (:mod:`nemofp4.kernels.compiled`) for CPU tensors when
-a C++ compiler is present, and the eager PyTorch path otherwise:
+* ``eager``: the torch quantization program (:mod:`nemofp4.kernels.program`) run op by op;
+* ``compiled``: the same program compiled by Inductor (C++ on CPU);
+* ``triton``: fused Triton kernels (:mod:`nemofp4.kernels.quantize`) on CUDA tensors;
+* ``auto``: Triton on CUDA when importable, the compiled program on CPU when a C++ compiler is
+  present, the eager program otherwise.
+
+Every path returns the same :class:`nemofp4.formats.QuantizedBlocks` and equals the float64-checked
+reference :func:`nemofp4.formats.quantize_blocks` bit for bit (RNE; stochastic rounding on the
+Triton path draws its own Philox bits). The backend is an argument, not a process-wide switch,
+and nothing here imports triton until a Triton kernel runs (the first import decides whether
+kernels compile for the GPU or run in Triton's CPU interpreter, ``TRITON_INTERPRET=1``):
 
     from nemofp4 import kernels
-    q = kernels.quantize_blocks(x, scale_format="ue5m3")          # QuantizedBlocks
-    op = kernels.quantize_operand(x, op_quant, tensor_amax=g)      # quant's BlockOperand
-    c = kernels.gemm_hardware(qa, qb)                              # float32 A @ B^T
-    kernels.use_triton(False)                                      # force the reference path
-
-The switch starts from the environment variable ``NEMOFP4_TRITON`` (``0`` disables Triton);
-``NEMOFP4_CPU_COMPILE=0`` disables the compiled CPU quantizer alone. Nothing here imports
-triton until a kernel runs: the first import decides, for the whole process, whether kernels
-compile for the GPU or run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, which the unit
-tests use).
+    op = kernels.quantize_operand(x, op_quant, tensor_amax=g, backend="auto")   # QuantizedBlocks
+    q = kernels.quantize_blocks(x, scale_format="ue5m3")                        # QuantizedBlocks
+    c = kernels.gemm_hardware(qa, qb)                                           # float32 A @ B^T
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator
 
 import torch
 
+from nemofp4.formats import amax as reference_amax
+from nemofp4.formats import hadamard_transform as reference_hadamard_transform
+from nemofp4.formats import quantize_blocks as reference_quantize_blocks
+
+from .program import compiled_hadamard_transform, cpu_compile_available
+from .program import quantize_operand as program_quantize_operand
+from .quantize import SUPPORTED_BLOCK_SIZES
+
 __all__ = [
+    "BACKENDS",
     "amax",
+    "check_backend",
+    "cpu_compile_available",
     "describe",
     "gemm_hardware",
+    "hadamard_transform",
     "quantize_blocks",
     "quantize_operand",
     "quantize_operand_pair",
+    "resolve_backend",
     "triton_available",
-    "triton_enabled",
-    "use_triton",
-    "using_triton",
 ]
 
-_prefer_triton = os.environ.get("NEMOFP4_TRITON", "1").strip().lower() not in ("0", "false", "no", "off")
+BACKENDS = ("auto", "triton", "compiled", "eager")
 
 
 @functools.cache
@@ -57,73 +63,62 @@ def triton_available() -> bool:
     return _triton_importable() and (torch.cuda.is_available() or interpret)
 
 
-def use_triton(prefer: bool) -> None:
-    """Process-wide switch: ``False`` forces the eager PyTorch path everywhere (no Triton, no
-    compiled CPU quantizer)."""
-    global _prefer_triton
-    _prefer_triton = bool(prefer)
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown FP4 kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    return backend
 
 
-def triton_enabled() -> bool:
-    """The current setting of the :func:`use_triton` switch."""
-    return _prefer_triton
-
-
-@contextlib.contextmanager
-def using_triton(prefer: bool) -> Iterator[None]:
-    """``with using_triton(False): ...`` runs a block on the reference path, then restores."""
-    previous = _prefer_triton
-    use_triton(prefer)
-    try:
-        yield
-    finally:
-        use_triton(previous)
-
-
-def _use_triton_for(x: torch.Tensor) -> bool:
-    return _prefer_triton and x.is_cuda and _triton_importable()
-
-
-def _use_compiled_for(x: torch.Tensor, op) -> bool:
-    """The Inductor-compiled quantizer for CPU tensors (see :mod:`nemofp4.kernels.compiled`)."""
-    if not (_prefer_triton and x.device.type == "cpu"):
-        return False
-    from .compiled import cpu_compile_available, cpu_compile_supports
-
-    return cpu_compile_supports(op) and cpu_compile_available()
-
-
-def describe(device: torch.device | str) -> str:
-    """One line for the start-up log: which quantizer FP4 operands on ``device`` will use."""
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The path (``triton``, ``compiled`` or ``eager``) that ``backend`` takes for tensors on ``device``."""
+    check_backend(backend)
     device = torch.device(device)
-    if not _prefer_triton:
-        return "FP4 quantization: eager PyTorch path (fast kernels switched off)"
-    if device.type == "cuda":
-        if _triton_importable():
-            return "FP4 quantization: fused Triton kernels"
-        return "FP4 quantization: eager PyTorch path (triton is not importable)"
-    if device.type == "cpu":
-        from .compiled import cpu_compile_available
+    if backend == "auto":
+        if device.type == "cuda":
+            return "triton" if _triton_importable() else "eager"
+        if device.type == "cpu" and cpu_compile_available():
+            return "compiled"
+        return "eager"
+    if backend == "triton" and not (device.type == "cuda" and _triton_importable()):
+        raise ValueError(
+            f"backend 'triton' needs CUDA tensors and an importable triton; got a {device.type} tensor"
+            f"{'' if _triton_importable() else ' and no triton'} (use 'auto', 'compiled' or 'eager')"
+        )
+    if backend == "compiled" and device.type == "cpu" and not cpu_compile_available():
+        return "eager"  # no C++ compiler, or a build failed (that warned once): same numerics
+    return backend
 
-        if cpu_compile_available():
-            return (
-                "FP4 quantization: compiled CPU quantizer (torch.compile; the first step builds it); "
-                "eager PyTorch path for MX scales and exact SR"
-            )
-        return "FP4 quantization: eager PyTorch path (no C++ compiler, or NEMOFP4_CPU_COMPILE=0)"
-    return "FP4 quantization: eager PyTorch path"
+
+def describe(device: torch.device | str, backend: str = "auto") -> str:
+    """One line for the start-up log: which quantizer FP4 operands on ``device`` will use."""
+    path = resolve_backend(backend, device)
+    if path == "triton":
+        return "FP4 quantization: fused Triton kernels"
+    if path == "compiled":
+        return "FP4 quantization: compiled torch program (torch.compile; the first step builds it)"
+    if backend == "eager":
+        return "FP4 quantization: eager torch program (kernels=eager)"
+    return (
+        "FP4 quantization: eager torch program (no Triton on this device, no C++ compiler for torch.compile)"
+    )
 
 
 # ------------------------------------------------------------------------------------ dispatch
-def amax(x: torch.Tensor) -> torch.Tensor:
+def amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """max |x| as a float32 0-d tensor on x's device (exact)."""
-    if _use_triton_for(x):
+    if resolve_backend(backend, x.device) == "triton":
         from .quantize import triton_amax
 
         return triton_amax(x)
-    from nemofp4.formats import amax as reference_amax
-
     return reference_amax(x)
+
+
+def hadamard_transform(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``nemofp4.formats.hadamard_transform`` (TE's wgrad signs), compiled where the backend
+    compiles the quantizer (same bits)."""
+    if resolve_backend(backend, x.device) == "compiled":
+        return compiled_hadamard_transform(x)
+    return reference_hadamard_transform(x)
 
 
 def quantize_blocks(
@@ -137,6 +132,7 @@ def quantize_blocks(
     generator: torch.Generator | None = None,
     *,
     mx_scale_mode: str = "floor",
+    backend: str = "auto",
 ):
     """``nemofp4.formats.quantize_blocks`` (same arguments), run by the Triton kernel on CUDA.
 
@@ -144,9 +140,8 @@ def quantize_blocks(
     its Philox stream with one draw from ``generator``, so its bits differ from the reference's
     (same rule, same statistics). The Triton path skips the reference's NaN/Inf check.
     """
-    from .quantize import SUPPORTED_BLOCK_SIZES
-
-    if _use_triton_for(x) and (block_size is None or block_size in SUPPORTED_BLOCK_SIZES):
+    triton = resolve_backend(backend, x.device) == "triton"
+    if triton and (block_size is None or block_size in SUPPORTED_BLOCK_SIZES):
         from .operand import _seed
         from .quantize import triton_quantize_blocks
 
@@ -161,8 +156,6 @@ def quantize_blocks(
             seed=_seed(rounding, generator, x.device),
             mx_scale_mode=mx_scale_mode,
         )
-    from nemofp4.formats import quantize_blocks as reference_quantize_blocks
-
     return reference_quantize_blocks(
         x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, generator,
         mx_scale_mode=mx_scale_mode,
@@ -178,29 +171,21 @@ def quantize_operand(
     two_d: bool | None = None,
     pack: bool = False,
     stats: bool = True,
+    backend: str = "auto",
 ):
-    """``nemofp4.quant.blocks.quantize_operand`` (same arguments and result), by the Triton kernel
-    on CUDA and the Inductor-compiled one on CPU (formats and roundings it implements; the
-    eager PyTorch path otherwise)."""
-    from .quantize import SUPPORTED_BLOCK_SIZES
-
-    if _use_triton_for(x) and op.block_size in SUPPORTED_BLOCK_SIZES:
+    """:func:`nemofp4.kernels.program.quantize_operand` (same arguments and result) on the path
+    ``backend`` resolves to (Triton for block sizes it has kernels for)."""
+    path = resolve_backend(backend, x.device)
+    if path == "triton" and op.block_size in SUPPORTED_BLOCK_SIZES:
         from .operand import triton_quantize_operand
 
         return triton_quantize_operand(
             x, op, tensor_amax=tensor_amax, generator=generator, two_d=two_d, pack=pack, stats=stats
         )
-    if _use_compiled_for(x, op):
-        from .compiled import compiled_quantize_operand
-
-        return compiled_quantize_operand(
-            x, op, tensor_amax=tensor_amax, generator=generator, two_d=two_d, pack=pack, stats=stats
-        )
-    from nemofp4.quant.blocks import quantize_operand as reference_quantize_operand
-
-    return reference_quantize_operand(
-        x, op, tensor_amax=tensor_amax, generator=generator, two_d=two_d, pack=pack, stats=stats
-    )
+    return program_quantize_operand(
+        x, op, tensor_amax=tensor_amax, generator=generator, two_d=two_d, pack=pack, stats=stats,
+        compiled=path == "compiled",
+    )  # fmt: skip
 
 
 def quantize_operand_pair(
@@ -213,12 +198,11 @@ def quantize_operand_pair(
     pack_x: bool = False,
     pack_xt: bool = True,
     stats: bool = True,
+    backend: str = "auto",
 ):
     """(X along K, X^T [K, tokens padded to 16] along the tokens): one fused launch on CUDA, two
-    reference quantizations otherwise. See :func:`nemofp4.kernels.operand.triton_quantize_operand_pair`
+    quantizations otherwise. See :func:`nemofp4.kernels.operand.triton_quantize_operand_pair`
     for when the two can be fused (same format, block and rounding; no Hadamard)."""
-    from .quantize import SUPPORTED_BLOCK_SIZES
-
     fusable = (
         op_x.scale_format == op_xt.scale_format
         and op_x.block_size == op_xt.block_size
@@ -226,7 +210,7 @@ def quantize_operand_pair(
         and not (op_x.two_d or op_xt.two_d or op_x.hadamard or op_xt.hadamard)
         and op_x.block_size in SUPPORTED_BLOCK_SIZES
     )
-    if _use_triton_for(x_TK) and fusable:
+    if fusable and resolve_backend(backend, x_TK.device) == "triton":
         from .operand import triton_quantize_operand_pair
 
         return triton_quantize_operand_pair(
@@ -239,24 +223,20 @@ def quantize_operand_pair(
         )
     pad = -x_TK.shape[0] % 16
     xt_KTp = torch.nn.functional.pad(x_TK, (0, 0, 0, pad)).t() if pad else x_TK.t()
-    first = quantize_operand(
-        x_TK, op_x, tensor_amax=tensor_amax, generator=generator, pack=pack_x, stats=stats
-    )
-    second = quantize_operand(
-        xt_KTp, op_xt, tensor_amax=tensor_amax, generator=generator, pack=pack_xt, stats=stats
-    )
+    common = dict(tensor_amax=tensor_amax, generator=generator, stats=stats, backend=backend)
+    first = quantize_operand(x_TK, op_x, pack=pack_x, **common)
+    second = quantize_operand(xt_KTp, op_xt, pack=pack_xt, **common)
     return first, second
 
 
-def gemm_hardware(a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = False) -> torch.Tensor:
+def gemm_hardware(
+    a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = False, backend: str = "auto"
+) -> torch.Tensor:
     """float32 ``A @ B^T`` under the probe-matched hardware model: the Triton kernel on CUDA
     (operands need packed codes), else the vectorized PyTorch twin (same numerics)."""
     from .hardware_gemm import hardware_gemm_torch, triton_hardware_gemm
 
-    device_tensor = getattr(a_q, "codes", None)
-    if device_tensor is None:
-        device_tensor = a_q.packed.codes if getattr(a_q, "packed", None) is not None else a_q.tensor_scale
-    has_codes = all(hasattr(q, "codes") or getattr(q, "packed", None) is not None for q in (a_q, b_q))
-    if _use_triton_for(device_tensor) and has_codes:
+    has_codes = a_q.codes is not None and b_q.codes is not None
+    if has_codes and resolve_backend(backend, a_q.tensor_scale.device) == "triton":
         return triton_hardware_gemm(a_q, b_q, b_transposed=b_transposed, lattice_snap=lattice_snap)
     return hardware_gemm_torch(a_q, b_q, b_transposed=b_transposed, lattice_snap=lattice_snap)

@@ -27,7 +27,7 @@ import os
 import numpy as np
 import torch
 
-from nemofp4.formats import SCALE_FORMATS
+from nemofp4.formats import SCALE_FORMATS, QuantizedBlocks
 
 __all__ = [
     "GROUP_SIZE",
@@ -138,14 +138,9 @@ def _exact_sum_to_f32(products: torch.Tensor) -> torch.Tensor:
 
 def _scaled_f64(q, *, transposed: bool, device: str | None = "cpu") -> torch.Tensor:
     """float64 [rows, K_padded] of E2M1 value x block scale (exact), on ``device`` (None: q's)."""
-    if hasattr(q, "scaled_values"):
-        scaled = q.scaled_values()
-    elif hasattr(q, "unpack"):
-        scaled = q.unpack().scaled_values()
-    else:
-        raise ValueError(
-            f"expected a quantized operand (QuantizedBlocks or packed operand), got {type(q).__name__}"
-        )
+    if not isinstance(q, QuantizedBlocks):
+        raise ValueError(f"expected a QuantizedBlocks operand, got {type(q).__name__}")
+    scaled = q.scaled_values()
     if scaled.dim() != 2:
         raise ValueError(f"the hardware GEMM takes 2-D operands, got padded shape {tuple(scaled.shape)}")
     scaled = scaled.detach().double()
@@ -191,8 +186,8 @@ def triton_hardware_gemm(
 ) -> torch.Tensor:
     """The Triton kernel of the same model: float32 ``[M, N]`` on the operands' device.
 
-    Operands need their packed codes: QuantizedBlocks, a quant ``PackedOperand``, or a quant
-    ``BlockOperand`` quantized with ``pack=True``. Block sizes must be 16, 32 or 64.
+    Operands need their packed codes (QuantizedBlocks from the reference, or quantized with
+    ``pack=True``). Block sizes must be 16, 32 or 64.
     """
     a, b = _codes_of(a_q), _codes_of(b_q)
     _check_k(a, b, b_transposed)
@@ -236,16 +231,12 @@ def triton_hardware_gemm(
 
 
 def _codes_of(q):
-    """The packed view of an operand (QuantizedBlocks/PackedOperand as is; BlockOperand.packed)."""
-    if hasattr(q, "codes") and hasattr(q, "scale_codes"):
-        return q
-    packed = getattr(q, "packed", None)
-    if packed is None:
-        raise ValueError(
-            f"the Triton hardware GEMM reads packed FP4 codes; this {type(q).__name__} has none "
-            "(quantize it with pack=True)"
-        )
-    return packed
+    """The operand, checked to have its packed form."""
+    if not isinstance(q, QuantizedBlocks):
+        raise ValueError(f"expected a QuantizedBlocks operand, got {type(q).__name__}")
+    if q.codes is None:
+        raise ValueError("the Triton hardware GEMM reads packed FP4 codes; this operand has none (quantize it with pack=True)")
+    return q
 
 
 def _operand_meta(prefix: str, q, *, transposed: bool) -> dict:

@@ -1,10 +1,9 @@
-"""Triton quantization of QuantLinear's GEMM operands, in the quant module's own types.
+"""Triton quantization of QuantLinear's GEMM operands, returning QuantizedBlocks as every quantizer does.
 
-:func:`triton_quantize_operand` is a drop-in for :func:`nemofp4.quant.blocks.quantize_operand`
-(same arguments, same :class:`~nemofp4.quant.blocks.BlockOperand`, bitwise equal for RNE), and
+:func:`triton_quantize_operand` is a drop-in for :func:`nemofp4.kernels.program.quantize_operand`
+(same arguments, same :class:`~nemofp4.formats.QuantizedBlocks`, bitwise equal for RNE), and
 :func:`triton_quantize_operand_pair` quantizes X for fprop and X^T for wgrad (blocks along the
-tokens) in one launch. The quant module is imported lazily, at call time: quant will import
-this package to dispatch, and the reverse import at module level would be a cycle.
+tokens) in one launch.
 
 Stochastic rounding takes its Philox seed from the operand's torch generator with one draw on
 the generator's device (no host synchronization), so a generator reseeded per step by
@@ -18,11 +17,14 @@ import dataclasses
 
 import torch
 
-from .quantize import TritonQuantized, triton_quantize
+from nemofp4.formats import QuantizedBlocks
+
+from .quantize import triton_quantize
 
 __all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
 
 _TOKEN_MULTIPLE = 16  # QuantLinear pads the tokens of wgrad operands to this multiple
+_OPERAND_STATS = ("saturated_blocks", "underflow_blocks", "zero_blocks")
 
 
 def triton_quantize_operand(
@@ -35,7 +37,7 @@ def triton_quantize_operand(
     pack: bool = False,
     stats: bool = True,
 ):
-    """Same contract as ``nemofp4.quant.blocks.quantize_operand`` (2-D ``x``, an ``OperandQuant``)."""
+    """Same contract as ``nemofp4.kernels.program.quantize_operand`` (2-D ``x``, an ``OperandQuant``)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
     two_d = op.two_d if two_d is None else two_d
@@ -112,40 +114,9 @@ def _seed(rounding: str, generator: torch.Generator | None, device: torch.device
     ).to(device)  # fmt: skip
 
 
-def _block_operand(q: TritonQuantized, shape: tuple[int, int], pack: bool, stats: bool):
-    """The quant module's BlockOperand for ``q``: fields and counters mirror what
-    ``quantize_operand`` fills in (a test compares the two, so a change there is caught)."""
-    from nemofp4.quant.blocks import BlockOperand, PackedOperand
-
-    fields = {f.name for f in dataclasses.fields(BlockOperand)}
-    per_element_counts = "num_elements" in fields  # older layout: clipped elements counted too
-    packed = None
-    if pack:
-        packed = PackedOperand(
-            codes=q.codes,
-            scale_codes=q.scale_codes,
-            tensor_scale=q.tensor_scale,
-            tensor_amax=q.tensor_amax,
-            scale_format=q.scale_format,
-            shape=shape,
-            padded_shape=tuple(q.padded_shape),
-            block_size=q.block_size,
-            two_d=q.two_d,
-        )
-    counts = {}
-    if stats:
-        names = ("saturated_blocks", "underflow_blocks", "zero_blocks", "clipped_elements")
-        counts = {name: q.counts[i] for i, name in enumerate(names[: 4 if per_element_counts else 3])}
-    extra = {"num_elements": shape[0] * shape[1]} if per_element_counts else {}
-    return BlockOperand(
-        scaled=q.scaled,
-        tensor_scale=q.tensor_scale,
-        tensor_amax=q.tensor_amax,
-        shape=shape,
-        block_size=q.block_size,
-        two_d=q.two_d,
-        counts=counts,
-        num_blocks=q.num_blocks,
-        packed=packed,
-        **extra,
-    )
+def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, stats: bool) -> QuantizedBlocks:
+    """``q`` as the torch program returns it: the operand's own (unpadded-token) shape, packed
+    codes only when asked for, and the three block counts (a test compares the two)."""
+    counts = {name: q.counts[name] for name in _OPERAND_STATS} if stats else {}
+    codes = dict(codes=q.codes, scale_codes=q.scale_codes) if pack else dict(codes=None, scale_codes=None)
+    return dataclasses.replace(q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, **codes)

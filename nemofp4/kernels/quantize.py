@@ -22,14 +22,12 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from nemofp4.formats import SCALE_FORMATS, QuantizedBlocks
 
 __all__ = [
-    "TritonQuantized",
     "triton_amax",
     "triton_quantize",
     "triton_quantize_blocks",
@@ -42,46 +40,6 @@ _ROUNDING_CODES = {"rne": 0, "sr8": 1, "sr": 2}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MX_SCALE_MODES = ("floor", "ceil")
 _STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks", "clipped_elements")
-
-
-@dataclass(kw_only=True)
-class TritonQuantized:
-    """Everything one direction of a launch produced (row-wise, or the transposed ``x.T``)."""
-
-    codes: torch.Tensor
-    """uint8 packed E2M1 codes, [*padded_shape[:-1], padded_shape[-1] // 2]."""
-    scale_codes: torch.Tensor
-    tensor_scale: torch.Tensor
-    tensor_amax: torch.Tensor
-    counts: torch.Tensor
-    """int32 [4]: saturated blocks, underflowed blocks, zero blocks, clipped elements."""
-    shape: torch.Size
-    padded_shape: torch.Size
-    block_size: int
-    two_d: bool
-    scale_format: str
-    num_blocks: int
-    scaled: torch.Tensor | None = None
-    """E2M1 value x block scale, padded shape (only when asked for: ``scaled_dtype``)."""
-    draws: torch.Tensor | None = None
-    """int64 random draws per padded element (debug output for sr8/sr)."""
-
-    def blocks(self) -> QuantizedBlocks:
-        """The reference's result type (codes, scale codes, tensor scale, statistics)."""
-        return QuantizedBlocks(
-            codes=self.codes,
-            scale_codes=self.scale_codes,
-            tensor_scale=self.tensor_scale,
-            tensor_amax=self.tensor_amax,
-            shape=self.shape,
-            padded_shape=self.padded_shape,
-            block_size=self.block_size,
-            two_d=self.two_d,
-            scale_format=self.scale_format,
-            _counts={name: self.counts[i] for i, name in enumerate(_STAT_NAMES)},
-            _num_blocks=self.num_blocks,
-            _num_elements=math.prod(self.shape),
-        )
 
 
 # ------------------------------------------------------------------------------------ amax
@@ -146,12 +104,13 @@ def triton_quantize_blocks(
         mx_scale_mode=mx_scale_mode,
     )
     rows, cols = out
-    return (rows.blocks(), cols.blocks()) if also_transposed else rows.blocks()
+    return (rows, cols) if also_transposed else rows
 
 
-def triton_quantize_with_draws(x: torch.Tensor, **kwargs) -> tuple[TritonQuantized, TritonQuantized | None]:
-    """:func:`triton_quantize` with the random draws written out (``.draws``), for testing the
-    stochastic rounding rule exactly. Same keyword arguments as :func:`triton_quantize`."""
+def triton_quantize_with_draws(x: torch.Tensor, **kwargs):
+    """:func:`triton_quantize` with the random draws written out, for testing the stochastic
+    rounding rule exactly: ``((rows, rows_draws), (cols | None, cols_draws | None))``, draws int64
+    per padded element. Same keyword arguments as :func:`triton_quantize`."""
     if kwargs.get("rounding", "rne") == "rne":
         raise ValueError("triton_quantize_with_draws needs rounding='sr8' or 'sr' (rne draws nothing)")
     return triton_quantize(x, _write_draws=True, **kwargs)
@@ -175,7 +134,7 @@ def triton_quantize(
     stats: bool = True,
     _write_draws: bool = False,
     _config: dict | None = None,
-) -> tuple[TritonQuantized | None, TritonQuantized | None]:
+) -> tuple[QuantizedBlocks | None, QuantizedBlocks | None]:
     """The full launch: ``(row-wise result or None, transposed result or None)``.
 
     ``scaled_dtype`` (float32 or bfloat16) also writes E2M1 value x block scale, padded, which
@@ -279,39 +238,41 @@ def triton_quantize(
     row_result = col_result = None
     if rowwise:
         padded = torch.Size([*shape[:-1], cols_p])
-        row_result = TritonQuantized(
+        row_result = QuantizedBlocks(
             codes=r["codes"] if two_d else r["codes"].view(*shape[:-1], cols_p // 2),
             scale_codes=r["scales"] if two_d else r["scales"].view(*shape[:-1], cols_p // b),
             tensor_scale=r["ts"].reshape(()),
             tensor_amax=g0,
-            counts=r["counts"],
+            counts=dict(zip(_STAT_NAMES, r["counts"].unbind())) if stats else {},
             shape=shape,
             padded_shape=torch.Size([rows_p, cols_p]) if two_d else padded,
             block_size=b,
             two_d=two_d,
             scale_format=scale_format,
             num_blocks=r["scales"].numel(),
+            num_elements=math.prod(shape),
             scaled=None
             if scaled_dtype is None
             else r["scaled"].view(*(padded if not two_d else (rows_p, cols_p))),
-            draws=r["draws"] if _write_draws else None,
         )
     if transposed:
-        col_result = TritonQuantized(
+        col_result = QuantizedBlocks(
             codes=t["codes"],
             scale_codes=t["scales"],
             tensor_scale=t["ts"].reshape(()),
             tensor_amax=g0,
-            counts=t["counts"],
+            counts=dict(zip(_STAT_NAMES, t["counts"].unbind())) if stats else {},
             shape=torch.Size([cols, rows]),
             padded_shape=torch.Size([cols, rows_p]),
             block_size=b,
             two_d=False,
             scale_format=scale_format,
             num_blocks=t["scales"].numel(),
+            num_elements=math.prod(shape),
             scaled=t["scaled"] if scaled_dtype is not None else None,
-            draws=t["draws"] if _write_draws else None,
         )
+    if _write_draws:
+        return (row_result, r["draws"] if rowwise else None), (col_result, t["draws"] if transposed else None)
     return row_result, col_result
 
 

@@ -5,7 +5,6 @@ reference (amax) state, and the model-level controls the trainer calls.
     set_step(model, step, seed=seed, rank=rank)   # once per optimizer step, before forward
 """
 
-from .blocks import BlockOperand, PackedOperand, quantize_operand
 from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
 from .linear import FP32Linear, QuantLinear
@@ -18,6 +17,7 @@ from .state import (
     reset_references,
     set_amax_reduce_group,
     set_held_reference_reduce_group,
+    set_quant_backend,
     set_quant_stats,
     set_step,
 )
@@ -27,13 +27,11 @@ __all__ = [
     "GEMM_MODES",
     "ROUNDING_MODES",
     "SCALE_FORMATS",
-    "BlockOperand",
     "FP32Linear",
     "GemmOperand",
     "HeldReference",
     "LinearQuantConfig",
     "OperandQuant",
-    "PackedOperand",
     "QuantLinear",
     "ReferenceState",
     "Role",
@@ -43,13 +41,13 @@ __all__ = [
     "load_reference_state_dict",
     "quant_linears",
     "quant_stats",
-    "quantize_operand",
     "reference_gemm",
     "reference_state_dict",
     "reset_references",
     "scaled_gemm",
     "set_amax_reduce_group",
     "set_held_reference_reduce_group",
+    "set_quant_backend",
     "set_quant_stats",
     "set_step",
     "transformer_engine_status",

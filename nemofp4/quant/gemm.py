@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nemofp4 import kernels
 from nemofp4.formats import QuantizedBlocks
-
-from .blocks import BlockOperand, PackedOperand
 
 __all__ = ["GemmOperand", "decoded_gemm", "gemm", "reference_gemm", "scaled_gemm"]
 
@@ -37,7 +36,7 @@ class GemmOperand:
     GEMM reuses the fprop weight without quantizing it again.
     """
 
-    q: BlockOperand | PackedOperand | QuantizedBlocks
+    q: QuantizedBlocks
     transposed: bool = False
 
     def __post_init__(self) -> None:
@@ -97,7 +96,9 @@ def decoded_gemm(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
     return a.dequantized() @ b.dequantized().t()
 
 
-def gemm(a: GemmOperand, b: GemmOperand, *, mode: str, compute_dtype: torch.dtype) -> torch.Tensor:
+def gemm(
+    a: GemmOperand, b: GemmOperand, *, mode: str, compute_dtype: torch.dtype, backend: str = "auto"
+) -> torch.Tensor:
     """Dispatch on the recipe's GEMM mode; returns float32 ``[a.rows, b.rows]``.
 
     ``hardware`` is the UE5M3 paper's probe-matched model of a native FP4 GEMM (64-product
@@ -109,10 +110,8 @@ def gemm(a: GemmOperand, b: GemmOperand, *, mode: str, compute_dtype: torch.dtyp
     if mode == "decoded":
         return decoded_gemm(a, b)
     if mode == "hardware":
-        from nemofp4 import kernels
-
         assert not a.transposed
-        return kernels.gemm_hardware(a.q, b.q, b_transposed=b.transposed)
+        return kernels.gemm_hardware(a.q, b.q, b_transposed=b.transposed, backend=backend)
     raise ValueError(f"unknown gemm mode {mode!r}; valid modes are 'scaled', 'decoded' and 'hardware'")
 
 

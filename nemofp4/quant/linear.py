@@ -25,16 +25,15 @@ Tp tokens padded to a multiple of 16.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nemofp4 import kernels
-from nemofp4.formats import hadamard_transform
+from nemofp4.formats import QuantizedBlocks
 
-from .blocks import BlockOperand, PackedOperand
 from .config import LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, gemm
 from .reference import ReferenceState
@@ -42,7 +41,6 @@ from .reference import ReferenceState
 __all__ = ["FP32Linear", "QuantLinear"]
 
 _TOKEN_MULTIPLE = 16
-_EMPTY_F32 = torch.empty(0)
 
 
 def _mix_seed(*values: int) -> int:
@@ -64,7 +62,7 @@ def _pad_tokens(x_TD: torch.Tensor) -> torch.Tensor:
     return F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
 
 
-def _operand(packed: PackedOperand, gemm_mode: str):
+def _operand(packed: QuantizedBlocks, gemm_mode: str) -> QuantizedBlocks:
     """A saved operand in the form its GEMM reads: the hardware model takes the packed codes."""
     return packed if gemm_mode == "hardware" else packed.unpack()
 
@@ -87,9 +85,9 @@ class _Quantizer:
             self.references[ref] = self.layer._references.get(ref, x, training=self.layer.training)
         return self.references[ref]
 
-    def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> BlockOperand:
+    def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> QuantizedBlocks:
         op: OperandQuant = self.config.operand(role)
-        q = kernels.quantize_operand(  # Triton on CUDA, nemofp4.quant.blocks otherwise
+        q = kernels.quantize_operand(
             x,
             op,
             tensor_amax=self.reference(role, x),
@@ -97,11 +95,12 @@ class _Quantizer:
             two_d=two_d,
             pack=pack or self.pack_all,
             stats=self.layer.collect_stats,
+            backend=self.layer.quant_backend,
         )
         self.layer._record(role, q)
         return q
 
-    def x_and_xt(self, x_TK: torch.Tensor) -> tuple[BlockOperand, BlockOperand]:
+    def x_and_xt(self, x_TK: torch.Tensor) -> tuple[QuantizedBlocks, QuantizedBlocks]:
         """X for fprop and X^T [K, Tp] for wgrad (packed, it is saved), in one read on CUDA."""
         config = self.config
         amax = self.reference(Role.X, x_TK)
@@ -115,6 +114,7 @@ class _Quantizer:
             pack_x=self.pack_all,
             pack_xt=True,
             stats=self.layer.collect_stats,
+            backend=self.layer.quant_backend,
         )
         self.layer._record(Role.X, qx)
         self.layer._record(Role.X_WGRAD, qxt)
@@ -123,7 +123,8 @@ class _Quantizer:
     @property
     def pack_all(self) -> bool:
         # The Triton hardware GEMM reads packed codes.
-        return self.config.gemm == "hardware" and kernels.triton_enabled() and kernels.triton_available()
+        device = self.layer.weight.device
+        return self.config.gemm == "hardware" and kernels.resolve_backend(self.layer.quant_backend, device) == "triton"
 
 
 class _QuantLinearFunction(torch.autograd.Function):
@@ -141,9 +142,10 @@ class _QuantLinearFunction(torch.autograd.Function):
             qx = quantize(Role.X, x_TK)
             qxt = None
             if needs_dw:  # X^T with the Hadamard transform along the tokens
-                qxt = quantize(Role.X_WGRAD, hadamard_transform(_pad_tokens(x_TK).t()), pack=True)
+                rht = kernels.hadamard_transform(_pad_tokens(x_TK).t(), backend=layer.quant_backend)
+                qxt = quantize(Role.X_WGRAD, rht, pack=True)
         qw = quantize(Role.W, weight, pack=needs_dx and config.w.two_d)
-        y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype)
+        y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype, backend=layer.quant_backend)
         layer._capture_gemm("fprop", qx, qw, False, y_TN)
         del qx
         if bias is not None:
@@ -154,12 +156,12 @@ class _QuantLinearFunction(torch.autograd.Function):
         saved: list[torch.Tensor] = []
         ctx.xt_meta = ctx.w_meta = None
         if needs_dw:
-            saved += qxt.packed.tensors()
-            ctx.xt_meta = qxt.packed.meta()
+            saved += qxt.tensors()
+            ctx.xt_meta = qxt.meta()
         if needs_dx:
-            if qw.packed is not None:  # 16x16 tiles: W^T's quantization is this one, transposed
-                saved += qw.packed.tensors()
-                ctx.w_meta = qw.packed.meta()
+            if qw.codes is not None:  # 16x16 tiles: W^T's quantization is this one, transposed
+                saved += qw.tensors()
+                ctx.w_meta = qw.meta()
             else:
                 saved.append(weight)
         ctx.save_for_backward(*saved)
@@ -177,7 +179,7 @@ class _QuantLinearFunction(torch.autograd.Function):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         saved = list(ctx.saved_tensors)
         if needs_dw:
-            qxt = _operand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.xt_meta), config.gemm)
+            qxt = _operand(QuantizedBlocks.from_tensors(tuple(saved[:4]), ctx.xt_meta), config.gemm)
             saved = saved[4:]
         out_features = dy.shape[-1]
         dy_TN = dy.reshape(-1, out_features)
@@ -187,24 +189,34 @@ class _QuantLinearFunction(torch.autograd.Function):
         if needs_dx:
             qdy = quantize(Role.DY_DGRAD, dy_TN)
             if ctx.w_meta is not None:
-                wt = GemmOperand(_operand(PackedOperand.from_tensors(tuple(saved[:4]), ctx.w_meta), config.gemm), transposed=True)
+                wt = GemmOperand(_operand(QuantizedBlocks.from_tensors(tuple(saved[:4]), ctx.w_meta), config.gemm), transposed=True)
             else:
                 wt = GemmOperand(quantize(Role.W, saved[0].t(), two_d=False))
-            dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=ctx.compute_dtype)
+            dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=ctx.compute_dtype, backend=layer.quant_backend)
             layer._capture_gemm("dgrad", qdy, wt.q, wt.transposed, dx_TK)
             del qdy, wt
             dx = dx_TK.to(ctx.x_dtype).reshape(ctx.x_shape)
         if needs_dw:
             dyt_NTp = _pad_tokens(dy_TN).t()
             if config.dy_wgrad.hadamard:
-                dyt_NTp = hadamard_transform(dyt_NTp)
+                dyt_NTp = kernels.hadamard_transform(dyt_NTp, backend=layer.quant_backend)
             qdyt = quantize(Role.DY_WGRAD, dyt_NTp)
-            dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=ctx.compute_dtype)
+            dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=ctx.compute_dtype, backend=layer.quant_backend)
             layer._capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
             dw = dw_NK.to(layer.weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy_TN.float().sum(0).to(layer.bias.dtype)
         return dx, dw, db, None, None
+
+
+@functools.cache
+def _opaque_quant_linear():
+    """The FP4 linear as one opaque call for a compiled model (``distributed.compile``): dynamo
+    does not trace the quantization bookkeeping (held references, generators, statistics), whose
+    Python state would recompile the block again and again; the quantizer compiles itself.
+    Built at first use: ``torch.compiler.disable`` imports dynamo, which imports triton, and the
+    first triton import must come after ``TRITON_INTERPRET`` is set where it is used."""
+    return torch.compiler.disable(_QuantLinearFunction.apply)
 
 
 class QuantLinear(nn.Linear):
@@ -259,7 +271,8 @@ class QuantLinear(nn.Linear):
         self._generator: torch.Generator | None = None
         self._generator_seed: int | None = None
         self.collect_stats = True
-        self._stats: dict[str, BlockOperand] = {}
+        self.quant_backend = "auto"  # kernels backend: 'auto', 'triton', 'compiled' or 'eager'
+        self._stats: dict[str, QuantizedBlocks] = {}
         self._capture: list | None = None  # test hook: a list collects every GEMM (operands, product)
 
     # ----------------------------------------------------------------- step, seeds, references
@@ -283,10 +296,10 @@ class QuantLinear(nn.Linear):
         return self._references
 
     # ----------------------------------------------------------------- statistics and test hooks
-    def _record(self, role: Role, q: BlockOperand) -> None:
+    def _record(self, role: Role, q: QuantizedBlocks) -> None:
         if self.collect_stats:
             # Keep only the block counts (device scalars, read lazily), not the data.
-            self._stats[role.value] = dataclasses.replace(q, scaled=_EMPTY_F32, packed=None)
+            self._stats[role.value] = q.without_data()
 
     def quant_stats(self) -> dict[str, float]:
         """Fractions of the last quantization of each role: '<role>/<stat>' -> value."""
@@ -304,7 +317,7 @@ class QuantLinear(nn.Linear):
         else:
             compute_dtype = x.dtype
         with torch.autocast(device_type, enabled=False):
-            return _QuantLinearFunction.apply(x, self.weight, self.bias, self, compute_dtype)
+            return _opaque_quant_linear()(x, self.weight, self.bias, self, compute_dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, quant=[{self.quant_config.summary()}]"

@@ -63,28 +63,30 @@ class ReferenceState:
         self.step: int | None = None
         self.reduce_group: dist.ProcessGroup | None = None
         self.held_reduce_group: dist.ProcessGroup | None = None
+        self.backend = "auto"  # the kernels backend that measures amaxes
         self._warned_no_step = False
 
     def measure(self, x: torch.Tensor, *, for_held: bool = False) -> torch.Tensor:
         """Current amax of ``x`` as fp32 0-d, all-reduced (max) over ``reduce_group`` if set (and over
         ``held_reduce_group`` when sampling a held reference)."""
-        value = kernels.amax(x)  # Triton reduction on CUDA, nemofp4.formats.amax otherwise
+        value = kernels.amax(x, backend=self.backend)  # Triton on CUDA, nemofp4.formats.amax otherwise
         group = self.reduce_group if self.reduce_group is not None else (self.held_reduce_group if for_held else None)
         if group is not None:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return value
 
-    def get(self, name: str, x: torch.Tensor, *, training: bool) -> torch.Tensor:
-        """The reference to quantize ``x`` with, refreshing the held value when it is due.
+    def get(self, name: str, x: torch.Tensor, *, training: bool) -> torch.Tensor | None:
+        """The reference to quantize ``x`` with (None: the quantizer measures it), refreshing the held
+        value when it is due.
 
         Outside training (eval) a held value is used as is and never refreshed, so evaluation
         cannot change a training trajectory; an empty reference then falls back to the current
         amax without storing it.
         """
         interval = self.intervals[name]
-        if interval == 0:
-            return self.measure(x)
+        if interval == 0:  # current scaling: the quantizer measures max |x| in its own pass
+            return None if self.reduce_group is None else self.measure(x)
         held = self.held.get(name)
         if not training:
             return held.amax if held is not None else self.measure(x)

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nemofp4 import kernels
+
 from .linear import QuantLinear
 from .reference import HeldReference
 
@@ -21,6 +23,7 @@ __all__ = [
     "reference_state_dict",
     "reset_references",
     "set_amax_reduce_group",
+    "set_quant_backend",
     "set_quant_stats",
     "set_step",
 ]
@@ -109,6 +112,16 @@ def set_quant_stats(model: nn.Module, enabled: bool) -> None:
         module.collect_stats = enabled
         if not enabled:
             module._stats = {}
+
+
+def set_quant_backend(model: nn.Module, backend: str) -> None:
+    """Which kernels quantize every QuantLinear's operands: 'auto' (Triton on CUDA, the compiled
+    torch program on CPU with a C++ compiler, else eager), 'triton', 'compiled' or 'eager'. All
+    have the same numerics (see :mod:`nemofp4.kernels`)."""
+    kernels.check_backend(backend)
+    for _, module in quant_linears(model):
+        module.quant_backend = backend
+        module.references.backend = backend
 
 
 def set_held_reference_reduce_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:

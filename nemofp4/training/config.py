@@ -8,9 +8,11 @@ its own section, never the whole tree.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from nemofp4.data import DataConfig
+from nemofp4.kernels import BACKENDS as KERNEL_BACKENDS
 from nemofp4.models.nemotron_h.config import NemotronHConfig
 from nemofp4.recipes import PrecisionConfig
 from nemofp4.training.checkpoint import CheckpointConfig
@@ -57,10 +59,11 @@ class TrainConfig:
     """With head_chunk_tokens: let CUDA run the head's FP32 matmuls on TF32 tensor cores (faster,
     10-bit mantissa products). Off: the paper's true FP32 head."""
     kernels: str = "auto"
-    """FP4 quantization kernels: 'auto' (fused Triton kernels on CUDA when importable; on CPU the
-    quantizer compiled by torch.compile when a C++ compiler is present; else the eager PyTorch
-    path) or 'reference' (always the eager PyTorch path; same numerics for RNE, and on CPU for
-    every rounding)."""
+    """FP4 quantization kernels (nemofp4.kernels): 'auto' (fused Triton kernels on CUDA when
+    importable; on CPU the torch program compiled by torch.compile when a C++ compiler is present;
+    else the eager torch program), 'triton', 'compiled' or 'eager'. Same numerics on every path
+    (Triton's stochastic rounding draws its own random bits). 'reference' is a deprecated alias
+    of 'eager'."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "micro_batch"):
@@ -72,8 +75,11 @@ class TrainConfig:
             raise ValueError(f"train.head_chunk_tokens={self.head_chunk_tokens}; must be >= 0 (0: unchunked)")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"train.nonfinite={self.nonfinite!r}; valid: {NONFINITE_POLICIES}")
-        if self.kernels not in ("auto", "reference"):
-            raise ValueError(f"train.kernels={self.kernels!r}; valid: 'auto', 'reference'")
+        if self.kernels == "reference":
+            warnings.warn("train.kernels=reference is deprecated; it means train.kernels=eager", FutureWarning, stacklevel=2)
+            self.kernels = "eager"
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"train.kernels={self.kernels!r}; valid: {', '.join(KERNEL_BACKENDS)}")
         if self.tokens < 0 or self.max_steps < 0:
             raise ValueError(f"train.tokens={self.tokens} and train.max_steps={self.max_steps} must be >= 0")
 

@@ -26,11 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemofp4 import kernels
 from nemofp4.models import NemotronHConfig
 from nemofp4.models.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from nemofp4.models.nemotron_h.model import Block, RMSNorm
-from nemofp4.quant import FP32Linear, LinearQuantConfig, QuantLinear
+from nemofp4.quant import FP32Linear, LinearQuantConfig, QuantLinear, set_quant_backend
 from nemofp4.recipes import Recipe
 from nemofp4.recipes.apply import resolve_recipe
 from nemofp4.recipes.recipe import HighPrecision, TransformerEngineNVFP4
@@ -108,8 +107,9 @@ def _fp4_save_coefficients(part: LinearQuantConfig) -> tuple[float, float, float
     def measure(tokens: int, k: int, n: int) -> int:
         linear = nn.Linear(k, n, bias=False)
         QuantLinear.from_linear(linear, part, index=0)
+        set_quant_backend(linear, "eager")  # the saves of every backend; no compile for a measurement
         x = torch.randn(tokens, k, requires_grad=True)
-        with warnings.catch_warnings(), kernels.using_triton(False), _SavedBytes(exclude=[linear.weight, x]) as saved:
+        with warnings.catch_warnings(), _SavedBytes(exclude=[linear.weight, x]) as saved:
             warnings.simplefilter("ignore")  # no step is set: current scaling, the same saves
             linear(x)
         return saved.bytes

@@ -33,11 +33,12 @@ __all__ = [
 ]
 
 SAFE_KEYS = ("name", "run_dir", "resume", "resume_accept", "overwrite", "logging", "eval", "checkpoint", "debug",
-             "train.micro_batch", "train.max_skipped_steps", "train.head_chunk_tokens", "distributed")
+             "train.micro_batch", "train.max_skipped_steps", "train.head_chunk_tokens", "train.kernels", "distributed")
 """Keys (or sections) that change how a run is observed, saved or laid out over processes, not what it
 trains. Checkpoints reshard between world sizes and between one process and FSDP2, so `distributed`
 and `train.micro_batch` (another world size with the same global batch) may change: only the order of
-the gradient sums does (likewise for the LM head's chunking, `train.head_chunk_tokens`). Moving between DeepSpeed and the rest is refused (other checkpoint formats)."""
+the gradient sums does (likewise for the LM head's chunking, `train.head_chunk_tokens`); `train.kernels` picks among
+quantizers with the same numerics. Moving between DeepSpeed and the rest is refused (other checkpoint formats)."""
 BUDGET_KEYS = ("train.max_steps", "train.tokens")
 """The budget: may grow on resume (the schedule is recomputed for the new total, which the trainer
 states); shrinking it must be accepted by name and may never end before the checkpoint's step."""

@@ -31,6 +31,7 @@ from nemofp4.quant import (
     reference_state_dict,
     reset_references,
     set_held_reference_reduce_group,
+    set_quant_backend,
     set_quant_stats,
     set_step,
 )
@@ -131,7 +132,6 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.train.seed)
-        kernels.use_triton(cfg.train.kernels == "auto")
         check_model_vocab(cfg.data, cfg.model.vocab_size)
         self.loader = build_train_loader(
             cfg.data,
@@ -154,10 +154,11 @@ class Trainer:
         model = build_model(cfg.model, device="meta")
         self.recipe = recipe_from_config(cfg.precision)
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
+        set_quant_backend(model, cfg.train.kernels)
         if self.rank == 0:
             log_plan(cfg, world_size=self.world, device=self.device, log=log)
         if self.rank == 0 and self.layer_table.count("fp4"):
-            log.info("%s", kernels.describe(self.device))
+            log.info("%s", kernels.describe(self.device, cfg.train.kernels))
         dist_cfg = cfg.distributed
         require_process_group(dist_cfg.backend, self.env)
         if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model:

@@ -100,8 +100,8 @@ def test_sr8_rule_statistics_and_determinism_on_cuda():
     row = np.concatenate([np.full((4, 1), 6.0, np.float32), values], axis=1).reshape(-1)
     draws = 65536
     x = torch.from_numpy(np.tile(row, (draws, 1))).cuda()
-    rows, _ = triton_quantize_with_draws(x, scale_format="e4m3", tensor_amax=2688.0, rounding="sr8", seed=1)
-    r = rows.draws.cpu().numpy().reshape(draws, 4, 16)[:, :, 1:].astype(np.float64)
+    (rows, rows_draws), _ = triton_quantize_with_draws(x, scale_format="e4m3", tensor_amax=2688.0, rounding="sr8", seed=1)
+    r = rows_draws.cpu().numpy().reshape(draws, 4, 16)[:, :, 1:].astype(np.float64)
     frac = (values.astype(np.float64) - grid[lower]) / (grid[lower + 1] - grid[lower])
     away = frac + (2 * r + 1) / 512 >= 1
     magnitude = unpack_fp4(rows.codes).cpu().numpy().reshape(draws, 4, 16)[:, :, 1:] & 7
@@ -141,7 +141,7 @@ def test_hardware_gemm_on_cuda(scale_format):
 
 def test_operand_adapter_and_dispatch_on_cuda(monkeypatch):
     from nemofp4.kernels import operand, quantize
-    from nemofp4.quant.blocks import quantize_operand
+    from nemofp4.kernels.program import quantize_operand
     from nemofp4.quant.config import OperandQuant
 
     x = make_input(2000, 1024, seed=9)
@@ -161,6 +161,6 @@ def test_operand_adapter_and_dispatch_on_cuda(monkeypatch):
     kernels.quantize_blocks(x, "ue5m3")
     kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"))
     assert len(calls) == 2
-    with kernels.using_triton(False):
-        kernels.quantize_blocks(x, "ue5m3")
+    kernels.quantize_blocks(x, "ue5m3", backend="eager")
+    kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend="compiled")
     assert len(calls) == 2

@@ -12,8 +12,9 @@ earlier ones wrote). The HTML comment on the line just before a block controls i
 
 Commands and examples that are not to be run belong in ```text blocks; a fence without a
 language is an error, so no command escapes the check. ``nemofp4-*``, ``python`` and
-``torchrun`` resolve to this interpreter and the scratch copy's code. The CPU quantizer runs
-eagerly (``NEMOFP4_CPU_COMPILE=0``: the same numerics, no compile time). Pages run side by side
+``torchrun`` resolve to this interpreter and the scratch copy's code. Training commands also get
+``train.kernels=eager`` (:data:`TRAIN_APPEND`): the eager CPU quantizer has the compiled one's
+numerics bit for bit and saves each command its compile time. Pages run side by side
 (``NEMOFP4_DOCS_TEST_JOBS``, default 2), the blocks of one page one after another.
 """
 
@@ -36,6 +37,8 @@ BLOCK_TIMEOUT_S = 600
 _DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(?P<kind>[a-z]+)\s*:\s*(?P<arg>.*?)\s*-->\s*$")
 _FENCE = re.compile(r"^(?P<fence>```+|~~~+)(?P<lang>[^\s`]*)")
 _NEMOFP4 = re.compile(r"^nemofp4-[a-z-]+$")
+TRAIN_APPEND = "train.kernels=eager"
+"""Appended to every training command (bitwise the same run as the default compiled quantizer)."""
 
 
 @dataclass(frozen=True)
@@ -126,13 +129,25 @@ def logical_lines(text: str) -> list[str]:
     return out
 
 
+def is_train_command(code: str) -> bool:
+    """A nemofp4 command that trains: nemofp4-train, or -m nemofp4.train / nemofp4.cli.train."""
+    words = code.split()
+    return is_nemofp4_command(code) and any(
+        w == "nemofp4-train" or (a == "-m" and w in ("nemofp4.train", "nemofp4.cli.train"))
+        for a, w in zip(["", *words], words)
+    )
+
+
 def render(block: Block) -> str:
-    """The script the test runs: the block, with its overrides appended to the nemofp4 commands."""
+    """The script the test runs: the block, with its overrides appended to the nemofp4 commands
+    (and :data:`TRAIN_APPEND` to the training commands)."""
     lines = []
     for line in logical_lines(block.text):
         code, _comment = split_comment(line)
         if block.append and is_nemofp4_command(code):
             code = f"{code} {block.append}"
+        if is_train_command(code):
+            code = f"{code} {TRAIN_APPEND}"
         lines.append(code)
     return "\n".join(lines) + "\n"
 
@@ -161,13 +176,14 @@ def test_the_parser_and_the_override_rewriting():
     )
     rendered = render(Block(block.page, 1, "bash", text, None, block.append)).splitlines()
     assert rendered == [
-        "nemofp4-train experiment=tiny_ue5m3 train.max_steps=2",
-        "DATA_ROOT=/d python -m nemofp4.train a='#not a comment'      b=1 train.max_steps=2",
-        "torchrun --nproc_per_node=2 -m nemofp4.train x=1 train.max_steps=2",
+        f"nemofp4-train experiment=tiny_ue5m3 train.max_steps=2 {TRAIN_APPEND}",
+        f"DATA_ROOT=/d python -m nemofp4.train a='#not a comment'      b=1 train.max_steps=2 {TRAIN_APPEND}",
+        f"torchrun --nproc_per_node=2 -m nemofp4.train x=1 train.max_steps=2 {TRAIN_APPEND}",
         "",
         "ls runs/#x",
     ]
     assert not is_nemofp4_command("python scripts/compare_recipes.py --steps 2")
+    assert is_nemofp4_command("nemofp4-eval checkpoint=runs/demo") and not is_train_command("nemofp4-eval checkpoint=x")
 
 
 def _console_scripts() -> dict[str, str]:
@@ -207,7 +223,6 @@ def _env(cwd: Path, bin_dir: Path) -> dict[str, str]:
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
         PYTHONPATH=str(cwd),
-        NEMOFP4_CPU_COMPILE="0",
         WANDB_MODE="offline",
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",

@@ -147,18 +147,18 @@ def test_main_command_end_to_end_with_offline_wandb(tmp_path):
 
 
 def test_compiled_cpu_quantizer_trains_exactly_as_the_eager_path(tmp_path):
-    """train.kernels=auto (the compiled CPU quantizer, when a C++ compiler is here) and
-    train.kernels=reference (eager) give the same losses and gradient norms, step for step."""
-    from nemofp4.kernels.compiled import cpu_compile_available
+    """train.kernels=auto (the compiled torch program, when a C++ compiler is here) and
+    train.kernels=eager give the same losses and gradient norms, step for step."""
+    from nemofp4.kernels import cpu_compile_available
 
     if not cpu_compile_available():
         pytest.skip("needs a C++ compiler for torch.compile")
     common = ["precision=ue5m3", "train.max_steps=4", "checkpoint.save_final=false"]
     fast = run_train(tmp_path / "auto", *common)
-    eager = run_train(tmp_path / "reference", *common, "train.kernels=reference")
-    assert "FP4 quantization: compiled CPU quantizer" in fast.stdout + fast.stderr
-    assert "FP4 quantization: eager PyTorch path" in eager.stdout + eager.stderr
-    assert train_curve(tmp_path / "auto") == train_curve(tmp_path / "reference")
+    eager = run_train(tmp_path / "eager", *common, "train.kernels=eager")
+    assert "FP4 quantization: compiled torch program" in fast.stdout + fast.stderr
+    assert "FP4 quantization: eager torch program" in eager.stdout + eager.stderr
+    assert train_curve(tmp_path / "auto") == train_curve(tmp_path / "eager")
 
 
 def test_activation_checkpointing_reproduces_the_same_quantization(tmp_path):

@@ -34,6 +34,7 @@ from nemofp4.kernels.quantize import (  # noqa: E402
     triton_quantize_blocks,
     triton_quantize_with_draws,
 )
+from nemofp4.quant.config import OperandQuant  # noqa: E402
 
 if not isinstance(_quantize_kernels.quantize_kernel, InterpretedFunction):
     pytest.skip(
@@ -213,24 +214,24 @@ def _encode_per_element(ref, b: int) -> np.ndarray:
 @pytest.mark.parametrize("scale_format", ["ue5m3", "e4m3"])
 def test_sr8_follows_the_8bit_rule_given_the_kernels_draws(scale_format):
     x = make_input(40, 56, seed=21)
-    rows, cols = triton_quantize_with_draws(
+    (rows, rows_draws), (cols, cols_draws) = triton_quantize_with_draws(
         x, scale_format=scale_format, rounding="sr8", seed=1234, transposed=True
     )
-    for ours, source in ((rows, x), (cols, x.t())):
+    for ours, ours_draws, source in ((rows, rows_draws, x), (cols, cols_draws, x.t())):
         ref = quantize_blocks(source, scale_format)  # scale codes never depend on the payload rounding
         assert torch.equal(ours.scale_codes, ref.scale_codes)
-        draws = ours.draws.numpy()
+        draws = ours_draws.numpy()
         assert draws.min() >= 0 and draws.max() <= 255
         x_pad = np.zeros(ref.padded_shape, dtype=np.float32)
         x_pad[: source.shape[0], : source.shape[1]] = source.numpy()
         expected = _expected_sr8(x_pad, _encode_per_element(ref, 16), draws)
         np.testing.assert_array_equal(unpack_fp4(ours.codes).numpy(), expected)
     # the two directions draw independent streams; the draws look uniform on 0..255, per lane too
-    assert not np.array_equal(rows.draws[:40, :40].numpy(), cols.draws[:40, :40].numpy().T)
-    draws = np.concatenate([rows.draws.numpy().ravel(), cols.draws.numpy().ravel()]).astype(np.float64)
+    assert not np.array_equal(rows_draws[:40, :40].numpy(), cols_draws[:40, :40].numpy().T)
+    draws = np.concatenate([rows_draws.numpy().ravel(), cols_draws.numpy().ravel()]).astype(np.float64)
     sigma = math.sqrt((256**2 - 1) / 12)
     assert abs(draws.mean() - 127.5) <= 4 * sigma / math.sqrt(draws.size)
-    lanes = rows.draws.numpy().reshape(-1, 16).astype(np.float64)
+    lanes = rows_draws.numpy().reshape(-1, 16).astype(np.float64)
     assert np.all(np.abs(lanes.mean(0) - 127.5) <= 4 * sigma / math.sqrt(lanes.shape[0]))
 
 
@@ -301,8 +302,7 @@ def test_bad_arguments_raise():
 # --------------------------------------------------------------------------- quant adapter, dispatch
 def test_quant_operand_adapter_matches_quantize_operand():
     from nemofp4.kernels.operand import triton_quantize_operand, triton_quantize_operand_pair
-    from nemofp4.quant.blocks import quantize_operand
-    from nemofp4.quant.config import OperandQuant
+    from nemofp4.kernels.program import quantize_operand
 
     x = make_input(50, 72, seed=4, dtype=torch.bfloat16)
     ops = [
@@ -340,8 +340,9 @@ def test_dispatch_and_switch(monkeypatch):
     monkeypatch.setattr("nemofp4.kernels.quantize.triton_quantize_blocks", lambda *a, **k: calls.append(1))
     assert_same(kernels.quantize_blocks(x, "ue5m3"), quantize_blocks(x, "ue5m3"))
     assert torch.equal(kernels.amax(x), amax(x)) and not calls
-    assert kernels.triton_enabled()
-    with kernels.using_triton(False):
-        assert not kernels.triton_enabled()
-    assert kernels.triton_enabled()
+    assert kernels.resolve_backend("auto", "cpu") in ("compiled", "eager")
+    with pytest.raises(ValueError, match="backend 'triton' needs CUDA tensors"):
+        kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend="triton")
+    with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):
+        kernels.amax(x, backend="reference")
     assert set(SCALE_FORMATS) == set(FORMATS)

@@ -68,9 +68,8 @@ def make_operand(values, scales, *, scale_format="ue5m3", tensor_scale=1.0, bloc
         block_size=block,
         two_d=False,
         scale_format=scale_format,
-        _counts={},
-        _num_blocks=scales.numel(),
-        _num_elements=values.numel(),
+        num_blocks=scales.numel(),
+        num_elements=values.numel(),
     )
 
 

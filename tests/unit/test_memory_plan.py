@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemofp4 import kernels
 from nemofp4.models import build_model, get_model_config
-from nemofp4.quant import set_step
+from nemofp4.quant import set_quant_backend, set_step
 from nemofp4.recipes import apply_recipe, get_recipe
 from nemofp4.training.memory_plan import LiveTensorBytes, plan_memory
 from nemofp4.training.parallel import DistributedConfig, apply_activation_checkpointing
@@ -26,6 +25,7 @@ def _real_saved_bytes(model_cfg, recipe, *, ac: bool, seq_len: int, micro_batch:
     torch.manual_seed(0)
     model = build_model(model_cfg, device="meta")
     apply_recipe(model, recipe, log=False)
+    set_quant_backend(model, "eager")
     if ac:
         apply_activation_checkpointing(model)
     model.to_empty(device="cpu")
@@ -34,7 +34,7 @@ def _real_saved_bytes(model_cfg, recipe, *, ac: bool, seq_len: int, micro_batch:
     ids = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len))
     labels = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len))
     tracker = LiveTensorBytes(ids, labels, *model.parameters(), *model.buffers())
-    with kernels.using_triton(False), tracker:
+    with tracker:
         logits = model(ids)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
     del logits  # the plain loss keeps its own FP32 log-softmax; the logits are not needed for backward

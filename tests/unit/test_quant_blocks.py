@@ -1,13 +1,14 @@
-"""The fast operand quantizer (nemofp4.quant.blocks) against the reference quantize_blocks: bitwise."""
+"""The torch quantization program (nemofp4.kernels.program), run eagerly, against the reference
+quantize_blocks: bitwise."""
 
 import itertools
 
 import pytest
 import torch
 
-from nemofp4.formats import quantize_blocks
+from nemofp4.formats import QuantizedBlocks, quantize_blocks
+from nemofp4.kernels.program import quantize_operand
 from nemofp4.quant import OperandQuant
-from nemofp4.quant.blocks import PackedOperand, quantize_operand
 from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
 
 
@@ -83,7 +84,7 @@ def test_non_finite_input_gives_non_finite_output_not_a_crash():
 def test_packed_operand_survives_the_saved_tensor_round_trip():
     x = torch.randn(40, 64)
     q = quantize_operand(x, OperandQuant(scale_format="ue5m3", two_d=True), pack=True)
-    again = PackedOperand.from_tensors(q.packed.tensors(), q.packed.meta()).unpack()
+    again = QuantizedBlocks.from_tensors(q.packed.tensors(), q.packed.meta()).unpack()
     assert torch.equal(again.scaled, q.scaled)
     assert torch.equal(again.dequantize(), q.dequantize())
     # 4.5 bits per element: half a byte of codes plus one scale byte per 16x16 tile

@@ -1,0 +1,118 @@
+"""The scaling formulas every FP4 block quantizer shares, written once.
+
+The float64-checked reference (:func:`nemofp4.formats.quantize_blocks`) and the torch program
+that runs eagerly and under ``torch.compile`` (:mod:`nemofp4.kernels.program`) both call these
+functions, so the FP32 order of operations that makes NVFP4 and UE5M3 bit-faithful lives in
+one place. (The Triton kernels restate them in Triton's language; tests hold them equal.)
+
+* :func:`global_scales`: the tensor scale ``1/G`` and the block-code multiplier ``G * fp32(1/6)``;
+  ``G = fp32(T * 6) / g`` capped at FLT_MAX, with each recipe's rule for a zero amax.
+* :func:`round_scale_rne` / :func:`encode_scales`: a block scale rounded onto an E4M3/UE5M3 grid
+  and its uint8 code, as integer operations on the float32 bits (they compile to vector code).
+* :func:`mx_floor_exponent`: OCP MX's exact power-of-two block exponent.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from .minifloat import get_format
+
+__all__ = [
+    "E2M1_EMAX",
+    "FLT_MAX",
+    "FP4_MAX",
+    "ScaleGrid",
+    "encode_scales",
+    "global_scales",
+    "mx_floor_exponent",
+    "round_scale_rne",
+    "scale_grid",
+    "scaled_target",
+]
+
+FP4_MAX = 6.0
+FLT_MAX = torch.finfo(torch.float32).max
+E2M1_EMAX = 2  # floor(log2(6)): OCP MX's shared-exponent offset for FP4 payloads
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_target(scale_target: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor(scale_target * FP4_MAX, dtype=torch.float32, device=device)
+
+
+def scaled_target(scale_target: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32(T * 6) as a cached 0-d tensor: T * 6 in double, rounded once (TE's ``fp32(448*6)``).
+
+    A tensor, not a Python number: ``number / tensor`` in torch is ``reciprocal(tensor) * number``,
+    which rounds differently from the division the recipes specify."""
+    return _scaled_target(float(scale_target), torch.device(device))
+
+
+def global_scales(
+    scale_format: str, g: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor_scale = 1/G, G * fp32(1/6)) for the tensor reference ``g`` (float32 0-d).
+
+    ``target`` is :func:`scaled_target`. TE (``e4m3``): g = 0 gives FLT_MAX and only a zero
+    multiplier (g = inf) becomes 1; the UE5M3 emulator: g = 0 gives G = 1.
+    """
+    multiplier = torch.clamp(target / g, max=FLT_MAX)
+    if scale_format == "e4m3":
+        multiplier = torch.where(multiplier == 0, 1.0, multiplier)
+    else:
+        multiplier = torch.where(g == 0, 1.0, multiplier)
+    return torch.reciprocal(multiplier), multiplier * (1.0 / FP4_MAX)
+
+
+class ScaleGrid(NamedTuple):
+    """A block-scale format as Python numbers (a compiled caller sees constants)."""
+
+    mantissa_bits: int
+    bias: int
+    min_normal: float
+    min_subnormal: float
+    max_finite: float
+
+
+@functools.lru_cache(maxsize=16)
+def scale_grid(scale_format: str) -> ScaleGrid:
+    fmt = get_format(scale_format)
+    return ScaleGrid(fmt.mantissa_bits, fmt.bias, fmt.min_normal, fmt.min_subnormal, fmt.max_finite)
+
+
+def round_scale_rne(v: torch.Tensor, grid: ScaleGrid) -> torch.Tensor:
+    """RNE of non-negative float32 ``v`` (<= max_finite) onto an (U)E?M3-style scale grid.
+
+    Normals: round the float32 significand to the format's mantissa bits (integer RNE on the
+    bits; carries into the exponent are correct). Subnormals: ``(v + C) - C`` with ulp(C)
+    equal to the smallest subnormal, one IEEE addition that rounds to that grid, ties to even.
+    """
+    drop = 23 - grid.mantissa_bits
+    bits = v.view(torch.int32)
+    half = (1 << (drop - 1)) - 1
+    normal = ((bits + half + ((bits >> drop) & 1)) & ~((1 << drop) - 1)).view(torch.float32)
+    magic = 1.5 * 2.0 ** (23 + math.log2(grid.min_subnormal))
+    subnormal = (v + magic) - magic
+    return torch.where(v < grid.min_normal, subnormal, normal)
+
+
+def encode_scales(scale: torch.Tensor, grid: ScaleGrid) -> torch.Tensor:
+    """uint8 codes of non-negative float32 values that lie on the scale format's grid."""
+    bits = scale.view(torch.int32)
+    m = grid.mantissa_bits
+    exponent = ((bits >> 23) & 0xFF) - 127 + grid.bias
+    normal = (exponent << m) | ((bits >> (23 - m)) & ((1 << m) - 1))
+    subnormal = (scale * (1.0 / grid.min_subnormal)).int()
+    return torch.where(scale < grid.min_normal, subnormal, normal).to(torch.uint8)
+
+
+def mx_floor_exponent(block_amax: torch.Tensor) -> torch.Tensor:
+    """OCP MX's block exponent ``floor(log2(amax_b)) - 2`` (-127 for a zero block), unclamped,
+    int32, computed exactly from the float32 exponent (a float ``log2`` can be one off)."""
+    _, exp = torch.frexp(block_amax)  # amax = mantissa * 2^exp, mantissa in [0.5, 1)
+    return torch.where(block_amax > 0, exp - 1 - E2M1_EMAX, -127)

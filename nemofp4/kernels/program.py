@@ -1,0 +1,280 @@
+"""The one torch program that quantizes a GEMM operand: run eagerly, or compiled by Inductor.
+
+:func:`quantize_operand` covers every scale format (E4M3, UE5M3, UE8M0) and payload rounding
+(RNE, sr8, exact SR) with 1-D blocks or 2-D tiles. Its core, :func:`_quantize_core`, is plain
+tensor code over the shared formulas of :mod:`nemofp4.formats.scaling`; ``compiled=True`` hands
+that same function to ``torch.compile``, whose C++ backend fuses it into a block-amax reduction
+and one elementwise loop. Inductor compiles without value-changing math flags (no
+reassociation, no contraction), so eager and compiled results are bitwise equal, and both
+equal the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the tests hold
+them to that.
+
+Random bits are drawn outside the core with the reference's calls (:func:`sr8_words` for sr8,
+one float64 ``torch.rand`` per element for exact SR), so every path consumes a generator
+identically. Unlike the reference the program does not check for NaN/Inf (that would
+synchronize): a non-finite input yields non-finite values, which the trainer's checks catch.
+
+Compiling needs a C++ compiler (:func:`cpu_compile_available`); a build that fails anyway warns
+once and runs the core eagerly on the same inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nemofp4.formats import QuantizedBlocks, hadamard_transform
+from nemofp4.formats.minifloat import sr8_bytes, sr8_words
+from nemofp4.formats.scaling import (
+    FLT_MAX,
+    FP4_MAX,
+    encode_scales,
+    global_scales,
+    mx_floor_exponent,
+    round_scale_rne,
+    scale_grid,
+    scaled_target,
+)
+
+__all__ = ["compiled_hadamard_transform", "cpu_compile_available", "quantize_operand"]
+
+_STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks")
+_PROGRAM_RECOMPILE_LIMIT = 128  # one graph per Spec; every Spec recompiles the same core function
+_POW2_MIN = 2.0**-127  # the smallest UE8M0 scale, a float32 subnormal
+_SCALE_GRIDS = {name: scale_grid(name) for name in ("e4m3", "ue5m3", "ue5m3_cuda")}  # plain dict: compiles
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The static part of one quantization: one compiled graph per distinct spec.
+
+    The statistics counts are always computed (three block-level reductions, cheap): a run that
+    collects them only on logging steps then never compiles a second graph variant for them."""
+
+    scale_format: str
+    block_size: int
+    two_d: bool
+    rounding: str
+    pack: bool
+    measure: bool
+    """Current scaling: the tensor reference is max |x|, reduced from the block amaxes inside
+    the program (one pass over ``x`` fewer than a separate amax)."""
+
+
+_compile_failed = False
+
+
+@functools.cache
+def _compiler_on_path() -> bool:
+    compiler = os.environ.get("CXX") or "c++"
+    return any(shutil.which(c) for c in (compiler, "g++", "clang++"))
+
+
+def cpu_compile_available() -> bool:
+    """``torch.compile`` can build CPU kernels here: a C++ compiler is on PATH (or in ``CXX``),
+    and no build has failed in this process."""
+    return not _compile_failed and _compiler_on_path()
+
+
+# ------------------------------------------------------------------------------------ core
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exactly 2^e in float32 for int32 e in [-127, 127], built from the bits."""
+    normal = ((exponent + 127).clamp(min=1) << 23).view(torch.float32)
+    return torch.where(exponent > -127, normal, _POW2_MIN)
+
+
+def _quantize_core(
+    blocks: torch.Tensor, g: torch.Tensor, target: torch.Tensor, draws: torch.Tensor | None, spec: _Spec
+):
+    """Quantize ``blocks``, padded float32 ``x`` viewed as [R, 1, C/b, b] (1-D blocks) or
+    [R/b, b, C/b, b] (2-D tiles), so that a block is dims 1 and 3.
+
+    ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
+    0-d float32; ``draws`` the random bits (sr8: int32 words; sr: float64 uniforms shaped like
+    ``blocks``). Returns (scaled values shaped like ``blocks``, tensor_scale, g, uint8 E2M1 codes
+    shaped like ``blocks`` | None,
+    scale codes [R or R/b, C/b] | None, counts [3]: saturated, underflowed and zero blocks).
+    """
+    block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    if spec.measure:
+        g = block_amax.amax()  # == max |x| (padding is zero), exactly
+
+    if spec.scale_format == "ue8m0":  # OCP MX: power-of-two block scales, no tensor scale
+        tensor_scale = torch.ones((), dtype=torch.float32, device=blocks.device)
+        unclamped = mx_floor_exponent(block_amax)
+        exponent = unclamped.clamp(-127, 127)
+        block_scale, encode = _pow2(exponent), _pow2(-exponent)
+        saturated, underflow = unclamped > 127, (unclamped < -127) & (block_amax > 0)
+    else:
+        grid = _SCALE_GRIDS[spec.scale_format]
+        tensor_scale, code_multiplier = global_scales(spec.scale_format, g, target)
+        ideal = torch.clamp(block_amax * code_multiplier, max=FLT_MAX)
+        rounded_scale = round_scale_rne(torch.clamp(ideal, max=grid.max_finite), grid)
+        # UE5M3 (the paper's emulator): a zero scale code becomes 1.0 before the reciprocal
+        block_scale = rounded_scale if spec.scale_format == "e4m3" else rounded_scale + (rounded_scale == 0)
+        encode = torch.clamp(torch.reciprocal(block_scale * tensor_scale), max=FLT_MAX)
+        saturated, underflow = ideal > grid.max_finite, (rounded_scale == 0) & (block_amax > 0)
+
+    # Payload magnitude |y| = |x| * encode, saturating at 6, rounded onto the E2M1 grid, whose
+    # binades [0,2), [2,4), [4,6] have spacings 1/2, 1, 2 (comparisons, not bit casts: they
+    # vectorize).
+    magnitude = torch.clamp(blocks.abs() * encode, max=FP4_MAX)
+    upper, middle = magnitude >= 4.0, magnitude >= 2.0
+    inv = torch.where(upper, 0.5, torch.where(middle, 1.0, 2.0))  # 1 / spacing
+    if spec.rounding == "rne":
+        magic = torch.where(
+            upper, 1.5 * 2.0**24, torch.where(middle, 1.5 * 2.0**23, 1.5 * 2.0**22)
+        )  # ulp = spacing
+        rounded = (magnitude + magic) - magic  # one IEEE addition rounds to the grid, ties to even
+        steps = rounded * inv
+    else:
+        scaled_grid = magnitude * inv  # |y| / spacing: exact
+        lower = torch.floor(scaled_grid)
+        frac = scaled_grid - lower  # the exact fraction of a grid step
+        if spec.rounding == "sr8":  # away from zero iff frac >= 1 - (2r + 1)/512, r the element's byte
+            r = sr8_bytes(draws, blocks.numel()).view(blocks.shape).to(torch.float32)
+            away = frac >= r * (-2.0 / 512) + (511.0 / 512)
+        else:  # exact SR: away from zero iff u < frac, u uniform on [0, 1) in float64
+            away = draws < frac.double()
+        steps = torch.where(away, lower + 1.0, lower)
+        rounded = steps / inv
+    values = torch.copysign(rounded, blocks) * block_scale
+
+    codes = scale_codes = None
+    if spec.pack:
+        # E2M1 code = sign * 8 + the binade's first code (0, 2, 4 spacings) + steps.
+        offset = torch.where(upper, 4.0, torch.where(middle, 2.0, 0.0))
+        negative = (
+            torch.copysign(torch.ones_like(blocks), blocks) < 0
+        )  # -0.0 too (signbit does not vectorize)
+        codes = (torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8)
+        if spec.scale_format == "ue8m0":
+            scale_codes = (exponent + 127).to(torch.uint8)
+        else:
+            scale_codes = encode_scales(block_scale, grid)
+        scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
+    counts = torch.stack((saturated, underflow, block_amax == 0)).view(3, -1).sum(1)
+    return values, tensor_scale, g, codes, scale_codes, counts
+
+
+@functools.cache
+def _compiled(spec: _Spec):
+    # The caller marks the block-count dims dynamic; the spec and the block size stay constants.
+    return torch.compile(functools.partial(_quantize_core, spec=spec), dynamic=False, fullgraph=True)
+
+
+def _run_compiled(spec: _Spec, *args):
+    """The compiled core. If it cannot be built here (a broken toolchain, missing headers), warn
+    once, stop compiling in this process and run this call's core eagerly on the same inputs
+    (the same numerics, and the random draws already made are the ones used)."""
+    global _compile_failed
+    if not _compile_failed:
+        try:
+            # Scoped, not process-wide: each Spec is one more graph of the same function.
+            with torch._dynamo.config.patch(recompile_limit=_PROGRAM_RECOMPILE_LIMIT):
+                return _compiled(spec)(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            _compile_failed = True
+            warnings.warn(
+                f"torch.compile could not build the CPU FP4 quantizer ({error}); quantizing with the "
+                "eager PyTorch path instead (same numerics, slower). kernels=eager skips the attempt.",
+                stacklevel=3,
+            )
+    return _quantize_core(*args, spec=spec)
+
+
+@functools.cache
+def _compiled_hadamard():
+    return torch.compile(hadamard_transform, dynamic=False, fullgraph=True)
+
+
+def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """:func:`nemofp4.formats.hadamard_transform` (TE's wgrad signs) fused by Inductor into one
+    loop instead of a dozen eager passes: the same sign flips, scaling and butterfly additions
+    in the same order, so the same bits. Falls back to the eager transform where compiling is
+    off (no compiler, or a failed build)."""
+    if _compile_failed or torch.compiler.is_compiling():
+        return hadamard_transform(x)
+    torch._dynamo.maybe_mark_dynamic(x, tuple(range(x.dim())))  # a 16-token dim specializes
+    with torch._dynamo.config.patch(recompile_limit=_PROGRAM_RECOMPILE_LIMIT):
+        return _compiled_hadamard()(x)
+
+
+# ------------------------------------------------------------------------------------ entry
+def quantize_operand(
+    x: torch.Tensor,
+    op,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    two_d: bool | None = None,
+    pack: bool = False,
+    stats: bool = True,
+    compiled: bool = False,
+) -> QuantizedBlocks:
+    """Quantize a 2-D ``x`` along its last dim (or in 2-D tiles) as ``op`` (an ``OperandQuant``:
+    ``scale_format``, ``block_size``, ``two_d``, ``rounding``, ``scale_target``) says.
+
+    Equals ``quantize_blocks(x, op.scale_format, op.block_size, two_d, op.scale_target,
+    tensor_amax, op.rounding, generator)`` bitwise (``scaled`` == its ``scaled_values()``).
+    The result has the scaled form; ``pack`` adds the packed codes (for operands saved for
+    backward). ``stats`` keeps the saturation/underflow/zero counts (on the device, no
+    synchronization). ``compiled`` runs the core through ``torch.compile`` (inside an already
+    compiled region it is inlined).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
+    two_d = op.two_d if two_d is None else two_d
+    b = op.block_size
+    rows, cols = x.shape
+    x32 = x.detach().float()
+    pad_r, pad_c = (-rows % b if two_d else 0), -cols % b
+    if pad_r or pad_c:
+        x32 = F.pad(x32, (0, pad_c, 0, pad_r))
+    rows_p, cols_p = x32.shape
+    row_block = b if two_d else 1
+    blocks = x32.contiguous().view(rows_p // row_block, row_block, cols_p // b, b)
+    g = None if tensor_amax is None else tensor_amax.detach().float().reshape(())
+    target = scaled_target(op.scale_target if op.scale_format != "ue8m0" else 448.0, x.device)
+    draws = None
+    if op.rounding == "sr8":
+        draws = sr8_words(rows_p * cols_p, generator, x.device)
+    elif op.rounding == "sr":
+        draws = torch.rand((rows_p, cols_p), generator=generator, device=x.device, dtype=torch.float64)
+        draws = draws.view(blocks.shape)
+    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=g is None)
+    if compiled and not torch.compiler.is_compiling():
+        core = functools.partial(_run_compiled, spec)
+        torch._dynamo.mark_dynamic(blocks, (0, 2))  # one graph for every operand shape
+        if draws is not None:
+            torch._dynamo.mark_dynamic(draws, 0 if op.rounding == "sr8" else (0, 2))
+    else:
+        core = functools.partial(_quantize_core, spec=spec)
+    values, tensor_scale, g, codes, scale_codes, counts = core(blocks, g, target, draws)
+
+    if pack:
+        # two codes per byte, even element in the low nibble (outside the fused loop, whose
+        # vectorized body would otherwise compute every element twice, once per nibble)
+        pairs = codes.view(-1, 2)
+        codes = torch.bitwise_or(pairs[:, 1] << 4, pairs[:, 0]).view(rows_p, cols_p // 2)
+    return QuantizedBlocks(
+        shape=(rows, cols),
+        padded_shape=(rows_p, cols_p),
+        block_size=b,
+        two_d=two_d,
+        scale_format=op.scale_format,
+        tensor_scale=tensor_scale,
+        tensor_amax=g,
+        codes=codes,
+        scale_codes=scale_codes,
+        scaled=values.view(rows_p, cols_p),
+        counts=dict(zip(_STAT_NAMES, counts.unbind())) if stats else {},
+        num_blocks=(rows_p // row_block) * (cols_p // b),
+        num_elements=rows * cols,
+    )

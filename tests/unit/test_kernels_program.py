@@ -1,0 +1,224 @@
+"""The torch quantization program (nemofp4.kernels.program) compiled by Inductor against the
+reference quantize_blocks and the same program run eagerly: bitwise, for every scale format and
+rounding; and the backend setting that chooses the path."""
+
+import pytest
+import torch
+
+from nemofp4 import kernels
+from nemofp4.formats import quantize_blocks
+from nemofp4.kernels import program
+from nemofp4.kernels.program import cpu_compile_available, quantize_operand
+from nemofp4.quant import OperandQuant
+from tests.unit.test_quant_blocks import CASES, _inputs
+from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+
+needs_compiler = pytest.mark.skipif(
+    not cpu_compile_available(), reason="needs a C++ compiler for torch.compile"
+)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+# Every case compiles a graph (seconds each): a representative third runs by default.
+FAST = {("e4m3", 16, True, "rne"), ("ue5m3", 16, False, "rne"), ("ue5m3_cuda", 16, True, "sr8"), ("ue5m3", 16, False, "sr8"),
+        ("e4m3", 16, False, "sr"), ("ue8m0", 32, False, "rne"), ("ue8m0", 32, True, "sr")}  # fmt: skip
+COMPILED_CASES = [c if c[:4] in FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
+
+
+@needs_compiler
+@pytest.mark.parametrize("fmt,block,two_d,rounding,target", COMPILED_CASES)
+def test_compiled_program_is_bitwise_the_reference_and_the_eager_program(fmt, block, two_d, rounding, target):
+    op = OperandQuant(scale_format=fmt, block_size=block, two_d=two_d, rounding=rounding, scale_target=target)
+    for label, x in _inputs():
+        references = [None] if fmt == "ue8m0" else [None, torch.tensor(0.5), torch.tensor(40.0)]
+        for reference in references:
+            seeds = [torch.Generator().manual_seed(11) for _ in range(3)]
+            ref = quantize_blocks(x, fmt, block, two_d, target, reference, rounding, seeds[0])
+            eager = quantize_operand(x, op, tensor_amax=reference, generator=seeds[1], pack=True)
+            fast = quantize_operand(
+                x, op, tensor_amax=reference, generator=seeds[2], pack=True, compiled=True
+            )
+            where = f"{label}, reference={reference}"
+            assert torch.equal(fast.scaled, ref.scaled_values()), where
+            assert torch.equal(_bits(fast.scaled), _bits(eager.scaled)), where  # signed zeros too
+            assert torch.equal(fast.tensor_scale, ref.tensor_scale), where
+            assert torch.equal(fast.tensor_amax, eager.tensor_amax), where
+            assert torch.equal(fast.packed.codes, ref.codes), where
+            assert torch.equal(fast.packed.scale_codes, ref.scale_codes), where
+            assert torch.equal(fast.packed.unpack().scaled, fast.scaled), where
+            expected = ref.stats()
+            assert fast.stats() == {
+                k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")
+            }
+            assert fast.num_blocks == eager.num_blocks and fast.shape == eager.shape, where
+            # the same draws, and the same number of them
+            assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[2])), where
+
+
+@needs_compiler
+@pytest.mark.parametrize("rounding", ["rne", "sr8", "sr"])
+def test_outputs_without_packing_or_statistics_are_the_same(rounding):
+    """The cheaper variants (no codes, no counts) compute the same values."""
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * 3
+    op = OperandQuant(scale_format="ue5m3", rounding=rounding)
+    kw = dict(compiled=True)
+    full = quantize_operand(x, op, generator=torch.Generator().manual_seed(5), pack=True, stats=True, **kw)
+    lean = quantize_operand(x, op, generator=torch.Generator().manual_seed(5), pack=False, stats=False, **kw)
+    assert torch.equal(_bits(full.scaled), _bits(lean.scaled))
+    assert lean.packed is None and lean.counts == {}
+
+
+@needs_compiler
+def test_statistics_on_and_off_share_one_graph():
+    """Collecting statistics only on logging steps must not compile another graph variant."""
+    op = OperandQuant(scale_format="ue5m3_cuda", rounding="sr8")
+    x = torch.randn(32, 64)
+    quantize_operand(x, op, generator=torch.Generator().manual_seed(1), stats=False, compiled=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    quantize_operand(x, op, generator=torch.Generator().manual_seed(1), stats=True, compiled=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_compiler
+def test_one_graph_serves_every_operand_shape():
+    """Sizes are dynamic: new shapes (ragged ones padded) reuse the compiled graph."""
+    op = OperandQuant(scale_format="ue5m3", rounding="rne")
+    core = program._compiled(program._Spec("ue5m3", 16, False, "rne", False, True))
+    quantize_operand(torch.randn(48, 64), op, stats=False, compiled=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for shape in [(80, 160), (33, 40), (256, 32), (16, 1024)]:
+        x = torch.randn(*shape)
+        out = quantize_operand(x, op, stats=False, compiled=True)
+        assert torch.equal(out.scaled, quantize_operand(x, op, stats=False).scaled), shape
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert core is program._compiled(program._Spec("ue5m3", 16, False, "rne", False, True))
+
+
+@needs_compiler
+def test_the_program_leaves_the_process_recompile_limit_alone():
+    """Many operand kinds compile graphs of one function; the higher limit that needs is scoped
+    to the program's own calls."""
+    before = torch._dynamo.config.recompile_limit
+    for fmt in ("e4m3", "ue5m3"):
+        quantize_operand(torch.randn(16, 32), OperandQuant(scale_format=fmt), compiled=True)
+    assert torch._dynamo.config.recompile_limit == before
+
+
+def test_non_2d_input_is_refused_by_name():
+    with pytest.raises(ValueError, match="2-D tensor"):
+        quantize_operand(torch.randn(16), OperandQuant(scale_format="ue5m3"))
+
+
+def test_backend_setting_picks_the_path(monkeypatch):
+    calls = []
+    real = program.quantize_operand
+    monkeypatch.setattr(
+        kernels, "program_quantize_operand", lambda *a, **k: calls.append(k["compiled"]) or real(*a, **k)
+    )
+    monkeypatch.setattr(kernels, "cpu_compile_available", lambda: True)
+    x = torch.randn(16, 32)
+    for backend in ("auto", "compiled", "eager"):
+        kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend=backend)
+    assert calls == [True, True, False]
+    monkeypatch.setattr(kernels, "cpu_compile_available", lambda: False)
+    assert kernels.resolve_backend("auto", "cpu") == "eager"
+    assert kernels.resolve_backend("compiled", "cpu") == "eager"  # no compiler: same numerics, eagerly
+    with pytest.raises(
+        ValueError, match="unknown FP4 kernel backend 'fast'; valid: auto, triton, compiled, eager"
+    ):
+        kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend="fast")
+
+
+def test_no_compiler_on_path_means_no_compiled_program(monkeypatch):
+    program._compiler_on_path.cache_clear()
+    try:
+        monkeypatch.setenv("PATH", "")
+        monkeypatch.delenv("CXX", raising=False)
+        assert not program.cpu_compile_available()
+    finally:
+        program._compiler_on_path.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "shape,two_d", [((16, 16), True), ((5, 16), False), ((1, 32), False), ((1, 1), False), ((3, 7), True)]
+)
+def test_single_block_and_tiny_operands(shape, two_d):
+    """One block row or column (size-1 dims, which the compiler specializes) and padding."""
+    op = OperandQuant(scale_format="ue5m3", two_d=two_d)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    fast, eager = quantize_operand(x, op, pack=True, compiled=True), quantize_operand(x, op, pack=True)
+    assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
+    assert torch.equal(fast.packed.codes, eager.packed.codes)
+    assert torch.equal(fast.packed.scale_codes, eager.packed.scale_codes)
+
+
+def test_a_failed_build_warns_falls_back_and_keeps_the_numerics(monkeypatch):
+    """A toolchain that cannot build the kernel must not stop training: the call warns, returns
+    the eager result from the same random draws, and later calls skip the compiled path."""
+
+    def broken(spec):
+        def build(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed(
+                "inductor", RuntimeError("no working C++ compiler"), None
+            )
+
+        return build
+
+    monkeypatch.setattr(program, "_compiled", broken)
+    monkeypatch.setattr(program, "_compile_failed", False)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
+    op = OperandQuant(scale_format="ue5m3", rounding="sr8")
+    with pytest.warns(UserWarning, match=r"(?s)could not build the CPU FP4 quantizer.*no working C"):
+        fast = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True, compiled=True)
+    eager = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True)
+    assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
+    assert torch.equal(fast.packed.codes, eager.packed.codes)
+    assert not program.cpu_compile_available()
+    assert kernels.resolve_backend("auto", "cpu") == "eager"
+
+
+def test_describe_names_the_path_the_backend_takes(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_compile_available", lambda: True)
+    assert "compiled torch program" in kernels.describe("cpu")
+    assert "kernels=eager" in kernels.describe("cpu", "eager")
+    monkeypatch.setattr(kernels, "cpu_compile_available", lambda: False)
+    assert "eager torch program (no Triton" in kernels.describe("cpu")
+
+
+def test_train_kernels_takes_every_backend_and_reference_is_a_deprecated_alias():
+    from nemofp4.training.config import TrainConfig
+
+    for backend in kernels.BACKENDS:
+        assert TrainConfig(kernels=backend).kernels == backend
+    with pytest.warns(FutureWarning, match="train.kernels=reference is deprecated; it means train.kernels=eager"):
+        assert TrainConfig(kernels="reference").kernels == "eager"
+    with pytest.raises(ValueError, match="train.kernels='fast'; valid: auto, triton, compiled, eager"):
+        TrainConfig(kernels="fast")
+
+
+def test_set_quant_backend_reaches_every_linear_and_refuses_unknown_names():
+    from nemofp4.models import build_model, get_model_config
+    from nemofp4.quant import quant_linears, set_quant_backend
+    from nemofp4.recipes import apply_recipe, get_recipe
+
+    model = build_model(get_model_config("tiny"), device="meta")
+    apply_recipe(model, get_recipe("ue5m3"), log=False)
+    set_quant_backend(model, "eager")
+    assert {(m.quant_backend, m.references.backend) for _, m in quant_linears(model)} == {("eager", "eager")}
+    with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):
+        set_quant_backend(model, "reference")
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", [(64, 48), (16, 16), (40, 1024), (64, 13)])
+def test_compiled_hadamard_transform_is_bitwise_the_eager_one(shape):
+    from nemofp4.formats import hadamard_transform
+    from nemofp4.kernels.program import compiled_hadamard_transform
+
+    x = torch.randn(shape[1] + 3, shape[0], generator=torch.Generator().manual_seed(7)) * 100
+    xt = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[0] % 16)).t()  # as QuantLinear calls it: [K, Tp], a view
+    assert torch.equal(_bits(compiled_hadamard_transform(xt)), _bits(hadamard_transform(xt)))
