@@ -3,22 +3,18 @@ table, results and plots; a second invocation collects the finished runs without
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
+
 SMALL = ["train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "eval.num_sequences=8",
          "eval.batch_size=4", "eval.interval=2", "checkpoint.interval=0", "schedule.warmup_steps=2"]  # fmt: skip
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("compare_recipes", ROOT / "scripts" / "compare_recipes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/compare_recipes.py")
 
 
 @pytest.fixture(scope="module")

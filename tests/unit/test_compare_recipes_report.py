@@ -1,17 +1,12 @@
 """compare_recipes' report on synthetic runs: a budget inside the warmup, seed bands, --replot."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("compare_recipes", ROOT / "scripts" / "compare_recipes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/compare_recipes.py")
 
 
 def _runs(steps: int, warmup: int) -> list[dict]:

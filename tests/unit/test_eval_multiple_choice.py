@@ -159,10 +159,8 @@ def test_shipped_task_is_well_formed_and_rebuilds_byte_for_byte():
     items = load_task(TASK)
     assert len(items) == 120 and all(len(item.choices) == 4 for item in items)
     assert all(item.choices[item.label] not in item.choices[: item.label] for item in items)
-    import importlib.util
+    from tests.scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("build_austen_cloze", ROOT / "data" / "tasks" / "build_austen_cloze.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
+    builder = load_script("data/tasks/build_austen_cloze.py")
     rebuilt = "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in builder.build())
     assert rebuilt == TASK.read_text(encoding="utf-8")

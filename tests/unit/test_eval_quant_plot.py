@@ -3,19 +3,13 @@ run are checked in tests/integration/test_eval_cli.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 def plot_script():
-    spec = importlib.util.spec_from_file_location("plot_quant_stats", ROOT / "scripts" / "plot_quant_stats.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/plot_quant_stats.py")
 
 
 def test_block_fractions_average_over_layers_per_role():
