@@ -3,7 +3,10 @@
 The folder layout, finding and safe reading live in `nemofp4.checkpointing` (shared with evaluation).
 Every rank writes into `.tmp-step-<N>/`; after a barrier rank 0 writes the marker and renames the
 folder, so a crash at any point leaves either the previous checkpoint or the new one, never a
-half-written folder that looks complete. Loading verifies sizes (and checksums unless disabled)
+half-written folder that looks complete. An async save stages the state to CPU memory, writes it from
+a background thread over a gloo group of its own (never the training loop's group: two threads'
+collectives on one group cross), and is published by `poll()` at the first step boundary at which
+every rank's write has finished. Loading verifies sizes (and checksums unless disabled)
 before any tensor is touched, so a damaged checkpoint is reported by name, and `resume=auto` falls
 back to the previous complete one. Retention ranks checkpoints by save order, never by step number.
 """
@@ -19,6 +22,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemofp4.checkpointing import (
@@ -77,7 +82,8 @@ class CheckpointConfig:
     save_final: bool = True
     """Save when training ends (budget reached or preempted)."""
     async_save: bool = False
-    """Write in the background with DCP's async_save (needs torch.distributed initialized)."""
+    """Write model and optimizer in the background (DCP's async_save over a dedicated gloo group); the
+    checkpoint is published at the first step boundary after every rank's write finished."""
     verify_checksums: bool = True
     """Record CRC32 of every file and check it on load (sizes are always checked)."""
     export_safetensors: bool = False
@@ -144,6 +150,54 @@ def _files_owned_by(folder: Path, rank: int, world: int) -> list[Path]:
     return owned
 
 
+def _save_durable(obj: Any, path: Path) -> None:
+    """torch.save, flushed to disk before returning: the marker vouches only for durable files."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _flag_device() -> torch.device:
+    """Where the training group reduces a flag: CPU unless the default group is NCCL alone."""
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _any_rank(*flags: bool) -> list[bool]:
+    """Each flag OR-ed over all ranks, in one small all-reduce on the training group."""
+    if _world() == 1:
+        return list(flags)
+    values = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=_flag_device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
+
+
+@dataclass(kw_only=True)
+class _PendingSave:
+    """An async save in flight: every rank's file state is in `tmp`; DCP writes the rest."""
+
+    step: int
+    future: Future
+    tmp: Path
+    final: Path
+
+
+class _HeldWriter(FileSystemWriter):
+    """Fault injection: a file system that stalls `hold_s` before writing (in the save's thread), so a
+    test can kill or keep training while an async save is in flight."""
+
+    def __init__(self, path: Path, hold_s: float):
+        super().__init__(str(path))
+        self._hold_s = hold_s
+
+    def write_data(self, plan, planner):
+        time.sleep(self._hold_s)
+        return super().write_data(plan, planner)
+
+
 def _is_disk_full(err: BaseException) -> bool:
     """ENOSPC/EDQUOT, raised directly or as torch's serializer error ('unexpected pos', 'file write failed')."""
     while err is not None:
@@ -162,10 +216,20 @@ class CheckpointManager:
     def __init__(self, root: Path, cfg: CheckpointConfig):
         self.root = Path(root)
         self.cfg = cfg
-        self._pending: tuple[Any, Callable[[], None], Path] | None = None
+        self._pending: _PendingSave | None = None
+        self._save_group: dist.ProcessGroup | None = None
+        """Async saves' own group, always gloo: DCP's collectives run in the save's thread while the
+        training loop uses the default group (NCCL on GPUs, where DCP needs a CPU-capable group)."""
+        if cfg.async_save and dist.is_available() and dist.is_initialized():
+            self._save_group = dist.new_group(backend="gloo")  # collective: every rank constructs a manager
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         _barrier()
+
+    @property
+    def pending(self) -> bool:
+        """An async save is in flight (written, or being written, but not yet published)."""
+        return self._pending is not None
 
     # ----------------------------------------------------------------------------- finding
     def complete_checkpoints(self) -> list[Path]:
@@ -210,42 +274,47 @@ class CheckpointManager:
         rank_state: dict[str, Any],
         write_collective: Callable[[Path], None] | None = None,
         extra_files: Callable[[Path], None] | None = None,
+        hold_background_s: float = 0.0,
     ) -> Path:
-        """Write checkpoint `step`; returns the final folder (complete once this returns, or, with
-        async_save, once `wait()` or the next save returns).
+        """Write checkpoint `step`; returns the final folder, complete when this returns, or with
+        async_save once `poll()` (at a later step boundary) or `wait()` publishes it.
 
         `dcp_state` goes through DCP; `write_collective(folder)` is called on every rank for state
-        with its own format (DeepSpeed); `extra_files(folder)` on rank 0 only. A full disk raises one
-        CheckpointError naming ENOSPC and the folder; the previous checkpoint is left as it was."""
+        with its own format (DeepSpeed); `extra_files(folder)` on rank 0 only. Rank and trainer state
+        are written here, before this returns, into the same folder as the DCP files (one atomic
+        unit); an async save stages `dcp_state` to CPU memory before returning, so training may
+        change the tensors at once. `hold_background_s` stalls the background write (fault
+        injection). A previous async save is published first: one save is in flight at most. A full
+        disk raises one CheckpointError naming ENOSPC and the folder; the previous checkpoint is left
+        as it was."""
         self.wait()
         final = self.root / f"{STEP_PREFIX}{step}"
         tmp = self.root / f"{TMP_PREFIX}{step}"
-        rank, world = _rank(), _world()
+        rank = _rank()
         try:
             if rank == 0:
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 (tmp / "rank").mkdir(parents=True)
             _barrier()
-            torch.save(rank_state, tmp / "rank" / f"rank-{rank:05d}.pt")
+            _save_durable(rank_state, tmp / "rank" / f"rank-{rank:05d}.pt")
             if rank == 0:
-                torch.save(trainer_state, tmp / TRAINER_STATE)
+                _save_durable(trainer_state, tmp / TRAINER_STATE)
                 if extra_files is not None:
                     extra_files(tmp)
-
-            def finalize() -> None:
-                self._finalize(step, tmp, final)
-
             if write_collective is not None:
                 write_collective(tmp)
-            if dcp_state is not None and self.cfg.async_save and world > 1:
-                future = dcp.async_save(dcp_state, checkpoint_id=str(tmp))
-                self._pending = (future, finalize, tmp)
+            if dcp_state is not None and self.cfg.async_save:
+                writer = _HeldWriter(tmp, hold_background_s) if hold_background_s > 0 else FileSystemWriter(str(tmp))
+                with _single_process_quiet():
+                    future = dcp.async_save(dcp_state, storage_writer=writer, process_group=self._save_group,
+                                            no_dist=self._save_group is None)
+                self._pending = _PendingSave(step=step, future=future, tmp=tmp, final=final)
                 return final
             if dcp_state is not None:
                 with _single_process_quiet():
                     dcp.save(dcp_state, checkpoint_id=str(tmp))
-            finalize()
+            self._finalize(step, tmp, final)
         except (Exception, CheckpointException) as err:
             raise self._write_failed(tmp, err) from err
         return final
@@ -260,17 +329,43 @@ class CheckpointManager:
                                    f"under {self.root}; {kept}. Free space or lower checkpoint.keep_last_k")
         return CheckpointError(f"checkpoint {tmp.name} could not be written under {self.root}: {err}; {kept}")
 
-    def wait(self) -> None:
-        """Block until a pending async save is complete and published."""
+    def poll(self) -> Path | None:
+        """At a step boundary, on every rank: publish the async save in flight if every rank's write
+        has finished (marker, rename, `latest`, retention), and return its folder; else None. Costs
+        one small all-reduce on the training group per call while a save is in flight, none otherwise."""
         if self._pending is None:
-            return
-        future, finalize, tmp = self._pending
-        self._pending = None
+            return None
+        (busy,) = _any_rank(not self._pending.future.done())
+        return None if busy else self._publish()
+
+    def wait(self) -> Path | None:
+        """Block until the async save in flight (if any) is written, then publish it; its folder or None."""
+        if self._pending is None:
+            return None
+        self._pending.future.exception()  # blocks until done; never raises the save's error
+        return self._publish()
+
+    def _publish(self) -> Path:
+        """Every rank's write has finished: finalize, or raise one CheckpointError on every rank if any
+        rank's write failed (the folder is removed; the previous checkpoint stays the newest)."""
+        pending, self._pending = self._pending, None
+        error = pending.future.exception()
+        (failed,) = _any_rank(error is not None)
+        if failed:
+            reasons: list[str | None] = [None] * _world()
+            mine = None if error is None else _first_line(error)
+            if _world() > 1:
+                dist.all_gather_object(reasons, mine)
+            else:
+                reasons = [mine]
+            summary = "; ".join(f"rank {r}: {why}" for r, why in enumerate(reasons) if why)
+            cause = CheckpointError(f"the background write of step {pending.step} failed: {summary}")
+            raise self._write_failed(pending.tmp, cause) from (error or cause)
         try:
-            future.result()
-            finalize()
+            self._finalize(pending.step, pending.tmp, pending.final)
         except (Exception, CheckpointException) as err:
-            raise self._write_failed(tmp, err) from err
+            raise self._write_failed(pending.tmp, err) from err
+        return pending.final
 
     def _finalize(self, step: int, tmp: Path, final: Path) -> None:
         rank, world = _rank(), _world()

@@ -116,6 +116,11 @@ class DebugConfig:
     """Stall rank 0 for `CHECKPOINT_STALL_S` in the middle of writing the checkpoint of this step (a
     slow file system; the other ranks wait in the save's collectives), so a test can signal the job
     during a save. Only in a run that did not resume, so a resubmitted job gets past it."""
+    hold_async_save_step: int = 0
+    """Hold the background write of this step's async checkpoint for `hold_async_save_s` on every rank
+    while training goes on, so a test can kill the job with a save in flight or check that the saved
+    state is the step's. Only in a run that did not resume, so a resumed job gets past it."""
+    hold_async_save_s: float = CHECKPOINT_STALL_S
     nan_at_step: int = 0
     """Before this step, fill `nan_param` with NaN."""
     nan_param: str = ""

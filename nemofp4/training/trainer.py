@@ -192,6 +192,9 @@ class Trainer:
             )
             self.engine = deepspeed_engine.initialize(model, self.optimizer, ds_config)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
+        if cfg.checkpoint.async_save and self.engine is not None and self.rank == 0:
+            log.warning("checkpoint.async_save=true has no effect with distributed.backend=%s: DeepSpeed writes "
+                        "its checkpoints synchronously", dist_cfg.backend)
         self.ckpt.remove_incomplete()
         if cfg.train.dtype == "bfloat16":
             self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -341,14 +344,25 @@ class Trainer:
             if self.cfg.debug.stall_during_checkpoint_step == self.step and self.resumed_from is None:
                 time.sleep(CHECKPOINT_STALL_S)  # fault injection: a save that is still running when signalled
 
-        return self.ckpt.save(
+        self._log_published(self.ckpt.wait())  # one save in flight at most
+        hold = self.cfg.debug.hold_async_save_step == self.step and self.resumed_from is None
+        folder = self.ckpt.save(
             self.step,
             dcp_state=self._dcp_state(),
             trainer_state=self._trainer_state(),
             rank_state=self._rank_state(),
             write_collective=(lambda f: deepspeed_engine.save(self.engine, f)) if self.engine else None,
             extra_files=extra_files,
+            hold_background_s=self.cfg.debug.hold_async_save_s if hold else 0.0,
         )
+        if not self.ckpt.pending:
+            self._log_published(folder)
+        return folder
+
+    def _log_published(self, folder: Path | None) -> None:
+        """Record the step at which a checkpoint became complete (an async one: after its own step)."""
+        if folder is not None:
+            self.metrics.log("event", self.step, {"event": "checkpoint", "checkpoint_step": step_of(folder)})
 
     # ------------------------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
@@ -371,6 +385,7 @@ class Trainer:
             while self.step < total:
                 self.step += 1
                 self._train_step(data_iter)
+                self._log_published(self.ckpt.poll())  # publish a finished async save at once
                 interval_due = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
                 if cfg.eval.interval and self.step % cfg.eval.interval == 0 and self.step < total and self.val_batches:
                     last_eval = self._eval()
@@ -378,7 +393,8 @@ class Trainer:
                 if interval_due or (preempted and cfg.checkpoint.save_final):
                     self.save_checkpoint()
                 if cfg.debug.sigkill_at_step == self.step:
-                    self.ckpt.wait()
+                    if interval_due:
+                        self.ckpt.wait()  # this step's checkpoint; one still in flight from before is not waited for
                     os.kill(os.getpid(), signal.SIGKILL)
                 if preempted:
                     stop_reason = "preempted"
@@ -391,7 +407,7 @@ class Trainer:
                 )
                 if cfg.checkpoint.save_final and (not already_saved or cfg.checkpoint.export_safetensors):
                     self.save_checkpoint(final=True)
-            self.ckpt.wait()
+            self._log_published(self.ckpt.wait())
             # the loggers (wandb's service process too) finish before the requeue, after which Slurm
             # signals every process of the step
             self.metrics.log("event", self.step, {"event": stop_reason, "tokens_seen": self.tokens_seen})
