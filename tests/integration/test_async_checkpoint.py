@@ -51,6 +51,7 @@ def _rank_main(rank: int, folder: str) -> None:
     try:
         root = Path(folder) / "checkpoints"
         mgr = CheckpointManager(root, CheckpointConfig(async_save=True, keep_last_k=0))
+        out["save_group"] = [dist.get_backend(mgr._save_group), mgr._save_group is not dist.group.WORLD]
         model, state = _model_and_state()
         saved = _full(state())
 
@@ -120,6 +121,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
 
 def test_async_save_runs_beside_training_collectives_and_publishes_when_written(two_ranks):
     for out in two_ranks:
+        assert out["save_group"] == ["gloo", True], "the background save must have a gloo group of its own"
         assert out["unpublished_polls"] >= 1, "the held save was published before its write finished"
         assert not out["marker_early"], "the marker appeared before the save was published"
         assert out["published"].endswith("step-1") and out["complete_at_publish"]
