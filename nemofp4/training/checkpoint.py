@@ -306,6 +306,9 @@ class CheckpointManager:
                 write_collective(tmp)
             if dcp_state is not None and self.cfg.async_save:
                 writer = _HeldWriter(tmp, hold_background_s) if hold_background_s > 0 else FileSystemWriter(str(tmp))
+                if self._save_group is None:  # one process: DCP warns from the save's thread, out of a context's reach
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning,
+                                            module=r"torch\.distributed\.checkpoint")
                 with _single_process_quiet():
                     future = dcp.async_save(dcp_state, storage_writer=writer, process_group=self._save_group,
                                             no_dist=self._save_group is None)

@@ -147,8 +147,8 @@ def test_failed_async_save_raises_on_every_rank_naming_the_step(two_ranks):
 
 
 # ---------------------------------------------------------------------------------- the trainer
-TRAIN = ["precision=ue5m3", "train.kernels=eager", "distributed=fsdp", "train.micro_batch=2", "train.max_steps=6",
-         "checkpoint.interval=2", "checkpoint.async_save=true"]  # fmt: skip
+TRAIN = ["precision=ue5m3", "train.kernels=eager", "distributed=fsdp", "train.micro_batch=2"]
+ASYNC = "checkpoint.async_save=true"
 
 
 def _published(run_dir: Path) -> dict[int, int]:
@@ -159,23 +159,25 @@ def _published(run_dir: Path) -> dict[int, int]:
 
 def test_kill_during_async_save_resumes_from_the_previous_checkpoint_on_the_same_trajectory(tmp_path):
     run = tmp_path / "run"
-    # step 4's background write is held; training goes on and every rank is killed after step 5
-    launch(2, run, *TRAIN, "debug.hold_async_save_step=4", "debug.sigkill_at_step=5", expect_rc=1)
+    common = [*TRAIN, ASYNC, "train.max_steps=10", "checkpoint.interval=4", "debug.hold_async_save_step=8"]
+    # step 8's background write is held; training goes on and every rank is killed after step 9
+    launch(2, run, *common, "debug.sigkill_at_step=9", expect_rc=1)
     uninterrupted = losses(run)
-    assert sorted(uninterrupted) == [1, 2, 3, 4, 5]
-    assert _published(run)[2] < 4, "step 2 was published only when the next save began"
+    assert sorted(uninterrupted) == list(range(1, 10))
+    # step 4 is published at a boundary after its write finished (here within 3 steps), not by the next save
+    assert _published(run)[4] < 8, "step 4 was published only when the next save began"
     root = run / "checkpoints"
-    assert (root / "step-2" / "COMPLETE.json").is_file()
-    assert (root / ".tmp-step-4").is_dir() and not (root / ".tmp-step-4" / "COMPLETE.json").exists()
-    assert not (root / "step-4").exists() and (root / "latest").read_text().strip() == "step-2"
+    assert (root / "step-4" / "COMPLETE.json").is_file()
+    assert (root / ".tmp-step-8").is_dir() and not (root / ".tmp-step-8" / "COMPLETE.json").exists()
+    assert not (root / "step-8").exists() and (root / "latest").read_text().strip() == "step-4"
 
-    launch(2, run, *TRAIN, "debug.hold_async_save_step=4")  # a resumed run is not held
-    assert not (root / ".tmp-step-4").exists()
+    launch(2, run, *common)  # a resumed run is not held
+    assert not (root / ".tmp-step-8").exists()
     resumed = losses(run)
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    for step in (3, 4, 5):
+    assert sorted(resumed) == list(range(1, 11))
+    for step in range(5, 10):
         assert resumed[step] == uninterrupted[step], f"step {step}: {resumed[step]} != {uninterrupted[step]}"
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-2", "step-4", "step-6"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-10", "step-4", "step-8"]
 
 
 def _dcp_contents(folder: Path, out: Path) -> dict:
@@ -203,12 +205,13 @@ def _assert_same(a, b, where: str) -> None:
 @pytest.mark.slow
 def test_sync_and_async_saves_give_identical_checkpoints_and_resumed_trajectories(tmp_path):
     sync, async_ = tmp_path / "sync", tmp_path / "async"
-    launch(2, sync, *TRAIN[:-1])
+    common = [*TRAIN, "train.max_steps=6", "checkpoint.interval=2"]
+    launch(2, sync, *common)
     # step 2's write is held for 3 s while steps 3 and 4 train (and change the weights in place)
-    launch(2, async_, *TRAIN, "debug.hold_async_save_step=2", "debug.hold_async_save_s=3",
+    launch(2, async_, *common, ASYNC, "debug.hold_async_save_step=2", "debug.hold_async_save_s=3",
            "debug.sigkill_at_step=4", expect_rc=1)  # fmt: skip
     assert _published(async_)[2] >= 3, "the held save did not run in the background"
-    launch(2, async_, *TRAIN)
+    launch(2, async_, *common, ASYNC)
     assert losses(async_) == losses(sync)
     for step in (2, 6):
         name = f"step-{step}"
