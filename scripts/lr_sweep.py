@@ -7,7 +7,8 @@ For every (recipe, LR, seed) it trains ``experiment=<preset>_<recipe> optim.lr=<
 plus the LR; a run that reached the budget, or diverged, is not trained again, so an interrupted
 sweep continues where it stopped), with ``--workers`` runs at a time here (``--launcher local``) or
 submitted through SLURM (``--launcher slurm``; collect with ``--launcher none`` when done). It writes
-``<out>/<study>/``: ``README.md`` (the command, the table), ``results.json`` and the plots:
+``<out>/<study>/``: ``README.md`` (the command, the table; a hand-written part after its
+``READING_MARKER`` line is kept), ``results.json`` and the plots:
 
 * ``nll_vs_lr.png``: the final held-out NLL (the trainer's evaluation at the last step) against the
   LR per recipe, seed mean with a min-max band; a run that diverged (stopped on a non-finite loss)
@@ -41,6 +42,8 @@ import plot_quant_stats  # noqa: E402
 import study_common  # noqa: E402
 from study_common import COLORS, REPO_ROOT, display_path, is_finished, mean_std, read_rows  # noqa: E402
 
+READING_MARKER = "<!-- reading: written by hand, kept when the study is collected again -->"
+"""In the study's README.md, everything from this line on (the settings and the reading) is kept."""
 DIVERGED = "diverged.json"
 """Marker in a run folder: training stopped on a non-finite loss (a result of the sweep, not an error)."""
 
@@ -290,7 +293,10 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
                   staleness_table(args), ""]  # fmt: skip
     lines += [f"![{name}]({name})" for name in plots]
     lines += ["", f"Collected in {elapsed_s:.0f} s; raw numbers in `results.json`.", ""]
-    (folder / "README.md").write_text("\n".join(lines))
+    readme = folder / "README.md"
+    old = readme.read_text() if readme.is_file() else ""
+    kept = old[old.index(READING_MARKER):] if READING_MARKER in old else ""
+    readme.write_text("\n".join(lines) + ("\n" + kept if kept else ""))
     return folder
 
 

@@ -136,7 +136,7 @@ def plot_staleness(runs: dict[str, list[dict]], out: Path, *, name: str = "stale
                 axes[row][col].plot([s for s, _ in pts], [100 * v for _, v in pts], marker=".", label=label)
         axes[0][col].set_yscale("log", base=2)
         axes[0][col].axhline(1.0, color="black", lw=0.6)
-        axes[0][col].set(title=f"{role}: max over layers of current / held amax", xlabel="step")
+        axes[0][col].set(title=f"{role}: max rho = current / held amax", xlabel="step")
         for row, stat in enumerate(STATS, start=1):
             axes[row][col].set(title=f"{role}: {stat.replace('_', ' ')} (% of blocks)", xlabel="step")
         for row in range(3):

@@ -98,3 +98,21 @@ def test_a_run_stopped_on_a_non_finite_loss_is_recorded_as_diverged_and_other_fa
     with pytest.raises(SystemExit, match="failed"):
         sw.train_local(args, "bf16", 1.0, 2)
     assert not sw.is_done(args, other)
+
+
+def test_the_report_keeps_the_hand_written_reading(tmp_path):
+    sw = _sweep()
+    args = sw.parse_args(["--recipes", "bf16", "--lrs", "0.01", "0.1", "--seeds", "1", "--out", str(tmp_path), "--study", "s"])
+    runs = [_run("bf16", 0.01, 1, 5.0), _run("bf16", 0.1, 1, 6.0)]
+    summary = sw.aggregate(args, runs)
+    folder = tmp_path / "s"
+    folder.mkdir()
+    reading = sw.READING_MARKER + "\n\n## Reading\n\nBF16 prefers 0.01.\n"
+    (folder / "README.md").write_text("# draft\n\n" + reading)
+    sw.write_report(args, runs, summary, ["--study", "s"], 1.0)
+    text = (folder / "README.md").read_text()
+    assert text.startswith("# Learning-rate sweep: `s`") and text.endswith(reading) and "# draft" not in text
+    assert "| `bf16` | 5.0000 ± 0.0000 | 6.0000 ± 0.0000 | 0.01 | 0.5000 ± 0.0000 |" in text
+    sw.write_report(args, runs, summary, ["--study", "s"], 1.0)  # collected again: still one reading
+    assert (folder / "README.md").read_text().count(sw.READING_MARKER) == 1
+    assert (folder / "nll_vs_lr.png").is_file() and (folder / "lr_sensitivity.png").is_file()
