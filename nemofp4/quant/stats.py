@@ -10,7 +10,8 @@ scale codes exceed the format's T-based target and saturate once they pass the l
 rho < 1 that it shrank (small blocks underflow sooner). It is recorded only for operands quantized
 with a held reference, and only while statistics are collected (the trainer's
 ``logging.quant_stats_interval``), as a device scalar read lazily: no host sync until
-:meth:`OperandStats.read`.
+:meth:`OperandStats.read`. The current amax is this rank's tensor's; a held reference all-reduced
+over data-parallel ranks is their max, so there rho is this rank's drift from the shared reference.
 """
 
 from __future__ import annotations
