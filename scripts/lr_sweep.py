@@ -6,7 +6,9 @@ For every (recipe, LR, seed) it trains ``experiment=<preset>_<recipe> optim.lr=<
 ``<runs-root>/<study>/<recipe>/lr-<LR>/seed-<seed>`` (the overrides of scripts/compare_recipes.py
 plus the LR; a run that reached the budget, or diverged, is not trained again, so an interrupted
 sweep continues where it stopped), with ``--workers`` runs at a time here (``--launcher local``) or
-submitted through SLURM (``--launcher slurm``; collect with ``--launcher none`` when done). It writes
+submitted through SLURM (``--launcher slurm``; collect with ``--launcher none`` when done; there the
+sweep does not see a job's exit, so a run that stopped on a non-finite loss, NonFiniteError in its
+job log, is listed as not finished until ``diverged.json`` is written into its folder). It writes
 ``<out>/<study>/``: ``README.md`` (the command, the table; a hand-written part after its
 ``READING_MARKER`` line is kept), ``results.json`` and the plots:
 
