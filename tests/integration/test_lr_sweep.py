@@ -48,6 +48,13 @@ def test_sweep_writes_results_table_and_plots_consistent_with_the_runs(sweep):
         assert max(r["lr"] for r in sw.read_rows(path, "train")) == run["lr"]  # the LR reached the run (peak)
         config = (path / "config.yaml").read_text()
         assert f"lr: {run['lr']}" in config
+    # the trainer's quant rows: per layer, and per role over the layers, rho included for ue5m3's held references
+    from nemofp4.training.metrics import quant_role_summary
+
+    quant = sw.read_rows(base / "runs" / "smoke" / "ue5m3" / "lr-0.01" / "seed-1", "quant")
+    assert [r["step"] for r in quant] == [1, 2, 3]
+    assert all(r["roles"] == quant_role_summary(r["layers"]) for r in quant)
+    assert quant[0]["roles"]["x"]["amax_ratio_max"] == 1.0  # sampled at step 1: current == held
     table = results["summary"]["table"]
     for recipe, row in table.items():
         nll = {r["lr"]: r["final_nll"] for r in results["runs"] if r["recipe"] == recipe}
