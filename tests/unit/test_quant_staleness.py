@@ -96,3 +96,20 @@ def test_the_logged_role_summary_averages_fractions_and_spans_rho_over_layers():
         "x": {"saturated_blocks": 0.25, "amax_ratio_min": 0.5, "amax_ratio_mean": 2.25, "amax_ratio_max": 4.0},
         "w": {"saturated_blocks": 0.125},
     }
+
+
+def test_collecting_statistics_does_not_change_a_single_bit_of_the_step():
+    results = []
+    for collect in (True, False):
+        layer = _layer("ue5m3")
+        set_quant_stats(layer, collect)
+        outputs = []
+        for step, scale in ((1, 1.0), (2, G)):
+            set_step(layer, step)
+            x = _x(scale).requires_grad_()
+            y = layer(x)
+            y.backward(torch.full((16, 16), -0.5))
+            outputs += [y.detach(), x.grad, layer.weight.grad.clone()]
+        assert bool(layer._stats) == collect
+        results.append(outputs)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
