@@ -30,23 +30,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import study_common  # noqa: E402 (the scripts folder, also when this file is loaded by path)
+from study_common import COLORS, REPO_ROOT, is_finished, mean_std, read_rows  # noqa: E402
+from study_common import display_path as _display_path  # noqa: E402
+from study_common import mean_curve as _mean_curve  # noqa: E402
+from study_common import moving_average as _moving_average  # noqa: E402
 
 DEFAULT_RECIPES = ("bf16", "nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht")
 DEFAULT_POLICIES = ("current", "delayed", "calibrated", "unquantized")
 # The paper's validation-NLL ordering (recipes.md §1.10, Table 11), best first; "~" ties.
 PAPER_ORDER = "bf16 < ue5m3_te_settings < ue5m3 ~ nvfp4 < nvfp4_all_fp4_no_rht"
-COLORS = {"bf16": "black", "nvfp4": "tab:blue", "ue5m3": "tab:red", "ue5m3_te_settings": "tab:orange",
-          "nvfp4_all_fp4_no_rht": "tab:purple", "mxfp4": "tab:green"}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,12 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------- runs
-def _display_path(path: Path) -> str:
-    """Paths inside the repository are recorded relative to it, so committed results name no machine."""
-    path = Path(path).resolve()
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
-
-
 def run_dir(args, recipe: str, seed: int) -> Path:
     return args.runs_root / args.study / recipe / f"seed-{seed}"
 
@@ -100,68 +94,24 @@ def train_overrides(args, recipe: str, seed: int) -> list[str]:
             "logging.wandb=false", "logging.console=false", *args.train_override]  # fmt: skip
 
 
-def is_finished(path: Path, steps: int) -> bool:
-    """The run reached the budget: a final checkpoint of that step exists."""
-    return (path / "checkpoints" / f"step-{steps}" / "COMPLETE.json").is_file()
-
-
 def train_local(args, recipe: str, seed: int) -> None:
     path = run_dir(args, recipe, seed)
-    path.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "nemofp4.train", *train_overrides(args, recipe, seed), f"run_dir={path}"]
-    env = dict(os.environ)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    start = time.perf_counter()
-    print(f"[train] {recipe} seed {seed}: {shlex.join(cmd)}", flush=True)
-    with open(path / "train.log", "a") as log:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"training {recipe} seed {seed} failed (exit {proc.returncode}); see {path / 'train.log'}")
-    print(f"[train] {recipe} seed {seed}: done in {time.perf_counter() - start:.0f} s", flush=True)
+    status = study_common.train_local(path, train_overrides(args, recipe, seed), label=f"{recipe} seed {seed}",
+                                      threads=args.threads)  # fmt: skip
+    if status != 0:
+        raise SystemExit(f"training {recipe} seed {seed} failed (exit {status}); see {path / 'train.log'}")
 
 
 def submit_slurm(args, recipe: str, seed: int) -> None:
-    path = run_dir(args, recipe, seed)
-    overrides = train_overrides(args, recipe, seed)
-    experiment, rest = overrides[0].split("=", 1)[1], overrides[1:]
-    cmd = [sys.executable, "-m", "nemofp4.cli.launch", f"experiment={experiment}", f"run_dir={path}",
-           "train_overrides=[" + ",".join(json.dumps(o) for o in rest) + "]",
-           f"slurm.job_name={args.study}-{recipe}-s{seed}", *args.slurm_arg]  # fmt: skip
-    print(f"[slurm] {shlex.join(cmd)}", flush=True)
-    subprocess.run(cmd, cwd=REPO_ROOT, check=True)
+    study_common.submit_slurm(run_dir(args, recipe, seed), train_overrides(args, recipe, seed),
+                              job_name=f"{args.study}-{recipe}-s{seed}", slurm_args=args.slurm_arg)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- metrics
-def read_rows(path: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    by_step = {}
-    for row in rows:  # a resumed run may log a step twice: keep the last
-        if row.get("kind") == kind:
-            by_step[row["step"]] = row
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def evaluate_run(args, path: Path) -> dict[str, float]:
     """Held-out NLL of the final checkpoint under each policy (cached in the run folder)."""
-    cache = path / "compare_eval.json"
-    key = {"step": args.steps, "policies": args.policies, "delay": args.delay, "C": args.calibration_sequences}
-    if cache.is_file():
-        saved = json.loads(cache.read_text())
-        if saved.get("key") == key:
-            return saved["nll"]
-    from nemofp4.evaluation import EvalSession, InferencePolicy, validation_nll
-
-    session = EvalSession.open(path / "checkpoints" / f"step-{args.steps}", device="auto")
-    data = session.data_config("checkpoint")
-    batches = session.validation_batches(data)
-    nll = {}
-    for name in args.policies:
-        policy = InferencePolicy(name=name, delay=args.delay, calibration_sequences=args.calibration_sequences)
-        with session.policy_forward(policy) as forward:
-            nll[name] = validation_nll(forward, batches, device=session.device)["val_loss"]
-    cache.write_text(json.dumps({"key": key, "nll": nll}, indent=1) + "\n")
-    return nll
+    return study_common.evaluate_checkpoint(path, step=args.steps, policies=args.policies, delay=args.delay,
+                                            calibration_sequences=args.calibration_sequences)  # fmt: skip
 
 
 def spike_start(args, warmup: int) -> int:
@@ -189,10 +139,6 @@ def collect_run(args, recipe: str, seed: int) -> dict:
         "final_loss": statistics.fmean(losses[-args.window :]),
         "nll": evaluate_run(args, path),
     }
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def aggregate(args, runs: list[dict]) -> dict:
@@ -252,29 +198,8 @@ def ordering(summary: dict, policy: str = "current") -> list[tuple[str, float, f
     return sorted(rows, key=lambda r: r[1])
 
 
-def _moving_average(values: list[float], width: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= width:
-            acc -= values[i - width]
-        out.append(acc / min(i + 1, width))
-    return out
-
-
-def _mean_curve(runs: list[dict], xkey: str, ykey: str) -> tuple[list[int], list[float], list[float], list[float]]:
-    common = sorted(set.intersection(*(set(r[xkey]) for r in runs)))
-    per_run = [dict(zip(r[xkey], r[ykey])) for r in runs]
-    ys = [[c[x] for c in per_run] for x in common]
-    return common, [statistics.fmean(v) for v in ys], [min(v) for v in ys], [max(v) for v in ys]
-
-
 def plot(args, runs: list[dict], folder: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = study_common.pyplot()
     written = []
     def relative(curve_x, curve_y, reference):  # percent above a (smoothed) BF16 curve, where it has the step
         return [(x_, 100 * (y / reference[x_] - 1)) for x_, y in zip(curve_x, _moving_average(curve_y, smooth))

@@ -6,7 +6,10 @@ per-layer histograms of block-scale exponents under UE5M3 and E4M3.
 
 From each run's ``metrics.jsonl`` quant rows (``logging.quant_stats_interval`` > 0), one figure
 ``<run>_blocks.png``: the fraction of saturated and of underflowed blocks (non-zero blocks whose
-scale code rounds to zero) per operand role, averaged over the FP4 linears, against the step.
+scale code rounds to zero) per operand role, averaged over the FP4 linears, against the step, and,
+for recipes with held tensor references, the staleness rho = current amax / held amax (mean over
+the FP4 linears, band min-max). With ``--compare``, also ``staleness.png``: rho and the two block
+fractions per operand role, one line per run, to set recipes side by side.
 
 With ``--checkpoint``, ``scale_exponents.png``: the checkpoint's model runs one validation batch;
 every FP4 linear's input X and weight W are block-quantized with both scale formats (T = 448)
@@ -60,14 +63,47 @@ def block_fractions(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, flo
     return out
 
 
-def plot_block_fractions(run_dir: Path, out: Path) -> Path:
+RATIO = "amax_ratio"
+"""rho = current amax / held amax (nemofp4.quant.stats), logged only for held references."""
+
+
+def staleness_series(rows: list[dict]) -> dict[str, list[tuple[int, float, float, float]]]:
+    """role -> [(step, min, mean, max of rho over layers)], for the roles that have rho."""
+    out: dict[str, list[tuple[int, float, float, float]]] = {}
+    for row in rows:
+        for role in ROLES:
+            values = [layer[f"{role}/{RATIO}"] for layer in row["layers"].values() if f"{role}/{RATIO}" in layer]
+            if values:
+                out.setdefault(role, []).append((row["step"], min(values), statistics.fmean(values), max(values)))
+    return out
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = block_fractions(quant_rows(run_dir))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    return plt
+
+
+def plot_block_fractions(run_dir: Path, out: Path) -> Path:
+    plt = _pyplot()
+    rows = quant_rows(run_dir)
+    series = block_fractions(rows)
+    ratios = staleness_series(rows)
+    fig, axes = plt.subplots(1, 3 if ratios else 2, figsize=(18 if ratios else 12, 4))
+    if ratios:
+        ax = axes[2]
+        for role, points in ratios.items():
+            steps = [p[0] for p in points]
+            (line,) = ax.plot(steps, [p[2] for p in points], marker=".", label=role)
+            ax.fill_between(steps, [p[1] for p in points], [p[3] for p in points], color=line.get_color(), alpha=0.15)
+        ax.set_yscale("log", base=2)
+        ax.axhline(1.0, color="black", lw=0.6)
+        ax.set(xlabel="step", ylabel="current amax / held amax", title=f"{run_dir.name}: staleness (mean, band min-max)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     for ax, stat in zip(axes, STATS):
         for role, points in series[stat].items():
             ax.plot([s for s, _ in points], [100 * v for _, v in points], marker=".", label=role)
@@ -78,6 +114,39 @@ def plot_block_fractions(run_dir: Path, out: Path) -> Path:
     fig.tight_layout()
     path = out / f"{run_dir.name}_blocks.png"
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_staleness(runs: dict[str, list[dict]], out: Path, *, name: str = "staleness.png", title: str = "") -> Path:
+    """One figure for several runs (label -> quant rows): per operand role (columns), the largest rho
+    over the layers, and the saturated and underflowed block fractions (mean over layers), against the
+    step. A run without held references has no rho (current scaling: rho = 1 by construction)."""
+    plt = _pyplot()
+    ratios = {label: staleness_series(rows) for label, rows in runs.items()}
+    fractions = {label: block_fractions(rows) for label, rows in runs.items()}
+    roles = [r for r in ROLES if any(r in f[STATS[0]] for f in fractions.values())]
+    fig, axes = plt.subplots(3, len(roles), figsize=(4.2 * len(roles), 10), squeeze=False)
+    for col, role in enumerate(roles):
+        for label in runs:
+            points = ratios[label].get(role, [])
+            axes[0][col].plot([p[0] for p in points], [p[3] for p in points], marker=".", label=label)
+            for row, stat in enumerate(STATS, start=1):
+                pts = fractions[label][stat].get(role, [])
+                axes[row][col].plot([s for s, _ in pts], [100 * v for _, v in pts], marker=".", label=label)
+        axes[0][col].set_yscale("log", base=2)
+        axes[0][col].axhline(1.0, color="black", lw=0.6)
+        axes[0][col].set(title=f"{role}: max rho = current / held amax", xlabel="step")
+        for row, stat in enumerate(STATS, start=1):
+            axes[row][col].set(title=f"{role}: {stat.replace('_', ' ')} (% of blocks)", xlabel="step")
+        for row in range(3):
+            axes[row][col].grid(alpha=0.3)
+            axes[row][col].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path = out / name
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -204,11 +273,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--checkpoint", default="", help="also histogram block-scale exponents of this checkpoint")
     parser.add_argument("--sequences", type=int, default=4, help="validation sequences for the histograms")
     parser.add_argument("--out", type=Path, default=Path("quant_plots"))
+    parser.add_argument("--compare", action="store_true", help="also staleness.png: all runs side by side per role")
     args = parser.parse_args(argv)
     if not args.runs and not args.checkpoint:
         parser.error("give at least one run directory or --checkpoint")
     args.out.mkdir(parents=True, exist_ok=True)
     written = [plot_block_fractions(run, args.out) for run in args.runs]
+    if args.compare and args.runs:
+        written.append(plot_staleness({run.name: quant_rows(run) for run in args.runs}, args.out))
     if args.checkpoint:
         histograms = scale_exponent_histograms(args.checkpoint, sequences=args.sequences)
         (args.out / "scale_exponents.json").write_text(json.dumps(histograms, indent=1) + "\n")

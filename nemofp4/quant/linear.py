@@ -37,6 +37,7 @@ from nemofp4.formats import QuantizedBlocks
 from .config import LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, gemm
 from .reference import ReferenceState
+from .stats import OperandStats, operand_stats
 
 __all__ = ["FP32Linear", "QuantLinear"]
 
@@ -85,6 +86,12 @@ class _Quantizer:
             self.references[ref] = self.layer._references.get(ref, x, training=self.layer.training)
         return self.references[ref]
 
+    def held_source(self, role: Role, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` when ``role`` is quantized with a held reference (for the staleness statistic), else None."""
+        op: OperandQuant = self.config.operand(role)
+        held = op.uses_tensor_reference and self.layer._references.is_held(LinearQuantConfig.reference_of(role, op))
+        return x if held else None
+
     def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> QuantizedBlocks:
         op: OperandQuant = self.config.operand(role)
         q = kernels.quantize_operand(
@@ -97,7 +104,7 @@ class _Quantizer:
             stats=self.layer.collect_stats,
             backend=self.layer.quant_backend,
         )
-        self.layer._record(role, q)
+        self.layer._record(role, q, self.held_source(role, x))
         return q
 
     def x_and_xt(self, x_TK: torch.Tensor) -> tuple[QuantizedBlocks, QuantizedBlocks]:
@@ -116,8 +123,8 @@ class _Quantizer:
             stats=self.layer.collect_stats,
             backend=self.layer.quant_backend,
         )
-        self.layer._record(Role.X, qx)
-        self.layer._record(Role.X_WGRAD, qxt)
+        self.layer._record(Role.X, qx, self.held_source(Role.X, x_TK))
+        self.layer._record(Role.X_WGRAD, qxt, self.held_source(Role.X_WGRAD, x_TK))
         return qx, qxt
 
     @property
@@ -272,7 +279,7 @@ class QuantLinear(nn.Linear):
         self._generator_seed: int | None = None
         self.collect_stats = True
         self.quant_backend = "auto"  # kernels backend: 'auto', 'triton', 'compiled' or 'eager'
-        self._stats: dict[str, QuantizedBlocks] = {}
+        self._stats: dict[str, OperandStats] = {}
         self._capture: list | None = None  # test hook: a list collects every GEMM (operands, product)
 
     # ----------------------------------------------------------------- step, seeds, references
@@ -296,14 +303,15 @@ class QuantLinear(nn.Linear):
         return self._references
 
     # ----------------------------------------------------------------- statistics and test hooks
-    def _record(self, role: Role, q: QuantizedBlocks) -> None:
+    def _record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None = None) -> None:
         if self.collect_stats:
-            # Keep only the block counts (device scalars, read lazily), not the data.
-            self._stats[role.value] = q.without_data()
+            # Keep only the block counts and rho (device scalars, read lazily), not the data.
+            self._stats[role.value] = operand_stats(q, held_source, backend=self.quant_backend)
 
     def quant_stats(self) -> dict[str, float]:
-        """Fractions of the last quantization of each role: '<role>/<stat>' -> value."""
-        return {f"{role}/{k}": v for role, q in self._stats.items() for k, v in q.stats().items()}
+        """Fractions of the last quantization of each role, and rho = current / held amax for roles with
+        a held reference (:mod:`nemofp4.quant.stats`): '<role>/<stat>' -> value."""
+        return {f"{role}/{k}": v for role, s in self._stats.items() for k, v in s.read().items()}
 
     def _capture_gemm(self, name, qa, qb, b_transposed, out) -> None:
         if self._capture is not None:

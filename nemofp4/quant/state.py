@@ -101,7 +101,8 @@ def reset_references(model: nn.Module) -> None:
 def quant_stats(model: nn.Module) -> dict[str, dict[str, float]]:
     """Per QuantLinear, the fractions of its last quantization of each operand role:
     ``{fqn: {'<role>/saturated_blocks', '<role>/underflow_blocks', '<role>/zero_blocks',
-    '<role>/clipped_elements'}}``. Reading them synchronizes with the device."""
+    '<role>/clipped_elements'}}``, plus ``'<role>/amax_ratio'`` (current / held amax) for operands
+    with a held reference. Reading them synchronizes with the device."""
     return {fqn: module.quant_stats() for fqn, module in quant_linears(model)}
 
 

@@ -211,6 +211,27 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def quant_role_summary(layers: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per operand role, over the FP4 linears of one quant record (``{fqn: {'<role>/<stat>': value}}``):
+    the mean of each block fraction, and for ``amax_ratio`` (rho = current / held amax, see
+    :mod:`nemofp4.quant.stats`) its min, mean and max, since one layer past its reference is what
+    saturates. Layers without a stat (e.g. current scaling has no rho) do not count towards it."""
+    values: dict[str, dict[str, list[float]]] = {}
+    for layer in layers.values():
+        for key, value in layer.items():
+            role, _, stat = key.partition("/")
+            values.setdefault(role, {}).setdefault(stat, []).append(float(value))
+    out: dict[str, dict[str, float]] = {}
+    for role, stats in values.items():
+        row = out[role] = {}
+        for stat, vs in stats.items():
+            if stat == "amax_ratio":
+                row.update(amax_ratio_min=min(vs), amax_ratio_mean=math.fsum(vs) / len(vs), amax_ratio_max=max(vs))
+            else:
+                row[stat] = math.fsum(vs) / len(vs)
+    return out
+
+
 def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
     """Parse `<run_dir>/metrics.jsonl` (optionally one kind)."""
     rows = [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines() if line]

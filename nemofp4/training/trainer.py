@@ -48,7 +48,7 @@ from nemofp4.training.dist_env import (
     require_process_group,
 )
 from nemofp4.training.memory_plan import log_plan
-from nemofp4.training.metrics import MetricsLogger, peak_tflops, read_metrics
+from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
     first_nonfinite_gradient,
@@ -507,7 +507,8 @@ class Trainer:
                 record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
         self.metrics.log("train", step, record)
         if cfg.logging.quant_stats_interval and step % cfg.logging.quant_stats_interval == 0:
-            self.metrics.log("quant", step, {"layers": quant_stats(self.model)})
+            layers = quant_stats(self.model)
+            self.metrics.log("quant", step, {"layers": layers, "roles": quant_role_summary(layers)})
 
     def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch) -> None:
         if self.cfg.train.nonfinite == "skip":

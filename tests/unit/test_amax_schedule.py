@@ -187,7 +187,8 @@ def test_quant_stats_reports_every_layer_and_role():
     stats = quant_stats(model)
     assert set(stats) == {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     for layer_stats in stats.values():
-        assert len(layer_stats) == 5 * 3 and all(0.0 <= v <= 1.0 for v in layer_stats.values())
+        # 3 block fractions and rho (1 at the refresh step) per role
+        assert len(layer_stats) == 5 * 4 and all(0.0 <= v <= 1.0 for v in layer_stats.values())
 
 
 def _reduce_worker(rank: int, world: int, init_file: str, results) -> None:
