@@ -56,7 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", help="experiment preset: runs use experiment=<preset>_<recipe>")
     p.add_argument("--recipes", nargs="+", required=True)
     p.add_argument("--lrs", nargs="+", type=float, required=True, help="the learning-rate grid (optim.lr)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2], help="seeds trained at every learning rate")
+    p.add_argument("--extreme-seeds", nargs="*", type=int, default=[],
+                   help="further seeds trained only at the grid's smallest and largest learning rates: the seed "
+                        "spread where a recipe is slow and where it becomes unstable, at a fraction of a full seed's cost")
     p.add_argument("--steps", type=int, default=150, help="train.max_steps of every run (the budget)")
     p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer override for every run (repeatable), e.g. train.seq_len=128")
@@ -75,9 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.workers < 1:
         p.error(f"--steps and --workers must be >= 1, got {args.steps} and {args.workers}")
-    for name, values in (("--recipes", args.recipes), ("--lrs", args.lrs), ("--seeds", args.seeds)):
+    for name, values in (("--recipes", args.recipes), ("--lrs", args.lrs), ("--seeds", args.seeds + args.extreme_seeds)):
         if len(set(values)) != len(values):
-            p.error(f"{name} has a repeated value: {values}")
+            p.error(f"{name} has a repeated value: {values}" + (" (with --extreme-seeds)" if name == "--seeds" else ""))
     if any(not (lr > 0 and math.isfinite(lr)) for lr in args.lrs):
         p.error(f"--lrs must be positive and finite, got {args.lrs}")
     args.lrs = sorted(args.lrs)
@@ -97,6 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------- runs
+def grid(args) -> list[tuple[str, float, int]]:
+    """Every (recipe, LR, seed) of the study: ``--seeds`` at every LR, ``--extreme-seeds`` at the two ends."""
+    ends = sorted({args.lrs[0], args.lrs[-1]})
+    return [(r, lr, s) for r in args.recipes for lr in args.lrs
+            for s in [*args.seeds, *(args.extreme_seeds if lr in ends else [])]]  # fmt: skip
+
+
 def run_dir(args, recipe: str, lr: float, seed: int) -> Path:
     return args.runs_root / args.study / recipe / f"lr-{lr:g}" / f"seed-{seed}"
 
@@ -179,10 +189,11 @@ def aggregate(args, runs: list[dict]) -> dict:
         per_lr = {}
         for lr in args.lrs:
             at = [r for r in rs if r["lr"] == lr]
-            per_lr[f"{lr:g}"] = {"nll": mean_std([capped_nll(r) for r in at]),
+            nll = [capped_nll(r) for r in at]
+            per_lr[f"{lr:g}"] = {"nll": mean_std(nll), "seeds": len(at), "spread": max(nll) - min(nll),
                                  "diverged": sum(r["status"] == "diverged" for r in at)}  # fmt: skip
         sensitivities = []
-        for seed in args.seeds:
+        for seed in args.seeds:  # only seeds with the whole grid have a sensitivity
             at = {r["lr"]: capped_nll(r) for r in rs if r["seed"] == seed}
             init = next(r["init_nll"] for r in rs if r["seed"] == seed)
             sensitivities.append(lr_sensitivity(at, init))
@@ -199,6 +210,8 @@ def _pm(value: tuple[float, float], fmt: str = ".4f") -> str:
 
 def markdown_table(args, summary: dict) -> str:
     header = ["recipe", *[f"NLL @ lr {lr:g}" for lr in args.lrs], "best lr", "LR sensitivity"]
+    if args.extreme_seeds:
+        header += [f"seed spread @ lr {lr:g}" for lr in (args.lrs[0], args.lrs[-1])]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for recipe, row in summary["table"].items():
         cells = [f"`{recipe}`"]
@@ -206,6 +219,8 @@ def markdown_table(args, summary: dict) -> str:
             cell = row["per_lr"][f"{lr:g}"]
             cells.append(_pm(cell["nll"]) + (f" ({cell['diverged']} diverged)" if cell["diverged"] else ""))
         cells += [f"{row['best_lr']:g}", _pm(row["sensitivity"])]
+        if args.extreme_seeds:
+            cells += [f"{row['per_lr'][f'{lr:g}']['spread']:.4f}" for lr in (args.lrs[0], args.lrs[-1])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -219,14 +234,15 @@ def plot(args, runs: list[dict], summary: dict, folder: Path) -> list[str]:
         cells = [summary["table"][recipe]["per_lr"][f"{lr:g}"] for lr in args.lrs]
         at = [[capped_nll(r) for r in runs if r["recipe"] == recipe and r["lr"] == lr] for lr in args.lrs]
         ax.plot(args.lrs, [c["nll"][0] for c in cells], marker="o", label=recipe, color=color, lw=1.2)
-        if len(args.seeds) > 1:
+        if len(args.seeds) + len(args.extreme_seeds) > 1:
             ax.fill_between(args.lrs, [min(v) for v in at], [max(v) for v in at], color=color, alpha=0.15)
         diverged = [(lr, c["nll"][0]) for lr, c in zip(args.lrs, cells) if c["diverged"]]
         if diverged:
             ax.scatter(*zip(*diverged), marker="x", s=60, color=color)
     ax.set_xscale("log")
     ax.set(xlabel="learning rate", ylabel=f"final validation NLL (step {args.steps})")
-    ax.set_title(f"seed mean over {args.seeds}, band min-max; x: diverged (NLL at init)", fontsize=10)
+    extreme = f" (+{args.extreme_seeds} at the ends)" if args.extreme_seeds else ""
+    ax.set_title(f"seed mean over {args.seeds}{extreme}, band min-max; x: diverged (NLL at init)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -285,7 +301,8 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     lines = [
         f"# Learning-rate sweep: `{args.study}`", "",
         f"Preset `{args.preset}`, {args.steps} steps per run, learning rates {', '.join(f'{lr:g}' for lr in args.lrs)}, "
-        f"seeds {args.seeds}, recipes {', '.join(args.recipes)}. NLL: the trainer's held-out evaluation at the last "
+        f"seeds {args.seeds}" + (f" (and {args.extreme_seeds} at the smallest and largest LR)" if args.extreme_seeds else "")
+        + f", recipes {', '.join(args.recipes)}. NLL: the trainer's held-out evaluation at the last "
         "step; a diverged run counts as its NLL at initialization. LR sensitivity: per seed, the mean over the grid of "
         "min(NLL(lr), NLL(init)) - the grid's best NLL (Wortsman et al. 2023); mean ± sample std over seeds.", "",
         "Command:", "", "```", command, "```", "", markdown_table(args, summary), "",
@@ -306,8 +323,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     start = time.perf_counter()
-    grid = [(r, lr, s) for r in args.recipes for lr in args.lrs for s in args.seeds]
-    missing = [run for run in grid if not is_done(args, run_dir(args, *run))]
+    runs_of_study = grid(args)
+    missing = [run for run in runs_of_study if not is_done(args, run_dir(args, *run))]
     if missing and args.launcher == "slurm":
         for recipe, lr, seed in missing:
             study_common.submit_slurm(run_dir(args, recipe, lr, seed), train_overrides(args, recipe, lr, seed),
@@ -318,7 +335,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         names = ", ".join(f"{r}/lr-{lr:g}/seed-{s}" for r, lr, s in missing)
         raise SystemExit(f"runs not finished (no step-{args.steps} checkpoint, not diverged): {names}")
     train_missing(args, missing)
-    runs = [collect_run(args, *run) for run in grid]
+    runs = [collect_run(args, *run) for run in runs_of_study]
     summary = aggregate(args, runs)
     folder = write_report(args, runs, summary, argv, time.perf_counter() - start)
     print(markdown_table(args, summary))

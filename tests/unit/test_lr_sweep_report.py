@@ -32,9 +32,27 @@ def test_sensitivity_is_the_mean_gap_to_the_best_lr_with_divergence_capped_at_in
     assert table["bf16"]["sensitivity_per_seed"] == {"1": pytest.approx(2 / 3), "2": pytest.approx(4 / 3)}
     assert table["bf16"]["sensitivity"][0] == pytest.approx(1.0)
     assert table["nvfp4"]["sensitivity_per_seed"]["1"] == pytest.approx((0 + 0.5 + 3.9) / 3)
-    assert table["nvfp4"]["per_lr"]["0.1"] == {"nll": (9.0, 0.0), "diverged": 2}
+    assert table["nvfp4"]["per_lr"]["0.1"] == {"nll": (9.0, 0.0), "seeds": 2, "spread": 0.0, "diverged": 2}
     assert table["bf16"]["best_lr"] == 0.01 and table["bf16"]["best_nll"][0] == pytest.approx(5.1)
     assert "9.0000 ± 0.0000 (2 diverged)" in sw.markdown_table(args, {"table": table})
+
+
+def test_extreme_seeds_train_only_at_the_ends_and_stay_out_of_the_sensitivity():
+    sw = _sweep()
+    args = sw.parse_args(["--recipes", "bf16", "--lrs", "0.01", "0.03", "0.1", "--seeds", "1", "--extreme-seeds", "2", "3"])
+    assert sw.grid(args) == [("bf16", 0.01, 1), ("bf16", 0.01, 2), ("bf16", 0.01, 3), ("bf16", 0.03, 1),
+                             ("bf16", 0.1, 1), ("bf16", 0.1, 2), ("bf16", 0.1, 3)]  # fmt: skip
+    runs = [_run("bf16", 0.01, 1, 5.0), _run("bf16", 0.01, 2, 5.25), _run("bf16", 0.01, 3, 4.75),
+            _run("bf16", 0.03, 1, 5.5), _run("bf16", 0.1, 1, 6.5), _run("bf16", 0.1, 2, None), _run("bf16", 0.1, 3, 7.0)]  # fmt: skip
+    row = sw.aggregate(args, runs)["table"]["bf16"]
+    assert row["sensitivity_per_seed"] == {"1": pytest.approx((0 + 0.5 + 1.5) / 3)}  # seed 1 alone has the grid
+    assert row["per_lr"]["0.01"]["seeds"] == 3 and row["per_lr"]["0.01"]["spread"] == pytest.approx(0.5)
+    assert row["per_lr"]["0.1"]["spread"] == pytest.approx(9.0 - 6.5) and row["per_lr"]["0.1"]["diverged"] == 1
+    assert row["per_lr"]["0.03"]["seeds"] == 1
+    table = sw.markdown_table(args, {"table": sw.aggregate(args, runs)["table"]})
+    assert "seed spread @ lr 0.01 | seed spread @ lr 0.1 |" in table and "| 0.5000 | 2.5000 |" in table
+    with pytest.raises(SystemExit):
+        sw.parse_args(["--recipes", "bf16", "--lrs", "0.01", "--seeds", "1", "--extreme-seeds", "1"])
 
 
 def test_bad_arguments_name_the_value(capsys):
