@@ -20,7 +20,7 @@ class PrecisionConfig:
     """
 
     name: str
-    """Registered recipe: bf16, nvfp4, nvfp4_te, ue5m3, ue5m3_te_settings, nvfp4_all_fp4_no_rht, mxfp4."""
+    """Registered recipe: bf16, nvfp4, nvfp4_te, nvfp4_delayed, ue5m3, ue5m3_te_settings, nvfp4_all_fp4_no_rht, mxfp4."""
     reference_interval: int | None = None
     """D: steps a tensor reference (amax) is held; 0 = current scaling at every quantization."""
     scale_target: float | None = None

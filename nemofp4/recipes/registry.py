@@ -132,7 +132,7 @@ def bf16() -> Recipe:
 
 
 @register_recipe("nvfp4")
-def nvfp4(*, num_bf16_last_layers: int = 8, gemm: str = "scaled") -> Recipe:
+def nvfp4(*, reference_interval: int = 0, num_bf16_last_layers: int = 8, gemm: str = "scaled") -> Recipe:
     """NVIDIA's NVFP4 training recipe with Transformer Engine semantics, emulated in software.
 
     E2M1 values in 16-element blocks with E4M3 scales (T = 448) and a current FP32 tensor
@@ -140,16 +140,33 @@ def nvfp4(*, num_bf16_last_layers: int = 8, gemm: str = "scaled") -> Recipe:
     transform on both wgrad operands, stochastic rounding on dY (both backward GEMMs), the
     last 8 pattern layers in BF16 and the LM head in FP32.
     """
+    return _nvfp4_recipe("nvfp4", _description(nvfp4), reference_interval, num_bf16_last_layers, gemm)
+
+
+@register_recipe("nvfp4_delayed")
+def nvfp4_delayed(*, reference_interval: int = 50, num_bf16_last_layers: int = 8, gemm: str = "scaled") -> Recipe:
+    """NVFP4 exactly, but with the UE5M3 recipe's sample-and-hold tensor references (D = 50).
+
+    The scale-format control: E4M3 block scales (T = 448) under a tensor reference sampled and
+    held for D = 50 steps, with every other NVFP4 setting unchanged (16x16 2-D weight tiles,
+    RHT on both wgrad operands, stochastic rounding on dY, the last 8 pattern layers in BF16,
+    the LM head in FP32). Set against ue5m3 it isolates what UE5M3's range buys under a held
+    reference: a block that outgrows the held amax saturates E4M3's 448 at once.
+    """
+    return _nvfp4_recipe("nvfp4_delayed", _description(nvfp4_delayed), reference_interval, num_bf16_last_layers, gemm)
+
+
+def _nvfp4_recipe(name: str, description: str, reference_interval: int, num_bf16_last_layers: int, gemm: str) -> Recipe:
     fp4 = _fp4_linear(
         scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr", wgrad_hadamard=True,
-        scale_target=448.0, reference_interval=0, gemm=gemm,
+        scale_target=448.0, reference_interval=reference_interval, gemm=gemm,
     )  # fmt: skip
     return Recipe(
-        name="nvfp4",
-        description=_description(nvfp4),
+        name=name,
+        description=description,
         parts={"fp4": fp4, **_HIGH},
         rules=_bf16_tail_rules(num_bf16_last_layers),
-        knobs={"num_bf16_last_layers": num_bf16_last_layers, "gemm": gemm},
+        knobs={"reference_interval": reference_interval, "num_bf16_last_layers": num_bf16_last_layers, "gemm": gemm},
     )
 
 
@@ -252,7 +269,7 @@ def ue5m3_te_settings(
 
 
 @register_recipe("nvfp4_all_fp4_no_rht")
-def nvfp4_all_fp4_no_rht(*, gemm: str = "scaled") -> Recipe:
+def nvfp4_all_fp4_no_rht(*, reference_interval: int = 0, gemm: str = "scaled") -> Recipe:
     """The paper's unstable ablation: NVFP4 without the Hadamard transform and with all linears in FP4.
 
     E4M3 scales with current tensor scaling, 16x16 2-D weights and stochastic rounding on dY
@@ -260,14 +277,14 @@ def nvfp4_all_fp4_no_rht(*, gemm: str = "scaled") -> Recipe:
     """
     fp4 = _fp4_linear(
         scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr", wgrad_hadamard=False,
-        scale_target=448.0, reference_interval=0, gemm=gemm,
+        scale_target=448.0, reference_interval=reference_interval, gemm=gemm,
     )  # fmt: skip
     return Recipe(
         name="nvfp4_all_fp4_no_rht",
         description=_description(nvfp4_all_fp4_no_rht),
         parts={"fp4": fp4, **_HIGH},
         rules=_bf16_tail_rules(0),
-        knobs={"gemm": gemm},
+        knobs={"reference_interval": reference_interval, "gemm": gemm},
     )
 
 

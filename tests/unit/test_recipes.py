@@ -29,7 +29,7 @@ from tests.unit.test_quant_standin import (
 )
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "precision"
-ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4"]
+ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed"]
 EMULATED = [name for name in ALL if name != "nvfp4_te"]
 
 
@@ -51,7 +51,8 @@ def test_registry_lists_every_recipe_and_each_instantiates_with_its_own_descript
         assert len(recipe.description) > 20
         # a copy-pasted docstring (Bridge's "MXFP8" on an NVFP4 recipe) would fail this
         key = {"bf16": "BF16", "nvfp4": "NVFP4", "nvfp4_te": "Transformer Engine", "ue5m3": "UE5M3",
-               "ue5m3_te_settings": "UE5M3", "nvfp4_all_fp4_no_rht": "NVFP4", "mxfp4": "MXFP4"}[name]  # fmt: skip
+               "ue5m3_te_settings": "UE5M3", "nvfp4_all_fp4_no_rht": "NVFP4", "mxfp4": "MXFP4",
+               "nvfp4_delayed": "sample-and-hold"}[name]  # fmt: skip
         assert key in recipe.description, (name, recipe.description)
 
 
@@ -176,7 +177,7 @@ def test_get_recipe_validates_names_and_knobs():
     with pytest.raises(ValueError, match="registered recipes are"):
         get_recipe("nvfp8")
     with pytest.raises(ValueError, match="reference_interval"):
-        get_recipe("nvfp4", reference_interval=50)  # nvfp4 is current scaling only
+        get_recipe("mxfp4", reference_interval=50)  # UE8M0 scales have no tensor reference
     recipe = get_recipe("ue5m3", reference_interval=10, scale_target=1024.0, gemm="decoded")
     fp4 = recipe.parts["fp4"]
     assert fp4.x.reference_interval == 10 and fp4.x.scale_target == 1024.0 and fp4.gemm == "decoded"
