@@ -96,8 +96,14 @@ def run_dir(args, recipe: str, seed: int) -> Path:
 
 
 def train_overrides(args, recipe: str, seed: int) -> list[str]:
+    """The recipe's training overrides; a ``precision.<knob>=`` override goes only to recipes that have the knob."""
+    from nemofp4.recipes import recipe_knobs
+
+    knobs = {*recipe_knobs(recipe), "name", "restore_references"}
+    shared = [o for o in args.train_override
+              if not o.startswith("precision.") or o.split("=", 1)[0].removeprefix("precision.") in knobs]  # fmt: skip
     return [f"experiment={args.preset}_{recipe}", f"train.seed={seed}", f"train.max_steps={args.steps}",
-            "logging.wandb=false", "logging.console=false", *args.train_override]  # fmt: skip
+            "logging.wandb=false", "logging.console=false", *shared]  # fmt: skip
 
 
 def is_finished(path: Path, steps: int) -> bool:
