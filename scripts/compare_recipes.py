@@ -176,7 +176,7 @@ def spike_start(args, warmup: int) -> int:
 
 def collect_run(args, recipe: str, seed: int) -> dict:
     path = run_dir(args, recipe, seed)
-    from nemofp4.evaluation import job_config_from_yaml
+    from nemofp4.training.config import job_config_from_yaml
 
     job = job_config_from_yaml((path / "config.yaml").read_text())
     train = read_rows(path, "train")

@@ -202,3 +202,11 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         self.precision = precision_config(self.precision)
+
+
+def job_config_from_yaml(text: str) -> JobConfig:
+    """The typed JobConfig of a run from its resolved YAML (``trainer_state['config']`` or
+    ``<run_dir>/config.yaml``); validation runs as at training time."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(text)))
