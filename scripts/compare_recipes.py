@@ -90,8 +90,14 @@ def run_dir(args, recipe: str, seed: int) -> Path:
 
 
 def train_overrides(args, recipe: str, seed: int) -> list[str]:
+    """The recipe's training overrides; a ``precision.<knob>=`` override goes only to recipes that have the knob."""
+    from nemofp4.recipes import recipe_knobs
+
+    knobs = {*recipe_knobs(recipe), "name", "restore_references"}
+    shared = [o for o in args.train_override
+              if not o.startswith("precision.") or o.split("=", 1)[0].removeprefix("precision.") in knobs]  # fmt: skip
     return [f"experiment={args.preset}_{recipe}", f"train.seed={seed}", f"train.max_steps={args.steps}",
-            "logging.wandb=false", "logging.console=false", *args.train_override]  # fmt: skip
+            "logging.wandb=false", "logging.console=false", *shared]  # fmt: skip
 
 
 def train_local(args, recipe: str, seed: int) -> None:
@@ -120,7 +126,7 @@ def spike_start(args, warmup: int) -> int:
 
 def collect_run(args, recipe: str, seed: int) -> dict:
     path = run_dir(args, recipe, seed)
-    from nemofp4.evaluation import job_config_from_yaml
+    from nemofp4.training.config import job_config_from_yaml
 
     job = job_config_from_yaml((path / "config.yaml").read_text())
     train = read_rows(path, "train")

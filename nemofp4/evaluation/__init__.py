@@ -11,7 +11,6 @@ and needs the optional ``lm-eval`` package.
 
 from .checkpoint import (
     is_hf_folder,
-    job_config_from_yaml,
     load_checkpoint_model,
     load_hf_model,
     resolve_checkpoint,
@@ -27,6 +26,7 @@ from .multiple_choice import (
 )
 from .nll import validation_nll
 from .policies import POLICIES, ActivationAmaxRecorder, InferencePolicy, PolicyForward, unquantized_copy
+from .run_config import TrainedRunConfig, run_config_from_yaml
 from .runner import EvalSession, evaluate, format_markdown, write_results
 
 __all__ = [
@@ -43,7 +43,8 @@ __all__ = [
     "evaluate",
     "format_markdown",
     "is_hf_folder",
-    "job_config_from_yaml",
+    "run_config_from_yaml",
+    "TrainedRunConfig",
     "load_checkpoint_model",
     "load_hf_model",
     "load_task",

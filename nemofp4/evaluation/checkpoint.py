@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from nemofp4.checkpointing import (
     TRAINER_STATE,
@@ -28,11 +27,11 @@ from nemofp4.checkpointing import (
 from nemofp4.models import NemotronHModel, build_model
 from nemofp4.models.nemotron_h import import_hf
 from nemofp4.recipes import PrecisionConfig, apply_recipe, recipe_from_config
-from nemofp4.training.config import JobConfig
+
+from .run_config import TrainedRunConfig, run_config_from_yaml
 
 __all__ = [
     "is_hf_folder",
-    "job_config_from_yaml",
     "load_checkpoint_model",
     "load_hf_model",
     "resolve_checkpoint",
@@ -57,20 +56,14 @@ def is_hf_folder(path: str | Path) -> bool:
     )
 
 
-def job_config_from_yaml(text: str) -> JobConfig:
-    """The typed JobConfig of a run from its resolved YAML (``trainer_state['config']`` or
-    ``<run_dir>/config.yaml``); validation runs as at training time."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(text)))
-
-
 def load_checkpoint_model(
     path: str | Path,
     *,
     device: str | torch.device = "cpu",
     precision: PrecisionConfig | str | None = None,
     verify: bool = True,
-) -> tuple[NemotronHModel, JobConfig, dict[str, Any]]:
-    """(model, the run's JobConfig, trainer_state) of a checkpoint of ours, in eval mode.
+) -> tuple[NemotronHModel, TrainedRunConfig, dict[str, Any]]:
+    """(model, the run's config as evaluation reads it, trainer_state) of a checkpoint of ours, in eval mode.
 
     Args:
         path: a step folder, a checkpoints folder or a run directory (its latest complete step).
@@ -91,7 +84,7 @@ def load_checkpoint_model(
     trainer_state = load_tensors(folder / TRAINER_STATE)
     if not isinstance(trainer_state, dict) or "config" not in trainer_state:
         raise ValueError(f"{folder / TRAINER_STATE} has no 'config': not written by nemofp4's trainer")
-    cfg = job_config_from_yaml(trainer_state["config"])
+    cfg = run_config_from_yaml(trainer_state["config"])
     if isinstance(precision, str):
         precision = PrecisionConfig(name=precision)
     model = build_model(cfg.model, device="meta")

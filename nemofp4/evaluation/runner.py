@@ -24,13 +24,13 @@ from nemofp4.data import (
     load_tokenizer,
 )
 from nemofp4.models import NemotronHModel
-from nemofp4.training.config import JobConfig
 
 from .checkpoint import is_hf_folder, load_checkpoint_model, load_hf_model, resolve_checkpoint, resolve_device
 from .config import EvaluateConfig
 from .multiple_choice import load_task, run_task
 from .nll import validation_nll
 from .policies import InferencePolicy, PolicyForward
+from .run_config import TrainedRunConfig
 
 __all__ = ["EvalSession", "evaluate", "format_markdown", "write_results"]
 
@@ -48,7 +48,7 @@ class EvalSession:
     model: NemotronHModel
     source: str
     """The resolved checkpoint folder (or transformers folder)."""
-    job: JobConfig | None
+    job: TrainedRunConfig | None
     """The run's config (None for a transformers folder)."""
     trainer_state: dict[str, Any]
     device: torch.device

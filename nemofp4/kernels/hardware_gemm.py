@@ -200,27 +200,41 @@ def triton_hardware_gemm(
             )
     if a.codes.device != b.codes.device:
         raise ValueError(f"operands on different devices: {a.codes.device} and {b.codes.device}")
-    device = a.codes.device
     m = a.shape[0]
     n = b.shape[1] if b_transposed else b.shape[0]
     k_a = a.padded_shape[1]
     k_b = b.padded_shape[0] if b_transposed else b.padded_shape[1]
     k = max(k_a, k_b)
+    return torch.ops.nemofp4.triton_hardware_gemm(
+        a.codes.contiguous(), a.scale_codes.contiguous(), b.codes.contiguous(), b.scale_codes.contiguous(),
+        a.tensor_scale.float().reshape(1), b.tensor_scale.float().reshape(1), m, n, k_a, k_b, k,
+        a.scale_format, a.block_size, bool(a.two_d), False, b.scale_format, b.block_size, bool(b.two_d), b_transposed,
+        lattice_snap, block_m, block_n,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("nemofp4::triton_hardware_gemm", mutates_args=(), device_types=("cuda", "cpu"))
+def _hardware_gemm_op(
+    a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor,
+    a_tensor_scale: torch.Tensor, b_tensor_scale: torch.Tensor, m: int, n: int, k_a: int, k_b: int, k: int,
+    a_format: str, a_block_size: int, a_two_d: bool, a_transposed: bool,
+    b_format: str, b_block_size: int, b_two_d: bool, b_transposed: bool,
+    lattice_snap: bool, block_m: int, block_n: int,
+) -> torch.Tensor:  # fmt: skip
+    """The GEMM launch as an op (float32 ``[m, n]``), so compiled graphs hold it without a break."""
+    device = a_codes.device
     out = torch.empty(m, n, dtype=torch.float32, device=device)
-    a_codes, a_scales = a.codes.contiguous(), a.scale_codes.contiguous()
-    b_codes, b_scales = b.codes.contiguous(), b.scale_codes.contiguous()
     grid = (-(-m // block_m), -(-n // block_n))
     interpreting = device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     from . import _gemm_kernels
 
     _gemm_kernels.hardware_gemm_kernel[grid](
-        a_codes, a_scales, b_codes, b_scales, out,
-        a.tensor_scale.float().reshape(1), b.tensor_scale.float().reshape(1),
+        a_codes, a_scales, b_codes, b_scales, out, a_tensor_scale, b_tensor_scale,
         m, n, k_a, k_b, k,
         a_codes.stride(0), a_scales.stride(0), b_codes.stride(0), b_scales.stride(0), out.stride(0),
-        **_operand_meta("A", a, transposed=False),
-        **_operand_meta("B", b, transposed=b_transposed),
-        SUB=min(a.block_size, b.block_size),
+        **_operand_meta("A", a_format, a_block_size, a_two_d, a_transposed),
+        **_operand_meta("B", b_format, b_block_size, b_two_d, b_transposed),
+        SUB=min(a_block_size, b_block_size),
         LATTICE_SNAP=lattice_snap,
         BM=block_m,
         BN=block_n,
@@ -228,6 +242,11 @@ def triton_hardware_gemm(
         **({} if interpreting else {"num_warps": 8, "enable_fp_fusion": False}),
     )  # fmt: skip
     return out
+
+
+@_hardware_gemm_op.register_fake
+def _(a_codes, a_scales, b_codes, b_scales, a_tensor_scale, b_tensor_scale, m, n, *_):
+    return a_codes.new_empty(m, n, dtype=torch.float32)
 
 
 def _codes_of(q):
@@ -239,13 +258,13 @@ def _codes_of(q):
     return q
 
 
-def _operand_meta(prefix: str, q, *, transposed: bool) -> dict:
-    fmt = SCALE_FORMATS[q.scale_format]
+def _operand_meta(prefix: str, scale_format: str, block_size: int, two_d: bool, transposed: bool) -> dict:
+    fmt = SCALE_FORMATS[scale_format]
     return {
-        f"{prefix}_BS": q.block_size,
-        f"{prefix}_TWO_D": bool(q.two_d),
+        f"{prefix}_BS": block_size,
+        f"{prefix}_TWO_D": two_d,
         f"{prefix}_TRANSPOSED": transposed,
-        f"{prefix}_IS_MX": q.scale_format == "ue8m0",
+        f"{prefix}_IS_MX": scale_format == "ue8m0",
         f"{prefix}_BIAS": fmt.bias,
         f"{prefix}_MANT": fmt.mantissa_bits,
         f"{prefix}_SUB_STEP": fmt.min_subnormal,

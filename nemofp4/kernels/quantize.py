@@ -49,17 +49,28 @@ def triton_amax(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"triton_amax: expected a float32/bfloat16/float16 tensor, got {_describe(x)}")
     if x.numel() == 0:
         raise ValueError("amax of an empty tensor is undefined")
-    flat = x.detach().contiguous().view(-1)
-    out = torch.zeros(1, dtype=torch.int32, device=x.device)
+    return torch.ops.nemofp4.triton_amax(x.detach().contiguous().view(-1)).reshape(())
+
+
+@torch.library.custom_op("nemofp4::triton_amax", mutates_args=(), device_types=("cuda", "cpu"))
+def _amax_op(flat: torch.Tensor) -> torch.Tensor:
+    """The amax launch as an op (``[1]`` float32), so compiled graphs hold it without a break."""
+    out = torch.zeros(1, dtype=torch.float32, device=flat.device)
     block = 4096
     programs = triton_cdiv(flat.numel(), block)
-    if interpreting(x.device):
+    if interpreting(flat.device):
         programs = min(programs, 4)
     else:
-        programs = min(programs, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        programs = min(programs, 4 * torch.cuda.get_device_properties(flat.device).multi_processor_count)
     iterations = triton_cdiv(triton_cdiv(flat.numel(), block), programs)
-    _kernels().amax_kernel[(programs,)](flat, flat.numel(), out, programs, iterations, BLOCK=block)
-    return out.view(torch.float32).reshape(())
+    # non-negative floats order as their int32 bits: the kernel max-reduces the bits atomically
+    _kernels().amax_kernel[(programs,)](flat, flat.numel(), out.view(torch.int32), programs, iterations, BLOCK=block)
+    return out
+
+
+@_amax_op.register_fake
+def _(flat: torch.Tensor) -> torch.Tensor:
+    return flat.new_empty(1, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------ quantize
@@ -147,7 +158,6 @@ def triton_quantize(
         rowwise, transposed, transposed_scale_target, scaled_dtype,
     )  # fmt: skip
     device = x.device
-    fmt = SCALE_FORMATS[scale_format]
     is_mx = scale_format == "ue8m0"
     b = block_size
     shape = x.shape
@@ -158,81 +168,28 @@ def triton_quantize(
     rows = x2d.shape[0]
     cols_p = cols + (-cols % b)
     rows_p = rows + (-rows % b)
-    rows_out = rows_p if two_d else rows
 
-    # ---- the tensor reference g
-    measure_amax = False
-    amax_out = _dummy(device, torch.int32)
-    if is_mx:
-        if tensor_amax is None:
-            measure_amax = True
-            amax_out = torch.zeros(1, dtype=torch.int32, device=device)
-            g = amax_out.view(torch.float32)
-        else:
-            g = _reference_tensor(tensor_amax, device)
+    # ---- the tensor reference g (a measured one for MX comes back from the launch)
+    measure_amax = is_mx and tensor_amax is None
+    if measure_amax:
+        g = None
     elif tensor_amax is None:
         g = triton_amax(x2d).reshape(1)
     else:
         g = _reference_tensor(tensor_amax, device)
     seed_t = _seed_tensor(seed, device, rounding)
-
-    def outputs(n_rows: int, n_cols: int, scale_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        return {
-            "codes": torch.empty(n_rows, n_cols // 2, dtype=torch.uint8, device=device),
-            "scales": torch.empty(scale_shape, dtype=torch.uint8, device=device),
-            "scaled": (
-                torch.empty(n_rows, n_cols, dtype=scaled_dtype, device=device)
-                if scaled_dtype is not None
-                else _dummy(device, torch.float32)
-            ),
-            "draws": (
-                torch.empty(n_rows, n_cols, dtype=torch.int64, device=device)
-                if _write_draws
-                else _dummy(device, torch.int64)
-            ),
-            "counts": torch.zeros(4, dtype=torch.int32, device=device),
-            "ts": torch.ones(1, dtype=torch.float32, device=device),
-        }
-
-    dummy = {
-        k: _dummy(device, dt)
-        for k, dt in (("codes", torch.uint8), ("scales", torch.uint8), ("scaled", torch.float32),
-                      ("draws", torch.int64), ("counts", torch.int32), ("ts", torch.float32))
-    }  # fmt: skip
-    row_scale_shape = (rows_p // b, cols_p // b) if two_d else (rows, cols_p // b)
-    r = outputs(rows_out, cols_p, row_scale_shape) if rowwise else dummy
-    t = outputs(cols, rows_p, (cols, rows_p // b)) if transposed else dummy
-
     config = _config or _tile_config(b, two_d, transposed, interpreting(device))
-    grid_rows = max(rows_out if rowwise else 0, rows_p if transposed else 0)
-    grid_cols = cols_p if rowwise else cols
-    grid = (triton_cdiv(grid_rows, config["BM"]), triton_cdiv(grid_cols, config["BK"]))
     target_t = scale_target if transposed_scale_target is None else transposed_scale_target
-    _kernels().quantize_kernel[grid](
-        x2d, g, seed_t, amax_out,
-        r["codes"], r["scales"], r["scaled"], r["draws"], r["counts"], r["ts"],
-        t["codes"], t["scales"], t["scaled"], t["draws"], t["counts"], t["ts"],
-        rows, cols, x2d.stride(0), rows_out, cols_p, rows_p,
-        _fp32(scale_target * 6.0), _fp32(target_t * 6.0),
-        BS=b,
-        IS_MX=is_mx,
-        MX_CEIL=mx_scale_mode == "ceil",
-        SCALE_MAX=0.0 if is_mx else fmt.max_finite,
-        SCALE_BIAS=fmt.bias,
-        SCALE_MANT=fmt.mantissa_bits,
-        SCALE_MIN_NORMAL=fmt.min_normal,
-        SCALE_SUB_STEP=fmt.min_subnormal,
-        ZERO_CODE_TO_ONE=scale_format != "e4m3",
-        ROUNDING=_ROUNDING_CODES[rounding],
-        TWO_D=two_d,
-        ROWWISE=rowwise,
-        TRANSPOSED=transposed,
-        WRITE_SCALED=scaled_dtype is not None,
-        WRITE_DRAWS=_write_draws,
-        STATS=stats,
-        MEASURE_AMAX=measure_amax,
-        **config,
+    outs = torch.ops.nemofp4.triton_quantize(
+        x2d, g, seed_t, scale_format, b, two_d, _fp32(scale_target * 6.0), _fp32(target_t * 6.0),
+        _ROUNDING_CODES[rounding], mx_scale_mode == "ceil", rowwise, transposed,
+        _SCALED_DTYPE_CODES[scaled_dtype], _write_draws, stats,
+        config["BM"], config["BK"], config.get("num_warps", 0), config.get("enable_fp_fusion", True),
     )  # fmt: skip
+    r = dict(zip(_SIDE_OUTPUTS, outs[:6]))
+    t = dict(zip(_SIDE_OUTPUTS, outs[6:12]))
+    if measure_amax:
+        g = outs[12].view(torch.float32)
 
     g0 = g.reshape(())
     row_result = col_result = None
@@ -274,6 +231,109 @@ def triton_quantize(
     if _write_draws:
         return (row_result, r["draws"] if rowwise else None), (col_result, t["draws"] if transposed else None)
     return row_result, col_result
+
+
+# ------------------------------------------------------------------------------------ the op
+_SCALED_DTYPE_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+_SCALED_DTYPES = {code: dtype for dtype, code in _SCALED_DTYPE_CODES.items()}
+_SIDE_OUTPUTS = ("codes", "scales", "scaled", "draws", "counts", "ts")
+
+
+def _launch_outputs(
+    x2d: torch.Tensor, block_size: int, two_d: bool, rowwise: bool, transposed: bool, scaled_dtype: int,
+    write_draws: bool, measure_amax: bool,
+) -> list[torch.Tensor]:  # fmt: skip
+    """The launch's 13 outputs, allocated: (codes, scales, scaled, draws, counts, ts) row-wise, the
+    same for x.T, and the measured MX amax bits. An output the launch does not write is empty."""
+    rows, cols = x2d.shape
+    b = block_size
+    cols_p, rows_p = cols + (-cols % b), rows + (-rows % b)
+    scaled = _SCALED_DTYPES[scaled_dtype]
+
+    def empty(dtype: torch.dtype) -> torch.Tensor:
+        return x2d.new_empty(0, dtype=dtype)
+
+    def side(on: bool, n_rows: int, n_cols: int, scale_shape: tuple[int, ...]) -> list[torch.Tensor]:
+        if not on:
+            return [empty(torch.uint8), empty(torch.uint8), empty(torch.float32), empty(torch.int64),
+                    empty(torch.int32), empty(torch.float32)]  # fmt: skip
+        return [
+            x2d.new_empty(n_rows, n_cols // 2, dtype=torch.uint8),
+            x2d.new_empty(scale_shape, dtype=torch.uint8),
+            x2d.new_empty(n_rows, n_cols, dtype=scaled) if scaled is not None else empty(torch.float32),
+            x2d.new_empty(n_rows, n_cols, dtype=torch.int64) if write_draws else empty(torch.int64),
+            x2d.new_zeros(4, dtype=torch.int32),
+            x2d.new_ones(1, dtype=torch.float32),
+        ]
+
+    row_scales = (rows_p // b, cols_p // b) if two_d else (rows, cols_p // b)
+    return [
+        *side(rowwise, rows_p if two_d else rows, cols_p, row_scales),
+        *side(transposed, cols, rows_p, (cols, rows_p // b)),
+        x2d.new_zeros(1, dtype=torch.int32) if measure_amax else empty(torch.int32),
+    ]
+
+
+@torch.library.custom_op("nemofp4::triton_quantize", mutates_args=(), device_types=("cuda", "cpu"))
+def _quantize_op(
+    x2d: torch.Tensor, g: torch.Tensor | None, seed: torch.Tensor, scale_format: str, block_size: int,
+    two_d: bool, numerator: float, numerator_t: float, rounding: int, mx_ceil: bool, rowwise: bool,
+    transposed: bool, scaled_dtype: int, write_draws: bool, stats: bool, bm: int, bk: int, num_warps: int,
+    enable_fp_fusion: bool,
+) -> list[torch.Tensor]:  # fmt: skip
+    """One quantization launch as an op (``g`` None: an MX launch measures its own amax), so that
+    torch.compile and FSDP2 see a node with a fake implementation rather than a graph break."""
+    device = x2d.device
+    fmt = SCALE_FORMATS[scale_format]
+    is_mx = scale_format == "ue8m0"
+    measure_amax = g is None
+    outs = _launch_outputs(x2d, block_size, two_d, rowwise, transposed, scaled_dtype, write_draws, measure_amax)
+    dummies = {"codes": torch.uint8, "scales": torch.uint8, "scaled": torch.float32, "draws": torch.int64,
+               "counts": torch.int32, "ts": torch.float32}  # fmt: skip
+
+    def pointers(side: list[torch.Tensor]) -> list[torch.Tensor]:
+        # a one-element buffer for every pointer the launch does not write
+        return [o if o.numel() else _dummy(device, dt) for o, dt in zip(side, dummies.values())]
+
+    amax_out = outs[12] if measure_amax else _dummy(device, torch.int32)
+    g_in = amax_out.view(torch.float32) if measure_amax else g
+    rows, cols = x2d.shape
+    cols_p, rows_p = cols + (-cols % block_size), rows + (-rows % block_size)
+    rows_out = rows_p if two_d else rows
+    grid_rows = max(rows_out if rowwise else 0, rows_p if transposed else 0)
+    grid = (triton_cdiv(grid_rows, bm), triton_cdiv(cols_p if rowwise else cols, bk))
+    options = {"num_warps": num_warps, "enable_fp_fusion": enable_fp_fusion} if num_warps else {}
+    _kernels().quantize_kernel[grid](
+        x2d, g_in, seed, amax_out, *pointers(outs[:6]), *pointers(outs[6:12]),
+        rows, cols, x2d.stride(0), rows_out, cols_p, rows_p, numerator, numerator_t,
+        BS=block_size,
+        IS_MX=is_mx,
+        MX_CEIL=mx_ceil,
+        SCALE_MAX=0.0 if is_mx else fmt.max_finite,
+        SCALE_BIAS=fmt.bias,
+        SCALE_MANT=fmt.mantissa_bits,
+        SCALE_MIN_NORMAL=fmt.min_normal,
+        SCALE_SUB_STEP=fmt.min_subnormal,
+        ZERO_CODE_TO_ONE=scale_format != "e4m3",
+        ROUNDING=rounding,
+        TWO_D=two_d,
+        ROWWISE=rowwise,
+        TRANSPOSED=transposed,
+        WRITE_SCALED=scaled_dtype != 0,
+        WRITE_DRAWS=write_draws,
+        STATS=stats,
+        MEASURE_AMAX=measure_amax,
+        BM=bm,
+        BK=bk,
+        **options,
+    )  # fmt: skip
+    return outs
+
+
+@_quantize_op.register_fake
+def _(x2d, g, seed, scale_format, block_size, two_d, numerator, numerator_t, rounding, mx_ceil, rowwise,
+      transposed, scaled_dtype, write_draws, stats, bm, bk, num_warps, enable_fp_fusion):  # fmt: skip
+    return _launch_outputs(x2d, block_size, two_d, rowwise, transposed, scaled_dtype, write_draws, g is None)
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -1,16 +1,25 @@
 """Precision recipes: registered, data-only descriptions of how every linear trains.
 
     from nemofp4.recipes import get_recipe, apply_recipe
-    recipe = get_recipe("ue5m3")          # or "bf16", "nvfp4", "nvfp4_te", "ue5m3_te_settings", ...
+    recipe = get_recipe("ue5m3")          # or "bf16", "nvfp4", "nvfp4_delayed", "ue5m3_te_settings", ...
     table = apply_recipe(model, recipe)   # swaps in nemofp4.quant.QuantLinear; returns the table
 
-Recipes are data (parts + ordered rules); the numerics live in :mod:`nemofp4.quant`.
+Each recipe is a typed dataclass whose fields are its knobs (:mod:`.registry`), also the Hydra
+``precision`` node. Recipes are data (parts + ordered rules); the numerics live in :mod:`nemofp4.quant`.
 """
 
+from . import registry  # noqa: F401 (registers the recipes)
 from .apply import LayerRow, LayerTable, RecipeUnavailableError, apply_recipe, resolve_recipe
-from .config import PrecisionConfig, recipe_from_config
+from .config import (
+    PrecisionConfig,
+    get_recipe,
+    list_recipes,
+    precision_config,
+    recipe_from_config,
+    recipe_knobs,
+    register_recipe,
+)
 from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4, part_kind
-from .registry import get_recipe, list_recipes, recipe_knobs, register_recipe
 from .rules import LayerSpan, Rule, first_layers, last_layers, layer_indices
 
 __all__ = [
@@ -31,6 +40,7 @@ __all__ = [
     "layer_indices",
     "list_recipes",
     "part_kind",
+    "precision_config",
     "recipe_from_config",
     "recipe_knobs",
     "register_recipe",

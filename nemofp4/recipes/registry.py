@@ -1,22 +1,29 @@
-"""The registered recipes. Each is a builder function whose keyword arguments are its knobs.
+"""The registered recipes: one dataclass each, whose typed fields are its knobs (see :mod:`.config`).
 
-``get_recipe(name, **overrides)`` calls the builder; an override it does not take is an error
-naming the knobs it does take. The numbers and their sources are in docs/recipes.md.
+``get_recipe(name, **knobs)`` builds one; a knob it does not have is an error naming its knobs.
+The numbers and their sources are in docs/recipes.md.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from nemofp4.quant import LinearQuantConfig, OperandQuant
 
+from .config import PrecisionConfig, description, register_recipe
 from .recipe import HighPrecision, Recipe, TransformerEngineNVFP4
 from .rules import Rule, last_layers, layer_indices
 
-__all__ = ["get_recipe", "list_recipes", "recipe_knobs", "register_recipe"]
-
-_REGISTRY: dict[str, Callable[..., Recipe]] = {}
+__all__ = [
+    "BF16",
+    "MXFP4",
+    "NVFP4",
+    "UE5M3",
+    "NVFP4AllFP4NoRHT",
+    "NVFP4Delayed",
+    "NVFP4TransformerEngine",
+    "UE5M3TESettings",
+]
 
 # Module globs of the model (nemofp4.models.nemotron_h): every eligible linear is a mixer projection.
 ELIGIBLE = "layers.*.mixer.*"
@@ -24,52 +31,6 @@ LAYER_ELIGIBLE = "layers.{layer}.mixer.*"
 LM_HEAD = "lm_head"
 # The UE5M3 paper's targeted override: wgrad dY of down_proj in zero-based layers 45, 47, 49, 51.
 TARGETED_LAYERS = (45, 47, 49, 51)
-
-
-def register_recipe(name: str):
-    """Register a builder under ``name`` (its docstring is the recipe's description)."""
-
-    def deco(fn: Callable[..., Recipe]) -> Callable[..., Recipe]:
-        if name in _REGISTRY:
-            raise ValueError(f"recipe {name!r} is already registered")
-        if not (fn.__doc__ or "").strip():
-            raise ValueError(f"recipe builder {fn.__name__} needs a docstring (it is the recipe's description)")
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
-
-
-def list_recipes() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def recipe_knobs(name: str) -> dict[str, object]:
-    """The overridable knobs of a recipe and their defaults."""
-    builder = _builder(name)
-    return {p.name: p.default for p in inspect.signature(builder).parameters.values()}
-
-
-def get_recipe(name: str, **overrides) -> Recipe:
-    """Build the registered recipe ``name`` with optional knob overrides (e.g. reference_interval=50)."""
-    builder = _builder(name)
-    knobs = recipe_knobs(name)
-    unknown = sorted(set(overrides) - set(knobs))
-    if unknown:
-        raise ValueError(
-            f"recipe {name!r} has no knob(s) {unknown}; its knobs are {sorted(knobs) or 'none'}"
-        )
-    return builder(**overrides)
-
-
-def _builder(name: str) -> Callable[..., Recipe]:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown precision recipe {name!r}; registered recipes are {list_recipes()}")
-    return _REGISTRY[name]
-
-
-def _description(fn: Callable) -> str:
-    return inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0].replace("\n", " ")
 
 
 def _fp4_linear(
@@ -117,22 +78,48 @@ def _bf16_tail_rules(num_bf16_last_layers: int, fp4_part: str = "fp4") -> tuple[
 _HIGH = {"bf16": HighPrecision(compute="model"), "fp32": HighPrecision(compute="fp32")}
 
 
-@register_recipe("bf16")
-def bf16() -> Recipe:
+def _recipe(config: PrecisionConfig, parts: dict, rules: tuple[Rule, ...]) -> Recipe:
+    return Recipe(name=config.name, description=description(type(config)), parts=parts, rules=rules,
+                  knobs=config.knobs())  # fmt: skip
+
+
+@register_recipe
+@dataclass(kw_only=True)
+class BF16(PrecisionConfig):
     """BF16 baseline: every linear (LM head included) stays an nn.Linear in the model dtype.
 
     On GPU that is BF16 under autocast with FP32 master weights; on CPU it is float32.
     """
-    return Recipe(
-        name="bf16",
-        description=_description(bf16),
-        parts={"bf16": HighPrecision(compute="model")},
-        rules=(Rule(pattern="*", part="bf16"),),
-    )
+
+    name: str = "bf16"
+
+    def build(self) -> Recipe:
+        return _recipe(self, {"bf16": HighPrecision(compute="model")}, (Rule(pattern="*", part="bf16"),))
 
 
-@register_recipe("nvfp4")
-def nvfp4(*, num_bf16_last_layers: int = 8, gemm: str = "scaled") -> Recipe:
+@dataclass(kw_only=True)
+class _NVFP4Knobs(PrecisionConfig):
+    reference_interval: int = 0
+    """D: steps a tensor reference (amax) is held; 0 = current scaling at every quantization."""
+    scale_target: float = 448.0
+    """T: block code of a block whose amax equals the tensor reference (TE's fixed 448 = E4M3's
+    max; a smaller T leaves headroom for a held reference, a larger one saturates at once)."""
+    num_bf16_last_layers: int = 8
+    """Pattern layers at the end of the stack kept in BF16 (at most a fifth of the layers)."""
+    gemm: str = "scaled"
+    """'scaled' (block-scaled operands, BF16-speed), 'decoded' (FP32 dequantized) or 'hardware'."""
+
+    def build(self) -> Recipe:
+        fp4 = _fp4_linear(
+            scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr", wgrad_hadamard=True,
+            scale_target=self.scale_target, reference_interval=self.reference_interval, gemm=self.gemm,
+        )  # fmt: skip
+        return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
+
+
+@register_recipe
+@dataclass(kw_only=True)
+class NVFP4(_NVFP4Knobs):
     """NVIDIA's NVFP4 training recipe with Transformer Engine semantics, emulated in software.
 
     E2M1 values in 16-element blocks with E4M3 scales (T = 448) and a current FP32 tensor
@@ -140,45 +127,47 @@ def nvfp4(*, num_bf16_last_layers: int = 8, gemm: str = "scaled") -> Recipe:
     transform on both wgrad operands, stochastic rounding on dY (both backward GEMMs), the
     last 8 pattern layers in BF16 and the LM head in FP32.
     """
-    fp4 = _fp4_linear(
-        scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr", wgrad_hadamard=True,
-        scale_target=448.0, reference_interval=0, gemm=gemm,
-    )  # fmt: skip
-    return Recipe(
-        name="nvfp4",
-        description=_description(nvfp4),
-        parts={"fp4": fp4, **_HIGH},
-        rules=_bf16_tail_rules(num_bf16_last_layers),
-        knobs={"num_bf16_last_layers": num_bf16_last_layers, "gemm": gemm},
-    )
+
+    name: str = "nvfp4"
 
 
-@register_recipe("nvfp4_te")
-def nvfp4_te(*, num_bf16_last_layers: int = 8) -> Recipe:
+@register_recipe
+@dataclass(kw_only=True)
+class NVFP4Delayed(_NVFP4Knobs):
+    """NVFP4 exactly, but with the UE5M3 recipe's sample-and-hold tensor references (D = 50).
+
+    The scale-format control: E4M3 block scales (T = 448) under a tensor reference sampled and
+    held for D = 50 steps, with every other NVFP4 setting unchanged (16x16 2-D weight tiles,
+    RHT on both wgrad operands, stochastic rounding on dY, the last 8 pattern layers in BF16,
+    the LM head in FP32). Set against ue5m3 it isolates what UE5M3's range buys under a held
+    reference: a block that outgrows the held amax saturates E4M3's 448 at once.
+    """
+
+    name: str = "nvfp4_delayed"
+    reference_interval: int = 50
+
+
+@register_recipe
+@dataclass(kw_only=True)
+class NVFP4TransformerEngine(PrecisionConfig):
     """NVFP4 run natively by Transformer Engine: te.Linear under NVFP4BlockScaling.
 
     Needs transformer_engine and a GPU with FP4 tensor cores (SM 10.x); elsewhere apply_recipe
     raises and suggests precision=nvfp4, the bit-faithful emulation. Same layer selection as
     nvfp4: the last 8 pattern layers in BF16, the LM head in FP32.
     """
-    return Recipe(
-        name="nvfp4_te",
-        description=_description(nvfp4_te),
-        parts={"fp4": TransformerEngineNVFP4(), **_HIGH},
-        rules=_bf16_tail_rules(num_bf16_last_layers),
-        knobs={"num_bf16_last_layers": num_bf16_last_layers},
-    )
+
+    name: str = "nvfp4_te"
+    num_bf16_last_layers: int = 8
+    """Pattern layers at the end of the stack kept in BF16 (at most a fifth of the layers)."""
+
+    def build(self) -> Recipe:
+        return _recipe(self, {"fp4": TransformerEngineNVFP4(), **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
 
 
-@register_recipe("ue5m3")
-def ue5m3(
-    *,
-    reference_interval: int = 50,
-    scale_target: float = 448.0,
-    targeted_scale_target: float = 2048.0,
-    block_size: int = 16,
-    gemm: str = "scaled",
-) -> Recipe:
+@register_recipe
+@dataclass(kw_only=True)
+class UE5M3(PrecisionConfig):
     """The UE5M3 paper's proposed recipe (Hu, Luschi, Balanca 2026).
 
     E2M1 values in 16-element blocks with unsigned E5M3 scales (T = 448), tensor references
@@ -187,92 +176,99 @@ def ue5m3(
     The wgrad dY of down_proj in layers 45, 47, 49 and 51 uses T = 2048 when the model has them.
     """
 
-    def linear(target_dy_wgrad: float) -> LinearQuantConfig:
-        config = _fp4_linear(
-            scale_format="ue5m3", block_size=block_size, two_d_weights=True, dy_rounding="sr8",
-            wgrad_hadamard=False, scale_target=scale_target, reference_interval=reference_interval, gemm=gemm,
-        )  # fmt: skip
-        if target_dy_wgrad == scale_target:
-            return config
-        from dataclasses import replace
+    name: str = "ue5m3"
+    reference_interval: int = 50
+    """D: steps a tensor reference (amax) is held; 0 = current scaling at every quantization."""
+    scale_target: float = 448.0
+    """T: block code of a block whose amax equals the tensor reference."""
+    targeted_scale_target: float = 2048.0
+    """T of the wgrad dY of down_proj in layers 45, 47, 49, 51."""
+    block_size: int = 16
+    """Elements per block along the reduction dimension."""
+    gemm: str = "scaled"
+    """'scaled' (block-scaled operands, BF16-speed), 'decoded' (FP32 dequantized) or 'hardware'."""
 
-        return replace(config, dy_wgrad=replace(config.dy_wgrad, scale_target=target_dy_wgrad))
+    def build(self) -> Recipe:
+        def linear(target_dy_wgrad: float) -> LinearQuantConfig:
+            config = _fp4_linear(
+                scale_format="ue5m3", block_size=self.block_size, two_d_weights=True, dy_rounding="sr8",
+                wgrad_hadamard=False, scale_target=self.scale_target, reference_interval=self.reference_interval,
+                gemm=self.gemm,
+            )  # fmt: skip
+            if target_dy_wgrad == self.scale_target:
+                return config
+            return replace(config, dy_wgrad=replace(config.dy_wgrad, scale_target=target_dy_wgrad))
 
-    parts = {"fp4": linear(scale_target), "fp4_t2048": linear(targeted_scale_target), **_HIGH}
-    rules = (
-        Rule(pattern=LM_HEAD, part="fp32"),
-        Rule(
-            pattern="layers.{layer}.mixer.down_proj",
-            layers=layer_indices(*TARGETED_LAYERS),
-            part="fp4_t2048",
-            allow_empty=True,
-        ),
-        Rule(pattern=ELIGIBLE, part="fp4"),
-    )
-    return Recipe(
-        name="ue5m3",
-        description=_description(ue5m3),
-        parts=parts,
-        rules=rules,
-        knobs=dict(
-            reference_interval=reference_interval, scale_target=scale_target,
-            targeted_scale_target=targeted_scale_target, block_size=block_size, gemm=gemm,
-        ),  # fmt: skip
-    )
+        parts = {"fp4": linear(self.scale_target), "fp4_t2048": linear(self.targeted_scale_target), **_HIGH}
+        rules = (
+            Rule(pattern=LM_HEAD, part="fp32"),
+            Rule(
+                pattern="layers.{layer}.mixer.down_proj",
+                layers=layer_indices(*TARGETED_LAYERS),
+                part="fp4_t2048",
+                allow_empty=True,
+            ),
+            Rule(pattern=ELIGIBLE, part="fp4"),
+        )
+        return _recipe(self, parts, rules)
 
 
-@register_recipe("ue5m3_te_settings")
-def ue5m3_te_settings(
-    *,
-    reference_interval: int = 1,
-    scale_target: float = 448.0,
-    num_bf16_last_layers: int = 8,
-    gemm: str = "scaled",
-) -> Recipe:
+@register_recipe
+@dataclass(kw_only=True)
+class UE5M3TESettings(PrecisionConfig):
     """UE5M3 scales with Transformer Engine's other settings (the paper's best-loss ablation).
 
     UE5M3 block scales (T = 448) with the reference refreshed every step (D = 1), 16x16 2-D
     weight tiles, a Hadamard transform on both wgrad operands, 8-bit stochastic rounding on dY,
     the last 8 pattern layers in BF16 and the LM head in FP32.
     """
-    fp4 = _fp4_linear(
-        scale_format="ue5m3", block_size=16, two_d_weights=True, dy_rounding="sr8", wgrad_hadamard=True,
-        scale_target=scale_target, reference_interval=reference_interval, gemm=gemm,
-    )  # fmt: skip
-    return Recipe(
-        name="ue5m3_te_settings",
-        description=_description(ue5m3_te_settings),
-        parts={"fp4": fp4, **_HIGH},
-        rules=_bf16_tail_rules(num_bf16_last_layers),
-        knobs=dict(
-            reference_interval=reference_interval, scale_target=scale_target,
-            num_bf16_last_layers=num_bf16_last_layers, gemm=gemm,
-        ),  # fmt: skip
-    )
+
+    name: str = "ue5m3_te_settings"
+    reference_interval: int = 1
+    """D: steps a tensor reference (amax) is held; 0 = current scaling at every quantization."""
+    scale_target: float = 448.0
+    """T: block code of a block whose amax equals the tensor reference."""
+    num_bf16_last_layers: int = 8
+    """Pattern layers at the end of the stack kept in BF16 (at most a fifth of the layers)."""
+    gemm: str = "scaled"
+    """'scaled' (block-scaled operands, BF16-speed), 'decoded' (FP32 dequantized) or 'hardware'."""
+
+    def build(self) -> Recipe:
+        fp4 = _fp4_linear(
+            scale_format="ue5m3", block_size=16, two_d_weights=True, dy_rounding="sr8", wgrad_hadamard=True,
+            scale_target=self.scale_target, reference_interval=self.reference_interval, gemm=self.gemm,
+        )  # fmt: skip
+        return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
 
 
-@register_recipe("nvfp4_all_fp4_no_rht")
-def nvfp4_all_fp4_no_rht(*, gemm: str = "scaled") -> Recipe:
+@register_recipe
+@dataclass(kw_only=True)
+class NVFP4AllFP4NoRHT(PrecisionConfig):
     """The paper's unstable ablation: NVFP4 without the Hadamard transform and with all linears in FP4.
 
     E4M3 scales with current tensor scaling, 16x16 2-D weights and stochastic rounding on dY
     as in nvfp4, but no RHT and no BF16 tail: all 112 eligible linears in FP4, LM head in FP32.
     """
-    fp4 = _fp4_linear(
-        scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr", wgrad_hadamard=False,
-        scale_target=448.0, reference_interval=0, gemm=gemm,
-    )  # fmt: skip
-    return Recipe(
-        name="nvfp4_all_fp4_no_rht",
-        description=_description(nvfp4_all_fp4_no_rht),
-        parts={"fp4": fp4, **_HIGH},
-        rules=_bf16_tail_rules(0),
-        knobs={"gemm": gemm},
-    )
+
+    name: str = "nvfp4_all_fp4_no_rht"
+    reference_interval: int = 0
+    """D: steps a tensor reference (amax) is held; 0 = current scaling at every quantization."""
+    scale_target: float = 448.0
+    """T: block code of a block whose amax equals the tensor reference (TE's fixed 448)."""
+    gemm: str = "scaled"
+    """'scaled' (block-scaled operands, BF16-speed), 'decoded' (FP32 dequantized) or 'hardware'."""
+
+    def build(self) -> Recipe:
+        fp4 = _fp4_linear(
+            scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr", wgrad_hadamard=False,
+            scale_target=self.scale_target, reference_interval=self.reference_interval, gemm=self.gemm,
+        )  # fmt: skip
+        return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(0))
 
 
-@register_recipe("mxfp4")
-def mxfp4(*, block_size: int = 32, num_bf16_last_layers: int = 8, gemm: str = "scaled") -> Recipe:
+@register_recipe
+@dataclass(kw_only=True)
+class MXFP4(PrecisionConfig):
     """OCP MXFP4 with the NVFP4 paper's training methodology, for comparison studies.
 
     E2M1 values in 32-element blocks with power-of-two UE8M0 scales and no tensor scale, 1-D
@@ -280,14 +276,19 @@ def mxfp4(*, block_size: int = 32, num_bf16_last_layers: int = 8, gemm: str = "s
     MX format defines), stochastic rounding on dY, a Hadamard transform on both wgrad
     operands, the last 8 pattern layers in BF16 and the LM head in FP32.
     """
-    fp4 = _fp4_linear(
-        scale_format="ue8m0", block_size=block_size, two_d_weights=False, dy_rounding="sr",
-        wgrad_hadamard=True, scale_target=448.0, reference_interval=0, gemm=gemm,
-    )  # fmt: skip
-    return Recipe(
-        name="mxfp4",
-        description=_description(mxfp4),
-        parts={"fp4": fp4, **_HIGH},
-        rules=_bf16_tail_rules(num_bf16_last_layers),
-        knobs={"block_size": block_size, "num_bf16_last_layers": num_bf16_last_layers, "gemm": gemm},
-    )
+
+    name: str = "mxfp4"
+    block_size: int = 32
+    """Elements per block along the reduction dimension."""
+    num_bf16_last_layers: int = 8
+    """Pattern layers at the end of the stack kept in BF16 (at most a fifth of the layers)."""
+    gemm: str = "scaled"
+    """'scaled' (block-scaled operands, BF16-speed), 'decoded' (FP32 dequantized) or 'hardware'."""
+
+    def build(self) -> Recipe:
+        # No tensor reference (UE8M0 scales are absolute): no reference_interval or scale_target knob.
+        fp4 = _fp4_linear(
+            scale_format="ue8m0", block_size=self.block_size, two_d_weights=False, dy_rounding="sr",
+            wgrad_hadamard=True, scale_target=448.0, reference_interval=0, gemm=self.gemm,
+        )  # fmt: skip
+        return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))

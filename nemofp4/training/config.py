@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from nemofp4.data import DataConfig
 from nemofp4.kernels import BACKENDS as KERNEL_BACKENDS
 from nemofp4.models.nemotron_h.config import NemotronHConfig
-from nemofp4.recipes import PrecisionConfig
+from nemofp4.recipes import precision_config
 from nemofp4.training.checkpoint import CheckpointConfig
 from nemofp4.training.metrics import LoggingConfig
 from nemofp4.training.nonfinite import NONFINITE_POLICIES
@@ -189,7 +190,10 @@ class JobConfig:
     """Start over in a run_dir that holds a run: move its contents aside to
     `<run_dir>.replaced-<UTC time>` first (nothing is deleted)."""
     model: NemotronHConfig
-    precision: PrecisionConfig
+    precision: Any
+    """The recipe's own typed config (a :class:`~nemofp4.recipes.PrecisionConfig` subclass whose
+    fields are its knobs). Typed ``Any`` here so each recipe's dataclass can be the node; a Hydra
+    mapping becomes that dataclass in ``__post_init__``, where an unknown knob is an error."""
     data: DataConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -200,3 +204,14 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+
+    def __post_init__(self) -> None:
+        self.precision = precision_config(self.precision)
+
+
+def job_config_from_yaml(text: str) -> JobConfig:
+    """The typed JobConfig of a run from its resolved YAML (``trainer_state['config']`` or
+    ``<run_dir>/config.yaml``); validation runs as at training time."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(text)))

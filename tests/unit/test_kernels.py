@@ -346,3 +346,82 @@ def test_dispatch_and_switch(monkeypatch):
     with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):
         kernels.amax(x, backend="reference")
     assert set(SCALE_FORMATS) == set(FORMATS)
+
+
+# --------------------------------------------------------------------------- the launches as torch.library ops
+def _op_args(x, *, g, scale_format="ue5m3", two_d=False, transposed=False, scaled=1, rounding=0):
+    """Positional arguments of ``nemofp4::triton_quantize`` for the interpreter's tile sizes."""
+    config = _quantize_tile_config(16, two_d, transposed)
+    seed = torch.full((1,), 7, dtype=torch.int64)
+    return (x, g, seed, scale_format, 16 if scale_format != "ue8m0" else 32, two_d, 448.0 * 6, 448.0 * 6,
+            rounding, False, True, transposed, scaled, False, True, config["BM"], config["BK"], 0, True)  # fmt: skip
+
+
+def _quantize_tile_config(block_size, two_d, transposed):
+    from nemofp4.kernels.quantize import _tile_config
+
+    return _tile_config(block_size, two_d, transposed, True)
+
+
+@pytest.mark.parametrize(
+    "case", ["rows", "rows+transposed", "tiles", "mx-measured", "sr8-bf16-scaled"]
+)
+def test_the_quantize_op_passes_opcheck_and_its_fake_matches_the_real_outputs(case):
+    x = make_input(24, 64, seed=11)
+    g = torch.tensor([5.0])
+    kwargs = {
+        "rows": {},
+        "rows+transposed": {"transposed": True},
+        "tiles": {"two_d": True, "scale_format": "e4m3"},
+        "mx-measured": {"scale_format": "ue8m0", "g": None},
+        "sr8-bf16-scaled": {"rounding": 1, "scaled": 2},
+    }[case]
+    args = _op_args(x, **{"g": g, **kwargs})
+    op = torch.ops.nemofp4.triton_quantize.default
+    # schema, fake-tensor (the fake's shapes/dtypes/strides equal the real launch's) and autograd registration
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    real = op(*args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    torch.library.opcheck(torch.ops.nemofp4.triton_amax.default, (x.view(-1),), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_quantize_op_is_what_triton_quantize_launches_and_equals_the_reference():
+    x = make_input(40, 96, seed=12)
+    g = torch.tensor([3.5])
+    outs = torch.ops.nemofp4.triton_quantize(*_op_args(x, g=g, transposed=True))
+    ref, ref_t = quantize_blocks(x, "ue5m3", tensor_amax=g), quantize_blocks(
+        torch.nn.functional.pad(x, (0, 0, 0, -40 % 16)).t().contiguous(), "ue5m3", tensor_amax=g
+    )
+    assert torch.equal(outs[0], ref.codes) and torch.equal(outs[1], ref.scale_codes)
+    assert torch.equal(outs[5].reshape(()), ref.tensor_scale)
+    assert torch.equal(outs[6], ref_t.codes) and torch.equal(outs[7], ref_t.scale_codes)
+    assert torch.equal(outs[2], ref.scaled_values()) and outs[3].numel() == 0 and outs[12].numel() == 0
+    rows, cols = triton_quantize(x, scale_format="ue5m3", tensor_amax=g, transposed=True, scaled_dtype=torch.float32)
+    assert torch.equal(rows.codes, outs[0]) and torch.equal(cols.codes, outs[6]) and torch.equal(rows.scaled, outs[2])
+
+
+def test_compiling_a_function_that_calls_the_ops_has_no_graph_break():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def quantize_twice(x):
+        q, _ = triton_quantize(x, scale_format="ue5m3", rounding="rne")  # measures the amax: a second op
+        return q.codes, q.scale_codes, q.tensor_scale
+
+    torch._dynamo.reset()
+    compiled = torch.compile(quantize_twice, backend=backend, fullgraph=True)  # a break would raise
+    x = make_input(16, 64, seed=13)
+    codes, scales, scale = compiled(x)
+    assert len(graphs) == 1
+    targets = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert {"nemofp4.triton_quantize", "nemofp4.triton_amax"} <= targets, targets
+    ref = quantize_blocks(x, "ue5m3")
+    assert torch.equal(codes, ref.codes) and torch.equal(scales, ref.scale_codes) and torch.equal(scale, ref.tensor_scale)
+    torch._dynamo.reset()

@@ -255,3 +255,28 @@ def test_bad_operands_raise():
         triton_hardware_gemm(
             quantize_blocks(torch.randn(8, 64), "ue5m3", 8), quantize_blocks(torch.randn(8, 64), "ue5m3", 8)
         )
+
+
+@needs_interpreter
+def test_the_gemm_launch_is_a_torch_library_op_with_a_fake_and_compiles_without_a_graph_break():
+    qa = quantize_blocks(torch.randn(24, 64), "ue5m3")
+    qb = quantize_blocks(torch.randn(20, 64), "e4m3", two_d=True)
+    args = (qa.codes, qa.scale_codes, qb.codes, qb.scale_codes, qa.tensor_scale.reshape(1), qb.tensor_scale.reshape(1),
+            24, 20, 64, 64, 64, "ue5m3", 16, False, False, "e4m3", 16, True, False, False, 64, 64)  # fmt: skip
+    op = torch.ops.nemofp4.triton_hardware_gemm.default
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    assert torch.equal(bits(op(*args)), bits(hardware_gemm_reference(qa, qb)))
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: triton_hardware_gemm(a, b), backend=backend, fullgraph=True)
+    out = compiled(qa, qb)
+    assert len(graphs) == 1
+    assert "nemofp4.triton_hardware_gemm" in {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert torch.equal(bits(out), bits(hardware_gemm_reference(qa, qb)))
+    torch._dynamo.reset()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 from torch import nn
 
 from nemofp4.models import build_model, get_model_config
@@ -20,6 +21,7 @@ from nemofp4.recipes import (
     get_recipe,
     last_layers,
     list_recipes,
+    precision_config,
     recipe_from_config,
     recipe_knobs,
 )
@@ -29,7 +31,7 @@ from tests.unit.test_quant_standin import (
 )
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "precision"
-ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4"]
+ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed"]
 EMULATED = [name for name in ALL if name != "nvfp4_te"]
 
 
@@ -51,7 +53,8 @@ def test_registry_lists_every_recipe_and_each_instantiates_with_its_own_descript
         assert len(recipe.description) > 20
         # a copy-pasted docstring (Bridge's "MXFP8" on an NVFP4 recipe) would fail this
         key = {"bf16": "BF16", "nvfp4": "NVFP4", "nvfp4_te": "Transformer Engine", "ue5m3": "UE5M3",
-               "ue5m3_te_settings": "UE5M3", "nvfp4_all_fp4_no_rht": "NVFP4", "mxfp4": "MXFP4"}[name]  # fmt: skip
+               "ue5m3_te_settings": "UE5M3", "nvfp4_all_fp4_no_rht": "NVFP4", "mxfp4": "MXFP4",
+               "nvfp4_delayed": "sample-and-hold"}[name]  # fmt: skip
         assert key in recipe.description, (name, recipe.description)
 
 
@@ -176,7 +179,7 @@ def test_get_recipe_validates_names_and_knobs():
     with pytest.raises(ValueError, match="registered recipes are"):
         get_recipe("nvfp8")
     with pytest.raises(ValueError, match="reference_interval"):
-        get_recipe("nvfp4", reference_interval=50)  # nvfp4 is current scaling only
+        get_recipe("mxfp4", reference_interval=50)  # UE8M0 scales have no tensor reference
     recipe = get_recipe("ue5m3", reference_interval=10, scale_target=1024.0, gemm="decoded")
     fp4 = recipe.parts["fp4"]
     assert fp4.x.reference_interval == 10 and fp4.x.scale_target == 1024.0 and fp4.gemm == "decoded"
@@ -185,21 +188,35 @@ def test_get_recipe_validates_names_and_knobs():
 
 def test_every_recipe_has_a_precision_yaml_that_builds_it():
     assert sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) == sorted(ALL)
-    schema = OmegaConf.structured(PrecisionConfig)
     for name in ALL:
-        cfg = OmegaConf.merge(schema, OmegaConf.load(CONFIG_DIR / f"{name}.yaml"))
-        assert cfg.name == name and cfg.restore_references is True
-        set_knobs = {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("name", "restore_references") and v is not None}
-        assert set_knobs == recipe_knobs(name), name  # the yaml shows every knob at its default
-        assert recipe_from_config(OmegaConf.to_object(cfg)) == get_recipe(name)
-        assert recipe_from_config(cfg) == get_recipe(name)  # a DictConfig works too
+        node = OmegaConf.load(CONFIG_DIR / f"{name}.yaml")
+        cfg = precision_config(node)
+        assert cfg.name == name and cfg.restore_references is True and type(cfg) is not PrecisionConfig
+        set_knobs = {k: v for k, v in OmegaConf.to_container(node).items() if k not in ("name", "restore_references")}
+        assert set_knobs == recipe_knobs(name) == cfg.knobs(), name  # the yaml shows every knob at its default
+        assert recipe_from_config(cfg) == get_recipe(name) == recipe_from_config(PrecisionConfig(name=name))
+        assert recipe_from_config(node) == get_recipe(name)  # a DictConfig works too
 
 
-def test_precision_config_overrides_and_ignored_knobs():
-    recipe = recipe_from_config(PrecisionConfig(name="ue5m3", reference_interval=1, gemm="decoded"))
+def test_a_knob_the_recipe_does_not_have_is_an_error_naming_it_the_recipe_and_its_knobs():
+    recipe = recipe_from_config(precision_config("ue5m3", reference_interval=1, gemm="decoded"))
     assert recipe.parts["fp4"].x.reference_interval == 1 and recipe.parts["fp4"].gemm == "decoded"
-    with pytest.warns(UserWarning, match="no effect on recipe 'bf16'"):
-        assert recipe_from_config(PrecisionConfig(name="bf16", scale_target=2048.0)) == get_recipe("bf16")
+    with pytest.raises(ValueError, match=r"precision.scale_target=2048.0: recipe 'bf16' has no such knob; its knobs are none"):
+        recipe_from_config({"name": "bf16", "scale_target": 2048.0})
+    with pytest.raises(ValueError, match=r"num_bf16_last_layers=1: recipe 'ue5m3'.*'block_size', 'gemm'"):
+        get_recipe("ue5m3", num_bf16_last_layers=1)
+    with pytest.raises(ValueError, match=r"reference_interval=5: recipe 'mxfp4'"):
+        precision_config(OmegaConf.create({"name": "mxfp4", "reference_interval": 5}))
+    # Hydra-style values are converted and type-checked by the recipe's own dataclass.
+    assert precision_config("nvfp4", scale_target=256).scale_target == 256.0
+    with pytest.raises(ValidationError, match="reference_interval"):
+        precision_config("nvfp4", reference_interval="often")
+
+
+def test_nvfp4_scale_target_is_a_knob_that_reaches_every_operand():
+    fp4 = get_recipe("nvfp4", scale_target=224.0).parts["fp4"]
+    assert {fp4.operand(r).scale_target for r in ("x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad")} == {224.0}
+    assert get_recipe("nvfp4").parts["fp4"].x.scale_target == 448.0
 
 
 def test_the_table_is_logged_at_start(caplog):
@@ -218,3 +235,17 @@ def test_nvfp4_te_without_te_is_a_clear_error_that_suggests_nvfp4():
         apply_recipe(model, recipe, log=False)
     assert "transformer_engine" in str(info.value) or "GPU" in str(info.value)
     assert type(model.layers[0].mixer.in_proj) is nn.Linear  # nothing was swapped
+
+
+def test_compare_recipes_passes_a_precision_knob_only_to_recipes_that_have_it():
+    from types import SimpleNamespace
+
+    from tests.scripts import load_script
+
+    script = load_script("scripts/compare_recipes.py")
+    args = SimpleNamespace(preset="tiny", steps=3, train_override=[
+        "precision.num_bf16_last_layers=1", "precision.restore_references=false", "optim.lr=1e-3"])  # fmt: skip
+    for recipe, kept in (("nvfp4", True), ("ue5m3", False), ("bf16", False)):
+        overrides = script.train_overrides(args, recipe, seed=1)
+        assert ("precision.num_bf16_last_layers=1" in overrides) is kept, recipe
+        assert "precision.restore_references=false" in overrides and "optim.lr=1e-3" in overrides
