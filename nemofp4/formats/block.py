@@ -75,11 +75,14 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 0-d tensor (exact: the max is taken in the input dtype)."""
+    """max |x| as a float32 0-d tensor (exact: the max is taken in the input dtype).
+
+    Always +0 for an all-zero tensor: ``max(hi, -lo)`` of ``-0`` is ``-0``, and TE's ``G = 2688 / g``
+    would then be -inf (a NaN operand); ``abs`` makes it ``max |x|`` as TE computes it."""
     if x.numel() == 0:
         raise ValueError("amax of an empty tensor is undefined")
     lo, hi = torch.aminmax(x.detach())
-    return torch.maximum(hi, -lo).float()
+    return torch.maximum(hi, -lo).abs().float()
 
 
 def quantize_blocks(
@@ -135,7 +138,8 @@ def quantize_blocks(
         padded_shape = x32.shape
         x_blocks = x32.view(*padded_shape[:-1], padded_shape[-1] // b, b)
         block_min, block_max = torch.aminmax(x_blocks, dim=-1)
-    block_amax = torch.maximum(block_max, -block_min)  # [..., n_blocks] / [row_tiles, col_tiles]
+    # [..., n_blocks] / [row_tiles, col_tiles]; abs: an all -0 block has amax +0, not -0
+    block_amax = torch.maximum(block_max, -block_min).abs()
     if not torch.isfinite(block_amax).all():
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"quantize_blocks: tensor {name!r} has {bad} non-finite (NaN/Inf) values")
