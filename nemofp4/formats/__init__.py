@@ -2,7 +2,7 @@
 
 from nemofp4.formats import get_format, quantize_blocks
 fmt = get_format("e2m1")          # "e4m3", "e5m2", "ue8m0", "ue5m3" (paper), "ue5m3_cuda"
-fmt.round(x, rounding="rne")      # float32 grid values, saturating; also "sr8", "sr"
+fmt.round(x, rounding="rne")      # float32 grid values, saturating; also "sr", "sr8", "sr_exact"
 q = quantize_blocks(x, scale_format="ue5m3")   # "e4m3" (NVFP4), "ue5m3_cuda", "ue8m0" (MX)
 q.dequantize()
 

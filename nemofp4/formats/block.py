@@ -107,9 +107,10 @@ def quantize_blocks(
         two_d: square ``block_size`` tiles over a 2-D ``x`` (weights).
         scale_target: T, the scale code the tensor reference g maps to (e4m3/ue5m3).
         tensor_amax: the held reference g; None measures the current amax of ``x``.
-        rounding: payload rounding, "rne", "sr8" or "sr"; scale codes always use RNE.
-        generator: the only source of random bits for "sr8"/"sr" (one draw per element of
-            the padded tensor, in memory order).
+        rounding: payload rounding, "rne", "sr" (TE's cvt.rs), "sr8" (the paper's) or "sr_exact";
+            scale codes always use RNE.
+        generator: the only source of random bits for the stochastic roundings (the padded
+            tensor's elements in memory order; see :mod:`nemofp4.formats.minifloat`).
         mx_scale_mode: ue8m0 only: "floor" (OCP reference) or "ceil" (never saturates).
         name: how error messages refer to ``x``.
     """

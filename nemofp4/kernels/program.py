@@ -1,7 +1,8 @@
 """The one torch program that quantizes a GEMM operand: run eagerly, or compiled by Inductor.
 
 :func:`quantize_operand` covers every scale format (E4M3, UE5M3, UE8M0) and payload rounding
-(RNE, sr8, exact SR) with 1-D blocks or 2-D tiles. Its core, :func:`_quantize_core`, is plain
+(RNE, TE's 8-bit ``sr``, the paper's ``sr8``, ``sr_exact``) with 1-D blocks or 2-D tiles. Its
+core, :func:`_quantize_core`, is plain
 tensor code over the shared formulas of :mod:`nemofp4.formats.scaling`; ``compiled=True`` hands
 that same function to ``torch.compile``, whose C++ backend fuses it into a block-amax reduction
 and one elementwise loop. Inductor compiles without value-changing math flags (no
@@ -9,8 +10,8 @@ reassociation, no contraction), so eager and compiled results are bitwise equal,
 equal the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the tests hold
 them to that.
 
-Random bits are drawn outside the core with the reference's calls (:func:`sr8_words` for sr8,
-one float64 ``torch.rand`` per element for exact SR), so every path consumes a generator
+Random bits are drawn outside the core with the reference's calls (:func:`sr8_words` for sr and
+sr8, one float64 ``torch.rand`` per element for sr_exact), so every path consumes a generator
 identically. Unlike the reference the program does not check for NaN/Inf (that would
 synchronize): a non-finite input yields non-finite values, which the trainer's checks catch.
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from nemofp4.formats import QuantizedBlocks, hadamard_transform
-from nemofp4.formats.minifloat import sr8_bytes, sr8_words
+from nemofp4.formats.minifloat import BYTE_DRAW_ROUNDINGS, sr8_bytes, sr8_words, sr_away
 from nemofp4.formats.scaling import (
     FLT_MAX,
     FP4_MAX,
@@ -96,7 +97,7 @@ def _quantize_core(
     [R/b, b, C/b, b] (2-D tiles), so that a block is dims 1 and 3.
 
     ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
-    0-d float32; ``draws`` the random bits (sr8: int32 words; sr: float64 uniforms shaped like
+    0-d float32; ``draws`` the random bits (sr/sr8: int32 words; sr_exact: float64 uniforms shaped like
     ``blocks``). Returns (scaled values shaped like ``blocks``, tensor_scale, g, uint8 E2M1 codes
     shaped like ``blocks`` | None,
     scale codes [R or R/b, C/b] | None, counts [3]: saturated, underflowed and zero blocks).
@@ -137,10 +138,10 @@ def _quantize_core(
         scaled_grid = magnitude * inv  # |y| / spacing: exact
         lower = torch.floor(scaled_grid)
         frac = scaled_grid - lower  # the exact fraction of a grid step
-        if spec.rounding == "sr8":  # away from zero iff frac >= 1 - (2r + 1)/512, r the element's byte
+        if spec.rounding in BYTE_DRAW_ROUNDINGS:  # TE's cvt.rs (sr) or the paper's sr8, r the element's byte
             r = sr8_bytes(draws, blocks.numel()).view(blocks.shape).to(torch.float32)
-            away = frac >= r * (-2.0 / 512) + (511.0 / 512)
-        else:  # exact SR: away from zero iff u < frac, u uniform on [0, 1) in float64
+            away = sr_away(frac, r, spec.rounding)
+        else:  # sr_exact: away from zero iff u < frac, u uniform on [0, 1) in float64
             away = draws < frac.double()
         steps = torch.where(away, lower + 1.0, lower)
         rounded = steps / inv
@@ -243,9 +244,9 @@ def quantize_operand(
     g = None if tensor_amax is None else tensor_amax.detach().float().reshape(())
     target = scaled_target(op.scale_target if op.scale_format != "ue8m0" else 448.0, x.device)
     draws = None
-    if op.rounding == "sr8":
+    if op.rounding in BYTE_DRAW_ROUNDINGS:
         draws = sr8_words(rows_p * cols_p, generator, x.device)
-    elif op.rounding == "sr":
+    elif op.rounding == "sr_exact":
         draws = torch.rand((rows_p, cols_p), generator=generator, device=x.device, dtype=torch.float64)
         draws = draws.view(blocks.shape)
     spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=g is None)
@@ -253,7 +254,7 @@ def quantize_operand(
         core = functools.partial(_run_compiled, spec)
         torch._dynamo.mark_dynamic(blocks, (0, 2))  # one graph for every operand shape
         if draws is not None:
-            torch._dynamo.mark_dynamic(draws, 0 if op.rounding == "sr8" else (0, 2))
+            torch._dynamo.mark_dynamic(draws, 0 if op.rounding in BYTE_DRAW_ROUNDINGS else (0, 2))
     else:
         core = functools.partial(_quantize_core, spec=spec)
     values, tensor_scale, g, codes, scale_codes, counts = core(blocks, g, target, draws)

@@ -7,6 +7,8 @@ bitwise with it (eager, compiled and the Triton interpreter where the path exist
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -37,6 +39,7 @@ def test_negative_zero_operand_gives_zero_output_and_gradients(recipe):
     """TE's amax is max|x| = +0; a -0 amax made G = 2688/-0 = -inf pass the zero guard (NaN)."""
     layer = nn.Linear(32, 16, bias=False)
     QuantLinear.from_linear(layer, _fp4_config(recipe), index=3)
+    layer.quant_backend = "eager"  # the compiled program's -0 handling: the test below
     layer.set_step(1, seed=7, rank=0)
     x = (-torch.zeros(16, 32)).requires_grad_()
     y = layer(x)
@@ -57,3 +60,133 @@ def test_negative_zero_amax_is_positive_zero_on_every_path(scale_format, compile
     # a held reference measured by amax() of a -0 tensor
     p = quantize_operand(x, op, tensor_amax=amax(x), compiled=compiled)
     assert torch.isfinite(p.tensor_scale) and p.tensor_scale > 0 and (p.dequantize() == 0).all()
+
+
+# ----------------------------------------------------------------------- items 3, 7: SR rules
+# cvt.rs (PTX ISA, "cvt" rounding modifiers): the result is rounded toward or away from zero by
+# the carry out of the integer addition of the random bits to the discarded significand bits;
+# for .e2m1x4 each element gets 8 bits of rbits (TE's ``stochastic_round_fp4_e2m1``, ptx.cuh,
+# says the same). With the 8 bits at the top of the discarded field the carry happens iff
+# frac + r/256 >= 1, for an exact fraction frac of a grid step: a count over r, in Fractions.
+# sr8 (the paper's _rounding.py ``_round_finite_float``): midpoint = (2r+1) * 2^-9 in float32,
+# round away iff float32(delta + midpoint) >= 1.0.
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _oracle_away_count(frac: Fraction, rounding: str) -> int:
+    if rounding == "sr":
+        return sum(1 for r in range(256) if frac + Fraction(r, 256) >= 1)
+    assert rounding == "sr8"
+    return sum(1 for r in range(256) if f32(frac) + f32((2 * r + 1) / 512) >= f32(1))
+
+
+def _positions() -> list[tuple[float, float, Fraction]]:
+    """(|y|, lower grid point, exact fraction of the step): a grid of fractions in every binade,
+    the issue's cases, and fractions with bits below 2^-24 (where sr8's float32 sum rounds)."""
+    fracs = [Fraction(k, 64) for k in range(64)] + [
+        Fraction(1, 512), Fraction(1, 512) - Fraction(1, 2**26), Fraction(1, 256) - Fraction(1, 2**20),
+        Fraction(255, 256), Fraction(511, 512), Fraction(1, 2**9), Fraction(1, 2**12), Fraction(3, 2**10),
+    ]
+    out = []
+    for lo, hi in zip(E2M1_GRID, E2M1_GRID[1:]):
+        for f in fracs:
+            y = Fraction(lo) + f * Fraction(hi - lo)
+            if float(np.float32(float(y))) == y:  # exactly representable: the fraction is exact
+                out.append((float(y), lo, f))
+    out.append((0.5 + 2**-10, 0.5, Fraction(1, 2**9)))  # the issue's nvfp4 case
+    out.append((4.002, 4.0, (Fraction(float(f32(4.002))) - 4) / 2))  # the issue's sr8 case
+    return out
+
+
+def _words_for_bytes(byte_values: np.ndarray) -> torch.Tensor:
+    """The int32 words :func:`sr8_words` would return to give element i the byte byte_values[i]
+    (element i takes byte i // m of word i % m, m = ceil(n / 3))."""
+    n = byte_values.size
+    m = -(-n // 3)
+    b = np.zeros(3 * m, dtype=np.int64)
+    b[:n] = byte_values
+    return torch.from_numpy((b[:m] | (b[m : 2 * m] << 8) | (b[2 * m :] << 16)).astype(np.int32))
+
+
+def _enumerated_inputs(values: list[float]):
+    """x [256 * rows, 16]: each row is one block (6.0, then 15 test values, signs alternating),
+    repeated for r = 0..255, and the bytes that give every element of copy r the draw r."""
+    per_row = 15
+    values = values + [values[-1]] * (-len(values) % per_row)
+    rows = np.array(values, dtype=np.float32).reshape(-1, per_row)
+    rows = rows * np.where(np.arange(per_row) % 2, -1, 1).astype(np.float32)
+    block = np.concatenate([np.full((rows.shape[0], 1), 6.0, np.float32), rows], axis=1)  # [B, 16]
+    x = np.repeat(block[None], 256, axis=0).reshape(-1, 16)  # row = r * B + b
+    r = np.repeat(np.arange(256), block.size)
+    return torch.from_numpy(x), r, block.shape[0]
+
+
+@pytest.mark.parametrize("rounding,scale_format", [("sr", "e4m3"), ("sr8", "ue5m3")])
+@pytest.mark.parametrize("path", ["minifloat", "eager", "compiled"])
+def test_rounding_probability_is_the_exact_count_over_all_random_bytes(rounding, scale_format, path, monkeypatch):
+    if path == "compiled" and not cpu_compile_available():
+        pytest.skip("needs a C++ compiler for torch.compile")
+    positions = _positions()
+    x, r, blocks = _enumerated_inputs([p[0] for p in positions])
+    words = _words_for_bytes(r)
+    if path == "minifloat":
+        import nemofp4.formats.minifloat as minifloat
+
+        monkeypatch.setattr(minifloat, "sr8_words", lambda n, g, d: words)
+        from nemofp4.formats import E2M1
+
+        out = E2M1.round(x, rounding=rounding)
+    else:
+        import nemofp4.kernels.program as program
+
+        monkeypatch.setattr(program, "sr8_words", lambda n, g, d: words)
+        op = _fp4_config("nvfp4" if scale_format == "e4m3" else "ue5m3").dy_dgrad
+        assert op.rounding == rounding and op.scale_format == scale_format
+        # g = 448 * 6: G = 1 and every block scale is 1, so the payload is x itself
+        q = quantize_operand(x, op, tensor_amax=torch.tensor(2688.0), compiled=path == "compiled")
+        assert float(q.tensor_scale) == 1.0
+        out = q.dequantize()
+    mags = out.abs().numpy().reshape(256, blocks, 16)[:, :, 1:].reshape(256, -1)
+    for i, (y, lo, frac) in enumerate(positions):
+        column = mags[:, i]
+        assert set(np.unique(column)) <= {lo, E2M1_GRID[E2M1_GRID.index(lo) + 1]}, y
+        assert int((column != lo).sum()) == _oracle_away_count(frac, rounding), (y, float(frac))
+
+
+def test_te_sr_rounding_probability_is_floor_256_frac_and_sr_exact_is_kept():
+    """The issue's case: at |y| = 0.5 + 2^-10 cvt.rs never rounds up (exact SR: p = 2^-9)."""
+    assert _oracle_away_count(Fraction(1, 2**9), "sr") == 0
+    assert _oracle_away_count(Fraction(255, 256), "sr") == 255
+    assert _oracle_away_count(Fraction(1, 512), "sr8") == 1  # the +1/512 bias extreme
+    assert _oracle_away_count(Fraction(1, 512) - Fraction(1, 2**26), "sr8") == 1  # float32 sum rounds up
+    assert _oracle_away_count((Fraction(float(f32(4.002))) - 4) / 2, "sr8") == 0
+    x = torch.full((4096, 16), 0.5 + 2**-10)
+    x[:, 0] = 6.0  # block scale 1: the payload is x
+    q = quantize_operand(x, _fp4_config("nvfp4").dy_dgrad, tensor_amax=torch.tensor(2688.0))
+    assert (q.dequantize()[:, 1:] == 0.5).all()
+
+
+def test_nvfp4_sr_end_to_end_bias_is_the_truncation_bias_toward_zero():
+    """Mean rounding error over 2^22 elements at fractions just below k/256 (k = 1..255): TE's rule
+    rounds them up with probability (k - 1)/256, a bias of -(1/256 - 2^-20) of a step toward zero;
+    exact SR (or sr8) would be unbiased there. The bound, 4 standard errors (1e-3 of a step), is
+    less than half that bias, so a rule without it fails."""
+    k = np.arange(1, 256)
+    frac = k / 256 - 2.0**-20
+    lo, spacing = 2.0, 1.0  # the [2, 4) binade: y = 2 + frac exactly in float32
+    y = np.resize((lo + frac * spacing).astype(np.float32), 2**22 // 16 * 15)
+    x, n = _bias_blocks(y)
+    gen = torch.Generator().manual_seed(3)
+    q = quantize_operand(x, _fp4_config("nvfp4").dy_dgrad, tensor_amax=torch.tensor(2688.0), generator=gen)
+    out = q.dequantize().numpy()[:, 1:].reshape(-1)[:n].astype(np.float64)
+    err_steps = (np.abs(out) - y.astype(np.float64)) / spacing
+    se = 0.5 / np.sqrt(n)
+    assert abs(err_steps.mean() - (-(1 / 256 - 2.0**-20))) <= 4 * se
+    assert 8 * se < 1 / 256 - 2.0**-20  # a rule with zero bias here fails the bound above
+
+
+def _bias_blocks(y: np.ndarray):
+    per_row = 15
+    rows = y.reshape(-1, per_row)
+    block = np.concatenate([np.full((rows.shape[0], 1), 6.0, np.float32), rows], axis=1)
+    return torch.from_numpy(np.ascontiguousarray(block)), y.size
