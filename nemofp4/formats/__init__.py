@@ -11,7 +11,13 @@ tensor type every quantizer returns and every GEMM consumes.
 """
 
 from .block import SCALE_FORMATS, amax, quantize_blocks
-from .hadamard import TE_WGRAD_SIGNS, hadamard_matrix, hadamard_transform, inverse_hadamard_transform
+from .hadamard import (
+    TE_WGRAD_SIGNS,
+    hadamard_matrix,
+    hadamard_transform,
+    inverse_hadamard_transform,
+    wgrad_hadamard_transform,
+)
 from .minifloat import (
     E2M1,
     E4M3,
@@ -30,7 +36,7 @@ from .minifloat import (
     sr8_words,
     unpack_fp4,
 )
-from .operand import QuantizedBlocks
+from .operand import QuantizedBlocks, tensor_scale_product
 
 __all__ = [
     "E2M1",
@@ -45,12 +51,14 @@ __all__ = [
     "UE8M0",
     "FloatFormat",
     "QuantizedBlocks",
+    "tensor_scale_product",
     "SpecialValues",
     "amax",
     "get_format",
     "hadamard_matrix",
     "hadamard_transform",
     "inverse_hadamard_transform",
+    "wgrad_hadamard_transform",
     "pack_fp4",
     "quantize_blocks",
     "sr8_bytes",

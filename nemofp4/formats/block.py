@@ -199,6 +199,7 @@ def quantize_blocks(
         scale_codes=scale_codes,
         tensor_scale=tensor_scale,
         tensor_amax=g.float(),
+        scale_target=float(scale_target),
         shape=shape,
         padded_shape=padded_shape,
         block_size=b,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nemofp4.formats import QuantizedBlocks, hadamard_transform
+from nemofp4.formats import QuantizedBlocks, wgrad_hadamard_transform
 from nemofp4.formats.minifloat import BYTE_DRAW_ROUNDINGS, sr8_bytes, sr8_words, sr_away
 from nemofp4.formats.scaling import (
     FLT_MAX,
@@ -147,7 +147,7 @@ def _quantize_core(
         rounded = steps / inv
     values = torch.copysign(rounded, blocks) * block_scale
 
-    codes = scale_codes = None
+    codes = None
     if spec.pack:
         # E2M1 code = sign * 8 + the binade's first code (0, 2, 4 spacings) + steps.
         offset = torch.where(upper, 4.0, torch.where(middle, 2.0, 0.0))
@@ -155,11 +155,12 @@ def _quantize_core(
             torch.copysign(torch.ones_like(blocks), blocks) < 0
         )  # -0.0 too (signbit does not vectorize)
         codes = (torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8)
-        if spec.scale_format == "ue8m0":
-            scale_codes = (exponent + 127).to(torch.uint8)
-        else:
-            scale_codes = encode_scales(block_scale, grid)
-        scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
+    # scale codes always (one byte per block): NVFP4's dequantize (TE's order) needs the block scales
+    if spec.scale_format == "ue8m0":
+        scale_codes = (exponent + 127).to(torch.uint8)
+    else:
+        scale_codes = encode_scales(block_scale, grid)
+    scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
     counts = torch.stack((saturated, underflow, block_amax == 0)).view(3, -1).sum(1)
     return values, tensor_scale, g, codes, scale_codes, counts
 
@@ -192,16 +193,16 @@ def _run_compiled(spec: _Spec, *args):
 
 @functools.cache
 def _compiled_hadamard():
-    return torch.compile(hadamard_transform, dynamic=False, fullgraph=True)
+    return torch.compile(wgrad_hadamard_transform, dynamic=False, fullgraph=True)
 
 
 def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
-    """:func:`nemofp4.formats.hadamard_transform` (TE's wgrad signs) fused by Inductor into one
-    loop instead of a dozen eager passes: the same sign flips, scaling and butterfly additions
-    in the same order, so the same bits. Falls back to the eager transform where compiling is
-    off (no compiler, or a failed build)."""
+    """:func:`nemofp4.formats.wgrad_hadamard_transform` (TE's wgrad signs, BF16 output) fused by
+    Inductor into one loop instead of a dozen eager passes: the same sign flips, scaling, butterfly
+    additions and BF16 rounding in the same order, so the same bits. Falls back to the eager
+    transform where compiling is off (no compiler, or a failed build)."""
     if _compile_failed or torch.compiler.is_compiling():
-        return hadamard_transform(x)
+        return wgrad_hadamard_transform(x)
     torch._dynamo.maybe_mark_dynamic(x, tuple(range(x.dim())))  # a 16-token dim specializes
     with torch._dynamo.config.patch(recompile_limit=_PROGRAM_RECOMPILE_LIMIT):
         return _compiled_hadamard()(x)
@@ -272,6 +273,7 @@ def quantize_operand(
         scale_format=op.scale_format,
         tensor_scale=tensor_scale,
         tensor_amax=g,
+        scale_target=float(op.scale_target),
         codes=codes,
         scale_codes=scale_codes,
         scaled=values.view(rows_p, cols_p),

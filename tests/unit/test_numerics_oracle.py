@@ -190,3 +190,130 @@ def _bias_blocks(y: np.ndarray):
     rows = y.reshape(-1, per_row)
     block = np.concatenate([np.full((rows.shape[0], 1), 6.0, np.float32), rows], axis=1)
     return torch.from_numpy(np.ascontiguousarray(block)), y.size
+
+
+# ----------------------------------------------------------------------- item 2: RHT in BF16
+def _oracle_wgrad_rht(x: torch.Tensor) -> torch.Tensor:
+    """TE's reference RHT (reference_nvfp4.py ``_apply_rht``: x @ (diag(signs) @ H16 * 1/4)) with
+    the BF16 downcast of its fused kernel. The sums are computed exactly in float64 (bf16 inputs of
+    moderate range), then rounded once to float32 (exact here) and to BF16."""
+    signs = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], dtype=np.float64)
+    h = np.ones((1, 1))
+    while h.shape[0] < 16:
+        h = np.block([[h, h], [h, -h]])
+    m = (signs[:, None] * h) * 0.25
+    groups = x.double().numpy().reshape(-1, 16)
+    out = torch.from_numpy((groups @ m).reshape(x.shape)).float()
+    return out.to(torch.bfloat16).float()
+
+
+def _rht_inputs():
+    g = torch.Generator().manual_seed(17)
+    yield "issue bf16 48x64", torch.randn(64, 48, generator=g).to(torch.bfloat16)  # X^T [K, T]
+    yield "wide range", (torch.randn(32, 64, generator=g) * torch.exp2(torch.randint(-4, 5, (32, 64), generator=g))).to(torch.bfloat16)  # noqa: E501
+    yield "tie-heavy", torch.randint(-300, 301, (32, 64), generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_wgrad_rht_is_rounded_to_bf16_as_te_does(backend):
+    from nemofp4 import kernels
+
+    if backend == "compiled" and not cpu_compile_available():
+        pytest.skip("needs a C++ compiler for torch.compile")
+    changed = 0
+    for label, x in _rht_inputs():
+        ours = kernels.hadamard_transform(x.float(), backend=backend)
+        expected = _oracle_wgrad_rht(x)
+        assert torch.equal(ours.view(torch.int32), expected.view(torch.int32)), label
+        for scale_format in ("e4m3", "ue5m3"):  # the quantized wgrad operand follows
+            q = quantize_blocks(ours, scale_format)
+            assert torch.equal(q.codes, quantize_blocks(expected, scale_format).codes), label
+        changed += int((quantize_blocks(_fp32_rht(x), "e4m3").codes != quantize_blocks(ours, "e4m3").codes).sum())
+    assert changed > 0  # the FP32 transform would quantize differently on these inputs
+
+
+def _fp32_rht(x: torch.Tensor) -> torch.Tensor:
+    from nemofp4.formats import hadamard_transform
+
+    return hadamard_transform(x.float())
+
+
+# ----------------------------------------------------------------------- item 4: tensor scales
+def _oracle_te_alpha(g_a: float, g_b: float, t_a: float = 448.0, t_b: float = 448.0) -> np.float32:
+    """TE compute_nvfp4_per_tensor_scale_kernel: factor_inv = 1.0f / (6 * 6 * fp8_max_A * fp8_max_B);
+    alpha = alpha_in (1) * amax_A * amax_B * factor_inv, left to right in float32."""
+    factor_inv = f32(1) / (f32(6) * f32(6) * f32(t_a) * f32(t_b))
+    return f32(1) * f32(g_a) * f32(g_b) * factor_inv
+
+
+def _oracle_paper_alpha(g_a: float, g_b: float, t_a: float, t_b: float) -> np.float32:
+    """The paper's _encoded_global_alpha: (amax_a * amax_b).float() / ((T_a * 6.0) * (T_b * 6.0)), a
+    float32 tensor over a Python float, which torch evaluates on CUDA as a * (1.0f / float(b))."""
+    divisor = (t_a * 6.0) * (t_b * 6.0)  # Python (double) arithmetic
+    return (f32(g_a) * f32(g_b)) * (f32(1) / f32(divisor))
+
+
+def _oracle_te_dequantize(q) -> np.ndarray:
+    """TE dequantize_fp4_kernel: factor_inv = 1.0f / (6.0f * E4M3_MAX); final_scale = scale * amax *
+    factor_inv; out = value * final_scale, per element in float32."""
+    values = q.values().numpy().astype(f32)
+    scales = q.block_scales().numpy().astype(f32)
+    final = scales * f32(q.tensor_amax) * (f32(1) / (f32(6) * f32(448)))
+    b = q.block_size
+    per_elem = np.repeat(np.repeat(final, b, 0), b, 1) if q.two_d else np.repeat(final, b, -1)
+    out = values * per_elem
+    return out[: q.shape[0], : q.shape[1]]
+
+
+def _gemm_inputs():
+    g = torch.Generator().manual_seed(23)
+    yield "issue 32x16", torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g)
+    wide = lambda r: torch.randn(r, 64, generator=g) * torch.exp2(torch.randint(-20, 21, (r, 1), generator=g).float())  # noqa: E731
+    yield "wide range", wide(48), wide(32)
+    yield "tie-heavy", torch.randint(-6, 7, (32, 64), generator=g).float() * 0.75, torch.randint(-6, 7, (16, 64), generator=g).float()
+
+
+def test_nvfp4_gemm_tensor_scale_product_is_te_order():
+    from nemofp4.quant import GemmOperand
+    from nemofp4.quant.gemm import scaled_gemm
+
+    differ = []
+    for label, a, b in _gemm_inputs():
+        qa, qb = quantize_blocks(a, "e4m3"), quantize_blocks(b, "e4m3", two_d=True)
+        alpha = _oracle_te_alpha(float(qa.tensor_amax), float(qb.tensor_amax))
+        acc = (qa.scaled_values() @ qb.scaled_values().t()).numpy()
+        ours = scaled_gemm(GemmOperand(qa), GemmOperand(qb), torch.float32).numpy()
+        np.testing.assert_array_equal(ours.view(np.int32), (acc * alpha).view(np.int32), err_msg=label)
+        old = acc * (qa.tensor_scale * qb.tensor_scale).numpy()
+        differ.append(float((old != ours).mean()))
+    assert max(differ) > 0.5  # the product of the two rounded reciprocals is another number
+
+
+@pytest.mark.parametrize("t_b", [448.0, 2048.0])
+def test_ue5m3_gemm_tensor_scale_product_is_the_papers_encoded_alpha(t_b):
+    from nemofp4.quant import GemmOperand
+    from nemofp4.quant.gemm import scaled_gemm
+
+    for label, a, b in _gemm_inputs():
+        qa, qb = quantize_blocks(a, "ue5m3"), quantize_blocks(b, "ue5m3", scale_target=t_b)
+        alpha = _oracle_paper_alpha(float(qa.tensor_amax), float(qb.tensor_amax), 448.0, t_b)
+        acc = (qa.scaled_values() @ qb.scaled_values().t()).numpy()
+        ours = scaled_gemm(GemmOperand(qa), GemmOperand(qb), torch.float32).numpy()
+        np.testing.assert_array_equal(ours.view(np.int32), (acc * alpha).view(np.int32), err_msg=label)
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("path", ["reference", "eager", "compiled"])
+def test_nvfp4_dequantize_is_te_order(two_d, path):
+    if path == "compiled" and not cpu_compile_available():
+        pytest.skip("needs a C++ compiler for torch.compile")
+    op = _fp4_config("nvfp4").w if two_d else _fp4_config("nvfp4").x
+    for label, a, _ in _gemm_inputs():
+        packed = quantize_blocks(a, "e4m3", two_d=two_d)
+        expected = _oracle_te_dequantize(packed)
+        if path == "reference":
+            q = packed
+        else:  # the program's scaled form (no E2M1 codes), as the scaled GEMM path keeps it
+            q = quantize_operand(a, op, two_d=two_d, compiled=path == "compiled")
+            assert q.codes is None
+        np.testing.assert_array_equal(q.dequantize().numpy().view(np.int32), expected.view(np.int32), err_msg=label)
