@@ -317,3 +317,30 @@ def test_nvfp4_dequantize_is_te_order(two_d, path):
             q = quantize_operand(a, op, two_d=two_d, compiled=path == "compiled")
             assert q.codes is None
         np.testing.assert_array_equal(q.dequantize().numpy().view(np.int32), expected.view(np.int32), err_msg=label)
+
+
+# ----------------------------------------------------------------------- item 5: 1/1024 snap
+@pytest.mark.parametrize("scale_format", ["ue5m3", "e4m3"])
+def test_hardware_gemm_ends_with_the_papers_1_over_1024_snap(scale_format):
+    """probe_matched_fp4_gemm: issue_rz_bf16_gemm(..., snap_to_1_over_1024=True) returns
+    torch.round(C * 1024.0) / 1024.0 (half to even), then * alpha. The unsnapped C comes from the
+    same operands with alpha = 1 (g = 2688: fl(2688^2) * fl(1/2688^2) == 1)."""
+    import dataclasses
+
+    from nemofp4.kernels.hardware_gemm import hardware_gemm_torch
+    from nemofp4.quant import GemmOperand
+    from nemofp4.quant.gemm import gemm
+
+    g = torch.Generator().manual_seed(29)
+    # gradient-like: an outlier sets the amax, most encoded values are small, and so are many outputs
+    x, w = torch.randn(40, 128, generator=g) * 0.01, torch.randn(24, 128, generator=g) * 0.01
+    x[0, 0], w[0, 0] = 300.0, 300.0
+    qa, qb = quantize_blocks(x, scale_format), quantize_blocks(w, scale_format, two_d=True)
+    unit = lambda q: dataclasses.replace(q, tensor_amax=torch.tensor(2688.0), tensor_scale=torch.tensor(1 / 2688.0))  # noqa: E731
+    acc = hardware_gemm_torch(unit(qa), unit(qb)).numpy()
+    te_or_paper = _oracle_te_alpha if scale_format == "e4m3" else lambda ga, gb: _oracle_paper_alpha(ga, gb, 448.0, 448.0)
+    alpha = te_or_paper(float(qa.tensor_amax), float(qb.tensor_amax))
+    expected = (np.round(acc * f32(1024)) / f32(1024)).astype(f32) * alpha
+    ours = gemm(GemmOperand(qa), GemmOperand(qb), mode="hardware", compute_dtype=torch.float32).numpy()
+    np.testing.assert_array_equal(ours.view(np.int32), expected.view(np.int32))
+    assert (expected != acc * alpha).mean() > 0.01  # the snap moves outputs here
