@@ -2,7 +2,7 @@
 
 from nemofp4.formats import get_format, quantize_blocks
 fmt = get_format("e2m1")          # "e4m3", "e5m2", "ue8m0", "ue5m3" (paper), "ue5m3_cuda"
-fmt.round(x, rounding="rne")      # float32 grid values, saturating; also "sr8", "sr"
+fmt.round(x, rounding="rne")      # float32 grid values, saturating; also "sr", "sr8", "sr_exact"
 q = quantize_blocks(x, scale_format="ue5m3")   # "e4m3" (NVFP4), "ue5m3_cuda", "ue8m0" (MX)
 q.dequantize()
 
@@ -11,7 +11,13 @@ tensor type every quantizer returns and every GEMM consumes.
 """
 
 from .block import SCALE_FORMATS, amax, quantize_blocks
-from .hadamard import TE_WGRAD_SIGNS, hadamard_matrix, hadamard_transform, inverse_hadamard_transform
+from .hadamard import (
+    TE_WGRAD_SIGNS,
+    hadamard_matrix,
+    hadamard_transform,
+    inverse_hadamard_transform,
+    wgrad_hadamard_transform,
+)
 from .minifloat import (
     E2M1,
     E4M3,
@@ -30,7 +36,7 @@ from .minifloat import (
     sr8_words,
     unpack_fp4,
 )
-from .operand import QuantizedBlocks
+from .operand import QuantizedBlocks, tensor_scale_product
 
 __all__ = [
     "E2M1",
@@ -45,12 +51,14 @@ __all__ = [
     "UE8M0",
     "FloatFormat",
     "QuantizedBlocks",
+    "tensor_scale_product",
     "SpecialValues",
     "amax",
     "get_format",
     "hadamard_matrix",
     "hadamard_transform",
     "inverse_hadamard_transform",
+    "wgrad_hadamard_transform",
     "pack_fp4",
     "quantize_blocks",
     "sr8_bytes",

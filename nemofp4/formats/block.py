@@ -75,11 +75,14 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 0-d tensor (exact: the max is taken in the input dtype)."""
+    """max |x| as a float32 0-d tensor (exact: the max is taken in the input dtype).
+
+    Always +0 for an all-zero tensor: ``max(hi, -lo)`` of ``-0`` is ``-0``, and TE's ``G = 2688 / g``
+    would then be -inf (a NaN operand); ``abs`` makes it ``max |x|`` as TE computes it."""
     if x.numel() == 0:
         raise ValueError("amax of an empty tensor is undefined")
     lo, hi = torch.aminmax(x.detach())
-    return torch.maximum(hi, -lo).float()
+    return torch.maximum(hi, -lo).abs().float()
 
 
 def quantize_blocks(
@@ -104,9 +107,10 @@ def quantize_blocks(
         two_d: square ``block_size`` tiles over a 2-D ``x`` (weights).
         scale_target: T, the scale code the tensor reference g maps to (e4m3/ue5m3).
         tensor_amax: the held reference g; None measures the current amax of ``x``.
-        rounding: payload rounding, "rne", "sr8" or "sr"; scale codes always use RNE.
-        generator: the only source of random bits for "sr8"/"sr" (one draw per element of
-            the padded tensor, in memory order).
+        rounding: payload rounding, "rne", "sr" (TE's cvt.rs), "sr8" (the paper's) or "sr_exact";
+            scale codes always use RNE.
+        generator: the only source of random bits for the stochastic roundings (the padded
+            tensor's elements in memory order; see :mod:`nemofp4.formats.minifloat`).
         mx_scale_mode: ue8m0 only: "floor" (OCP reference) or "ceil" (never saturates).
         name: how error messages refer to ``x``.
     """
@@ -135,7 +139,8 @@ def quantize_blocks(
         padded_shape = x32.shape
         x_blocks = x32.view(*padded_shape[:-1], padded_shape[-1] // b, b)
         block_min, block_max = torch.aminmax(x_blocks, dim=-1)
-    block_amax = torch.maximum(block_max, -block_min)  # [..., n_blocks] / [row_tiles, col_tiles]
+    # [..., n_blocks] / [row_tiles, col_tiles]; abs: an all -0 block has amax +0, not -0
+    block_amax = torch.maximum(block_max, -block_min).abs()
     if not torch.isfinite(block_amax).all():
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"quantize_blocks: tensor {name!r} has {bad} non-finite (NaN/Inf) values")
@@ -194,6 +199,7 @@ def quantize_blocks(
         scale_codes=scale_codes,
         tensor_scale=tensor_scale,
         tensor_amax=g.float(),
+        scale_target=float(scale_target),
         shape=shape,
         padded_shape=padded_shape,
         block_size=b,

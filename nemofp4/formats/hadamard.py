@@ -19,6 +19,7 @@ __all__ = [
     "hadamard_matrix",
     "hadamard_transform",
     "inverse_hadamard_transform",
+    "wgrad_hadamard_transform",
 ]
 
 HADAMARD_SIZE = 16
@@ -47,6 +48,26 @@ def hadamard_transform(x: torch.Tensor, sign: torch.Tensor | None = None) -> tor
     """
     groups = _groups(x)
     return _walsh_hadamard(groups * (_check_sign(sign).to(groups.device) * 0.25)).reshape(x.shape)
+
+
+def wgrad_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """The wgrad operand as NVFP4 quantizes it: :func:`hadamard_transform` (TE's signs) rounded to
+    BF16 (RNE), returned as float32. TE's fused RHT-cast kernel downcasts the transform to BF16
+    before its amax and quantization ("for bit-wise compatibility",
+    ``common/hadamard_transform/hadamard_transform_cast_fusion.cu``; the amax kernel in
+    ``hadamard_transform.cu`` reduces the same BF16 values), and the UE5M3 paper's TE-settings
+    recipe materializes it with a BF16 matmul (``_te_settings_rht_last_dim_b16``), which on BF16
+    inputs is the same rounding of the same exact sums."""
+    return round_to_bf16(hadamard_transform(x))
+
+
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded to BF16 (RNE, overflow to +-Inf, NaN kept), as float32. Integer
+    operations on the bits, not ``.to(torch.bfloat16)``: Inductor drops an fp32->bf16->fp32 round
+    trip inside a fused kernel, and this must round identically eagerly and compiled."""
+    bits = x.view(torch.int32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
+    return torch.where(torch.isnan(x), x, rounded)
 
 
 def inverse_hadamard_transform(y: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:

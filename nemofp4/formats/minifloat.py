@@ -22,13 +22,23 @@ How rounding works (the whole numerics of this module):
 * Stochastic rounding works on the fractional position ``frac = (|x| - lo) / (hi - lo)``
   between the two neighbouring values ``lo <= |x| < hi``. The subtraction is exact
   (Sterbenz: ``lo >= |x| / 2``) and ``hi - lo`` is a power of two, so ``frac`` is the
-  exact float32 fraction. ``sr8`` (the UE5M3 paper's "StochasticFast") draws an integer
-  ``r`` uniform on {0..255} and rounds away from zero iff ``frac + (2r+1)/512 >= 1``,
-  evaluated exactly as ``frac >= 1 - (2r+1)/512``. ``sr`` draws ``u`` uniform on [0, 1)
-  in float64 (53 random bits) and rounds away iff ``u < frac``, so the expected value is
-  ``x`` up to 2^-53 relative. Random bits come only from the ``generator`` passed in
-  (torch's default generator when it is None), in element order: ``sr`` one draw per
-  element, ``sr8`` one 24-bit draw per three elements (:func:`sr8_draws`).
+  exact float32 fraction. Three rules, each with an integer ``r`` uniform on {0..255} or
+  ``u`` uniform on [0, 1):
+
+  - ``sr`` (Transformer Engine's NVFP4 stochastic rounding, PTX ``cvt.rs.satfinite.e2m1x4.f32``):
+    the 8 random bits are added to the top of the discarded significand bits and the carry
+    out rounds away from zero, i.e. away iff ``frac + r/256 >= 1``, evaluated exactly as
+    ``256 * frac >= 256 - r``. P(away) = floor(256 frac) / 256: biased toward zero by less
+    than 2^-8 of a step (TE's ``stochastic_round_fp4_e2m1``, ``common/util/ptx.cuh``).
+  - ``sr8`` (the UE5M3 paper's "StochasticFast"): away iff ``fp32(frac + (2r+1)/512) >= 1``,
+    the sum rounded to float32 as the paper's code evaluates it (``_round_finite_float`` in
+    its ``backends/triton/_rounding.py``). Unbiased to within 2^-9 of a step.
+  - ``sr_exact``: ``u`` drawn in float64 (53 random bits), away iff ``u < frac``, so the
+    expected value is ``x`` up to 2^-53 relative.
+
+  Random bits come only from the ``generator`` passed in (torch's default generator when it
+  is None), in element order: ``sr`` and ``sr8`` one 24-bit draw per three elements
+  (:func:`sr8_draws`), ``sr_exact`` one float64 draw per element.
 """
 
 from __future__ import annotations
@@ -59,8 +69,10 @@ __all__ = [
     "unpack_fp4",
 ]
 
-Rounding = Literal["rne", "sr8", "sr"]
-ROUNDING_MODES: tuple[str, ...] = ("rne", "sr8", "sr")
+Rounding = Literal["rne", "sr8", "sr", "sr_exact"]
+ROUNDING_MODES: tuple[str, ...] = ("rne", "sr8", "sr", "sr_exact")
+BYTE_DRAW_ROUNDINGS: tuple[str, ...] = ("sr8", "sr")
+"""Roundings that take one random byte per element (:func:`sr8_draws`)."""
 
 
 class SpecialValues(enum.Enum):
@@ -255,7 +267,7 @@ def sr8_bytes(words: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def sr8_draws(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
-    """uint8 tensor of ``shape``: the random integers ``r`` of ``sr8`` rounding, in element order.
+    """uint8 tensor of ``shape``: the random integers ``r`` of ``sr8``/``sr`` rounding, in element order.
 
     Each 24-bit draw serves three elements (:func:`sr8_bytes`): the generator is the slow part of
     stochastic rounding on CPU, and a draw per element would waste three quarters of its bits.
@@ -284,13 +296,24 @@ def round_magnitude_to_index(
     lower_value = grid[lower]
     spacing = grid[upper] - lower_value
     frac = (clamped - lower_value) / torch.where(spacing > 0, spacing, 1.0)
-    if rounding == "sr8":
-        r = sr8_draws(tuple(magnitude.shape), generator, magnitude.device).int()
-        away = frac >= 1.0 - (2 * r + 1).float() * (1.0 / 512)
+    if rounding in BYTE_DRAW_ROUNDINGS:
+        r = sr8_draws(tuple(magnitude.shape), generator, magnitude.device).float()
+        away = sr_away(frac, r, rounding)
     else:
         u = torch.rand(magnitude.shape, generator=generator, device=magnitude.device, dtype=torch.float64)
         away = u < frac.double()
     return (lower + away).to(torch.uint8)
+
+
+def sr_away(frac: torch.Tensor, r: torch.Tensor, rounding: str) -> torch.Tensor:
+    """Whether a byte-draw stochastic rounding goes away from zero, from the exact float32
+    fraction ``frac`` of a grid step and the float32 random byte ``r`` (0..255).
+
+    ``sr``: ``256 * frac >= 256 - r`` (both sides exact); ``sr8``: ``fp32(frac + (2r+1)/512) >= 1``
+    (``(2r+1)/512`` is exact; the one float32 addition rounds as the paper's code does)."""
+    if rounding == "sr":
+        return frac * 256.0 >= 256.0 - r
+    return frac + (r * (2.0 / 512) + (1.0 / 512)) >= 1.0
 
 
 _COMPARE_SUM_MAX_BOUNDARIES = 16

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .minifloat import E2M1, get_format
+from .scaling import gemm_alpha, nvfp4_dequantize_scale
 
-__all__ = ["QuantizedBlocks", "e2m1_pair_table", "scale_code_table"]
+__all__ = ["QuantizedBlocks", "e2m1_pair_table", "scale_code_table", "tensor_scale_product"]
 
-_META_FIELDS = ("scale_format", "shape", "padded_shape", "block_size", "two_d")
+_META_FIELDS = ("scale_format", "shape", "padded_shape", "block_size", "two_d", "scale_target")
 
 
 @functools.lru_cache(maxsize=32)
@@ -46,8 +47,9 @@ def scale_code_table(scale_format: str, device: torch.device) -> torch.Tensor:
 class QuantizedBlocks:
     """An FP4 block-quantized tensor (see the module docstring).
 
-    dequantize() == scaled_values()[unpad] * tensor_scale: the first product is exact in
-    float32, so the result is rounded once.
+    dequantize() follows each format's source: NVFP4 (e4m3) as TE's dequantize kernel, the others
+    as ``scaled_values()[unpad] * tensor_scale`` (the UE5M3 paper's decoded output; exact first
+    product, one rounding).
     """
 
     shape: tuple[int, ...]
@@ -61,6 +63,8 @@ class QuantizedBlocks:
     """float32 0-d decode multiplier applied after the block scales (1/G; 1.0 for ue8m0)."""
     tensor_amax: torch.Tensor
     """float32 0-d reference g that was used (given or measured)."""
+    scale_target: float = 448.0
+    """T, the block-scale code the reference g maps to (the GEMM's tensor-scale product needs it)."""
     codes: torch.Tensor | None = None
     """uint8 [*padded_shape[:-1], padded_shape[-1] // 2], two E2M1 codes per byte, even element low."""
     scale_codes: torch.Tensor | None = None
@@ -130,11 +134,34 @@ class QuantizedBlocks:
         return values
 
     def dequantize(self) -> torch.Tensor:
-        """float32 tensor of the original shape: scaled_values()[unpad] * tensor_scale."""
-        scaled = self.scaled_values()
+        """float32 tensor of the original shape. NVFP4 (e4m3): TE's ``dequantize_fp4_kernel``,
+        ``fl(value * fl(fl(block_scale * amax) * fl(1 / (6 T))))`` per element; other formats:
+        ``scaled_values()[unpad] * tensor_scale``."""
+        if self.scale_format == "e4m3":
+            full = self._nvfp4_dequantize()
+        else:
+            full = self.scaled_values() * self.tensor_scale
         if self.two_d:
-            return scaled[: self.shape[0], : self.shape[1]] * self.tensor_scale
-        return scaled[..., : self.shape[-1]] * self.tensor_scale
+            return full[: self.shape[0], : self.shape[1]]
+        return full[..., : self.shape[-1]]
+
+    def _nvfp4_dequantize(self) -> torch.Tensor:
+        if self.scale_codes is None:
+            raise ValueError("dequantizing an NVFP4 tensor needs its block-scale codes")
+        scales = self.block_scales()
+        factor = nvfp4_dequantize_scale(scales, self.tensor_amax, self.scale_target)
+        if self.codes is not None:
+            values = self.values()
+        else:  # E2M1 value = (value x scale) / scale, exact; a zero scale only scales zeros
+            values = self.scaled_values() / self._broadcast(torch.where(scales > 0, scales, 1.0))
+        return values * self._broadcast(factor)
+
+    def _broadcast(self, per_block: torch.Tensor) -> torch.Tensor:
+        """A per-block tensor expanded to the padded element layout."""
+        b = self.block_size
+        if self.two_d:
+            return per_block.repeat_interleave(b, 0).repeat_interleave(b, 1)
+        return per_block.repeat_interleave(b, -1).view(self.padded_shape)
 
     def stats(self) -> dict[str, float]:
         """Fractions: saturated / underflowed (non-zero) / all-zero blocks, clipped elements (where
@@ -147,3 +174,12 @@ class QuantizedBlocks:
     def without_data(self) -> QuantizedBlocks:
         """Layout, scales and counts only (what statistics keep after the data is gone)."""
         return dataclasses.replace(self, codes=None, scale_codes=None, scaled=None)
+
+
+def tensor_scale_product(a: QuantizedBlocks, b: QuantizedBlocks) -> torch.Tensor:
+    """The factor the product of two block-scaled operands is multiplied by (see
+    :func:`nemofp4.formats.scaling.gemm_alpha`): TE's for NVFP4, the paper's for UE5M3."""
+    return gemm_alpha(
+        a.scale_format, a.tensor_amax, a.scale_target, a.tensor_scale,
+        b.scale_format, b.tensor_amax, b.scale_target, b.tensor_scale,
+    )  # fmt: skip

@@ -10,6 +10,8 @@ one place. (The Triton kernels restate them in Triton's language; tests hold the
 * :func:`round_scale_rne` / :func:`encode_scales`: a block scale rounded onto an E4M3/UE5M3 grid
   and its uint8 code, as integer operations on the float32 bits (they compile to vector code).
 * :func:`mx_floor_exponent`: OCP MX's exact power-of-two block exponent.
+* :func:`gemm_alpha`: the factor a scaled GEMM multiplies its block-scaled product by, in each
+  source's order of operations (not ``tensor_scale_a * tensor_scale_b``, one ulp away).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ __all__ = [
     "FP4_MAX",
     "ScaleGrid",
     "encode_scales",
+    "gemm_alpha",
     "global_scales",
+    "nvfp4_dequantize_scale",
     "mx_floor_exponent",
     "round_scale_rne",
     "scale_grid",
@@ -116,3 +120,37 @@ def mx_floor_exponent(block_amax: torch.Tensor) -> torch.Tensor:
     int32, computed exactly from the float32 exponent (a float ``log2`` can be one off)."""
     _, exp = torch.frexp(block_amax)  # amax = mantissa * 2^exp, mantissa in [0.5, 1)
     return torch.where(block_amax > 0, exp - 1 - E2M1_EMAX, -127)
+
+
+def gemm_alpha(
+    scale_format_a: str, amax_a: torch.Tensor, target_a: float, tensor_scale_a: torch.Tensor,
+    scale_format_b: str, amax_b: torch.Tensor, target_b: float, tensor_scale_b: torch.Tensor,
+) -> torch.Tensor:
+    """float32 0-d factor of ``(A_scaled @ B_scaled^T)``: the product of the two tensor scales as the
+    recipe's source computes it from the tensor references (amaxes) ``g``, ``T`` the scale targets.
+
+    * NVFP4 (``e4m3`` x ``e4m3``), TE ``compute_nvfp4_per_tensor_scale_kernel``
+      (``common/recipe/nvfp4.cu``): ``fl(g_a * g_b) * fl(1 / fl(fl(36 * T_a) * T_b))``.
+    * UE5M3, the paper's ``_encoded_global_alpha`` (``backends/triton/quantization.py``):
+      ``fl(g_a * g_b) / ((6 T_a)(6 T_b))`` with the divisor a Python float; on the paper's CUDA
+      tensors torch evaluates that as a multiply by ``fl(1 / fl32(divisor))`` (``div_true_kernel_cuda``
+      in ATen's ``BinaryDivTrueKernel.cu``), which this reproduces on every device.
+    * OCP MX (``ue8m0``, tensor scales 1) and mixed formats: ``tensor_scale_a * tensor_scale_b``.
+    """
+    e4m3 = scale_format_a == scale_format_b == "e4m3"
+    ue5m3 = scale_format_a in ("ue5m3", "ue5m3_cuda") and scale_format_b in ("ue5m3", "ue5m3_cuda")
+    if not (e4m3 or ue5m3):
+        return tensor_scale_a * tensor_scale_b
+    if e4m3:
+        factor = torch.tensor(36.0, dtype=torch.float32) * float(target_a) * float(target_b)  # fp32 steps
+    else:
+        factor = torch.tensor((float(target_a) * 6.0) * (float(target_b) * 6.0), dtype=torch.float32)
+    inverse = torch.reciprocal(factor).to(amax_a.device)
+    return (amax_a.float().reshape(()) * amax_b.float().reshape(()).to(amax_a.device)) * inverse
+
+
+def nvfp4_dequantize_scale(block_scale: torch.Tensor, amax: torch.Tensor, target: float) -> torch.Tensor:
+    """TE's per-block decode factor (``dequantize_fp4_kernel``, ``cast/nvfp4/dequantize_nvfp4.cuh``):
+    ``fl(fl(block_scale * amax) * fl(1 / fl(6 * T)))``; a payload decodes to ``fl(value * factor)``."""
+    inverse = torch.reciprocal(torch.tensor(FP4_MAX, dtype=torch.float32) * float(target)).to(block_scale.device)
+    return (block_scale * amax.float().reshape(())) * inverse

@@ -27,8 +27,8 @@ import os
 import torch
 
 from nemofp4.formats import amax as reference_amax
-from nemofp4.formats import hadamard_transform as reference_hadamard_transform
 from nemofp4.formats import quantize_blocks as reference_quantize_blocks
+from nemofp4.formats import wgrad_hadamard_transform as reference_hadamard_transform
 
 from .program import compiled_hadamard_transform, cpu_compile_available
 from .program import quantize_operand as program_quantize_operand
@@ -114,8 +114,8 @@ def amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
 
 def hadamard_transform(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """``nemofp4.formats.hadamard_transform`` (TE's wgrad signs), compiled where the backend
-    compiles the quantizer (same bits)."""
+    """``nemofp4.formats.wgrad_hadamard_transform`` (TE's wgrad signs, rounded to BF16), compiled
+    where the backend compiles the quantizer (same bits)."""
     if resolve_backend(backend, x.device) == "compiled":
         return compiled_hadamard_transform(x)
     return reference_hadamard_transform(x)

@@ -9,11 +9,11 @@ stochastic-rounding draws for debugging. Every formula follows
 reference line each step reproduces. Divisions use ``div_rn`` (IEEE round-to-nearest):
 Triton's ``/`` on float32 is an approximate division on NVIDIA GPUs.
 
-Random bits (``sr8``/``sr``) come from Philox (``tl.randint4x``), one call per 16 elements:
+Random bits (``sr``/``sr8``/``sr_exact``) come from Philox (``tl.randint4x``), one call per 16 elements:
 element ``(r, c)`` of the (padded) row-wise tensor uses byte ``c % 4`` of word ``(c % 16) // 4``
 of ``philox(seed, counter = r * ceil(cols_padded / 16) + c // 16)``; the transposed tensor uses
 counters offset by ``2**40``, so the two quantizations of one launch draw independent bits.
-``sr`` uses 53 bits per element (two words of ``philox(seed, 2 * (r * cols_padded + c))``).
+``sr`` and ``sr8`` take those bytes; ``sr_exact`` uses 53 bits per element (two words of ``philox(seed, 2 * (r * cols_padded + c))``).
 """
 
 import triton
@@ -28,7 +28,8 @@ TRANSPOSED_STREAM = tl.constexpr(1 << 40)
 
 ROUND_RNE = tl.constexpr(0)
 ROUND_SR8 = tl.constexpr(1)
-ROUND_SR = tl.constexpr(2)
+ROUND_SR_EXACT = tl.constexpr(2)
+ROUND_SR = tl.constexpr(3)  # TE's cvt.rs rule on the sr8 bytes
 
 
 @triton.jit
@@ -58,12 +59,20 @@ def _e2m1_grid_position(a):
 
 @triton.jit
 def _e2m1_sr8(a, r):
-    """8-bit midpoint stochastic rounding: away from zero iff frac >= 1 - (2r + 1) / 512 (exact)."""
+    """The paper's 8-bit midpoint SR: away from zero iff fp32(frac + (2r + 1) / 512) >= 1."""
     t, offset = _e2m1_grid_position(a)
     lower = tl.floor(t)
     frac = t - lower
-    threshold = 1.0 - (2 * r + 1).to(tl.float32) * (1.0 / 512.0)
-    return lower.to(tl.int32) + (frac >= threshold).to(tl.int32) + offset
+    return lower.to(tl.int32) + (frac + (2 * r + 1).to(tl.float32) * (1.0 / 512.0) >= 1.0).to(tl.int32) + offset
+
+
+@triton.jit
+def _e2m1_rs(a, r):
+    """TE's cvt.rs SR (8 random bits): away from zero iff 256 * frac >= 256 - r (exact)."""
+    t, offset = _e2m1_grid_position(a)
+    lower = tl.floor(t)
+    frac = t - lower
+    return lower.to(tl.int32) + (frac * 256.0 >= 256.0 - r.to(tl.float32)).to(tl.int32) + offset
 
 
 @triton.jit
@@ -236,6 +245,8 @@ def _payload(y, draws, ROUNDING: tl.constexpr):
         mag = _e2m1_rne(a)
     elif ROUNDING == ROUND_SR8:
         mag = _e2m1_sr8(a, draws)
+    elif ROUNDING == ROUND_SR:
+        mag = _e2m1_rs(a, draws)
     else:
         mag = _e2m1_sr(a, draws)
     sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
@@ -334,10 +345,10 @@ def quantize_kernel(
             enc_e = tl.reshape(tl.broadcast_to(encode[:, :, None], (BM, NB, BS)), (BM, BK))
         y = x * enc_e  # payload = e2m1(x * enc_b), reciprocal-then-multiply
         draws = 0
-        if ROUNDING == ROUND_SR8:
+        if ROUNDING == ROUND_SR8 or ROUNDING == ROUND_SR:
             row_base = offs_m.to(tl.int64) * ((cols_p + 15) // 16)
             draws = _sr8_draws_along_cols(tl.load(seed_ptr), row_base, col0, BM, BK)
-        elif ROUNDING == ROUND_SR:
+        elif ROUNDING == ROUND_SR_EXACT:
             draws = _sr53_draws(tl.load(seed_ptr), m2.to(tl.int64) * cols_p + k2)
         mag, sign = _payload(y, draws, ROUNDING)
         elem_ok = (m2 < rows_out) & (k2 < cols_p)
@@ -396,10 +407,10 @@ def quantize_kernel(
         )  # fmt: skip
         y_t = x * tl.reshape(tl.broadcast_to(encode_t[:, None, :], (MB, BS, BK)), (BM, BK))
         draws_t = 0
-        if ROUNDING == ROUND_SR8:
+        if ROUNDING == ROUND_SR8 or ROUNDING == ROUND_SR:
             col_base = TRANSPOSED_STREAM + offs_k.to(tl.int64) * ((rows_p + 15) // 16)
             draws_t = _sr8_draws_along_rows(tl.load(seed_ptr), col_base, row0, BM, BK)
-        elif ROUNDING == ROUND_SR:
+        elif ROUNDING == ROUND_SR_EXACT:
             draws_t = _sr53_draws(tl.load(seed_ptr), TRANSPOSED_STREAM + k2.to(tl.int64) * rows_p + m2)
         mag_t, sign_t = _payload(y_t, draws_t, ROUNDING)
         # store transposed: [BK, BM] with pairs of consecutive rows packed into one byte

@@ -8,7 +8,9 @@ For ``C = A @ B^T`` with both operands block-quantized along K (the paper, secti
 3. the group partials are added in K order, starting from +0, in FP32 with round-toward-zero
    on every inexact addition;
 4. optionally the result is snapped to the 1/1024 lattice, ``round(1024 c) / 1024`` (RNE);
-5. only then is it multiplied by the tensor-scale product ``alpha = ts_a * ts_b`` (FP32).
+5. only then is it multiplied by the tensor-scale product ``alpha`` (FP32), computed from the two
+   amaxes as the paper's ``probe_matched_fp4_gemm`` does (``_encoded_global_alpha``; TE's order
+   for NVFP4 operands): :func:`nemofp4.formats.tensor_scale_product`.
 
 :func:`hardware_gemm_reference` computes this in slow, exact PyTorch/Python integer arithmetic;
 :func:`triton_hardware_gemm` is the Triton kernel and :func:`hardware_gemm_torch` its vectorized
@@ -27,7 +29,7 @@ import os
 import numpy as np
 import torch
 
-from nemofp4.formats import SCALE_FORMATS, QuantizedBlocks
+from nemofp4.formats import SCALE_FORMATS, QuantizedBlocks, tensor_scale_product
 
 __all__ = [
     "GROUP_SIZE",
@@ -61,8 +63,7 @@ def hardware_gemm_reference(
         acc = rtz_add_f32(acc, _exact_sum_to_f32(products))
     if lattice_snap:
         acc = torch.round(acc * 1024) / 1024
-    alpha = a_q.tensor_scale.detach().float().cpu() * b_q.tensor_scale.detach().float().cpu()
-    return acc * alpha
+    return acc * tensor_scale_product(a_q, b_q).detach().cpu()
 
 
 def rtz_add_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,7 @@ def hardware_gemm_torch(a_q, b_q, *, b_transposed: bool = False, lattice_snap: b
         acc = rtz_add_f32(acc, partial)
     if lattice_snap:
         acc = torch.round(acc * 1024) / 1024
-    return acc * (a_q.tensor_scale.detach().float() * b_q.tensor_scale.detach().float()).to(acc.device)
+    return acc * tensor_scale_product(a_q, b_q).detach().to(acc.device)
 
 
 # ------------------------------------------------------------------------------------ Triton
@@ -207,7 +208,9 @@ def triton_hardware_gemm(
     k = max(k_a, k_b)
     return torch.ops.nemofp4.triton_hardware_gemm(
         a.codes.contiguous(), a.scale_codes.contiguous(), b.codes.contiguous(), b.scale_codes.contiguous(),
-        a.tensor_scale.float().reshape(1), b.tensor_scale.float().reshape(1), m, n, k_a, k_b, k,
+        # the kernel multiplies by a_ts * b_ts: passing (alpha, 1) applies alpha exactly
+        tensor_scale_product(a, b).float().reshape(1), torch.ones(1, dtype=torch.float32, device=a.codes.device),
+        m, n, k_a, k_b, k,
         a.scale_format, a.block_size, bool(a.two_d), False, b.scale_format, b.block_size, bool(b.two_d), b_transposed,
         lattice_snap, block_m, block_n,
     )  # fmt: skip

@@ -118,5 +118,5 @@ def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, stats
     """``q`` as the torch program returns it: the operand's own (unpadded-token) shape, packed
     codes only when asked for, and the three block counts (a test compares the two)."""
     counts = {name: q.counts[name] for name in _OPERAND_STATS} if stats else {}
-    codes = dict(codes=q.codes, scale_codes=q.scale_codes) if pack else dict(codes=None, scale_codes=None)
-    return dataclasses.replace(q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, **codes)
+    codes = q.codes if pack else None  # the block-scale codes stay: NVFP4's dequantize reads them
+    return dataclasses.replace(q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, codes=codes)

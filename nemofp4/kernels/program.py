@@ -1,7 +1,8 @@
 """The one torch program that quantizes a GEMM operand: run eagerly, or compiled by Inductor.
 
 :func:`quantize_operand` covers every scale format (E4M3, UE5M3, UE8M0) and payload rounding
-(RNE, sr8, exact SR) with 1-D blocks or 2-D tiles. Its core, :func:`_quantize_core`, is plain
+(RNE, TE's 8-bit ``sr``, the paper's ``sr8``, ``sr_exact``) with 1-D blocks or 2-D tiles. Its
+core, :func:`_quantize_core`, is plain
 tensor code over the shared formulas of :mod:`nemofp4.formats.scaling`; ``compiled=True`` hands
 that same function to ``torch.compile``, whose C++ backend fuses it into a block-amax reduction
 and one elementwise loop. Inductor compiles without value-changing math flags (no
@@ -9,8 +10,8 @@ reassociation, no contraction), so eager and compiled results are bitwise equal,
 equal the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the tests hold
 them to that.
 
-Random bits are drawn outside the core with the reference's calls (:func:`sr8_words` for sr8,
-one float64 ``torch.rand`` per element for exact SR), so every path consumes a generator
+Random bits are drawn outside the core with the reference's calls (:func:`sr8_words` for sr and
+sr8, one float64 ``torch.rand`` per element for sr_exact), so every path consumes a generator
 identically. Unlike the reference the program does not check for NaN/Inf (that would
 synchronize): a non-finite input yields non-finite values, which the trainer's checks catch.
 
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nemofp4.formats import QuantizedBlocks, hadamard_transform
-from nemofp4.formats.minifloat import sr8_bytes, sr8_words
+from nemofp4.formats import QuantizedBlocks, wgrad_hadamard_transform
+from nemofp4.formats.minifloat import BYTE_DRAW_ROUNDINGS, sr8_bytes, sr8_words, sr_away
 from nemofp4.formats.scaling import (
     FLT_MAX,
     FP4_MAX,
@@ -96,7 +97,7 @@ def _quantize_core(
     [R/b, b, C/b, b] (2-D tiles), so that a block is dims 1 and 3.
 
     ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
-    0-d float32; ``draws`` the random bits (sr8: int32 words; sr: float64 uniforms shaped like
+    0-d float32; ``draws`` the random bits (sr/sr8: int32 words; sr_exact: float64 uniforms shaped like
     ``blocks``). Returns (scaled values shaped like ``blocks``, tensor_scale, g, uint8 E2M1 codes
     shaped like ``blocks`` | None,
     scale codes [R or R/b, C/b] | None, counts [3]: saturated, underflowed and zero blocks).
@@ -137,16 +138,16 @@ def _quantize_core(
         scaled_grid = magnitude * inv  # |y| / spacing: exact
         lower = torch.floor(scaled_grid)
         frac = scaled_grid - lower  # the exact fraction of a grid step
-        if spec.rounding == "sr8":  # away from zero iff frac >= 1 - (2r + 1)/512, r the element's byte
+        if spec.rounding in BYTE_DRAW_ROUNDINGS:  # TE's cvt.rs (sr) or the paper's sr8, r the element's byte
             r = sr8_bytes(draws, blocks.numel()).view(blocks.shape).to(torch.float32)
-            away = frac >= r * (-2.0 / 512) + (511.0 / 512)
-        else:  # exact SR: away from zero iff u < frac, u uniform on [0, 1) in float64
+            away = sr_away(frac, r, spec.rounding)
+        else:  # sr_exact: away from zero iff u < frac, u uniform on [0, 1) in float64
             away = draws < frac.double()
         steps = torch.where(away, lower + 1.0, lower)
         rounded = steps / inv
     values = torch.copysign(rounded, blocks) * block_scale
 
-    codes = scale_codes = None
+    codes = None
     if spec.pack:
         # E2M1 code = sign * 8 + the binade's first code (0, 2, 4 spacings) + steps.
         offset = torch.where(upper, 4.0, torch.where(middle, 2.0, 0.0))
@@ -154,11 +155,12 @@ def _quantize_core(
             torch.copysign(torch.ones_like(blocks), blocks) < 0
         )  # -0.0 too (signbit does not vectorize)
         codes = (torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8)
-        if spec.scale_format == "ue8m0":
-            scale_codes = (exponent + 127).to(torch.uint8)
-        else:
-            scale_codes = encode_scales(block_scale, grid)
-        scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
+    # scale codes always (one byte per block): NVFP4's dequantize (TE's order) needs the block scales
+    if spec.scale_format == "ue8m0":
+        scale_codes = (exponent + 127).to(torch.uint8)
+    else:
+        scale_codes = encode_scales(block_scale, grid)
+    scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
     counts = torch.stack((saturated, underflow, block_amax == 0)).view(3, -1).sum(1)
     return values, tensor_scale, g, codes, scale_codes, counts
 
@@ -191,16 +193,16 @@ def _run_compiled(spec: _Spec, *args):
 
 @functools.cache
 def _compiled_hadamard():
-    return torch.compile(hadamard_transform, dynamic=False, fullgraph=True)
+    return torch.compile(wgrad_hadamard_transform, dynamic=False, fullgraph=True)
 
 
 def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
-    """:func:`nemofp4.formats.hadamard_transform` (TE's wgrad signs) fused by Inductor into one
-    loop instead of a dozen eager passes: the same sign flips, scaling and butterfly additions
-    in the same order, so the same bits. Falls back to the eager transform where compiling is
-    off (no compiler, or a failed build)."""
+    """:func:`nemofp4.formats.wgrad_hadamard_transform` (TE's wgrad signs, BF16 output) fused by
+    Inductor into one loop instead of a dozen eager passes: the same sign flips, scaling, butterfly
+    additions and BF16 rounding in the same order, so the same bits. Falls back to the eager
+    transform where compiling is off (no compiler, or a failed build)."""
     if _compile_failed or torch.compiler.is_compiling():
-        return hadamard_transform(x)
+        return wgrad_hadamard_transform(x)
     torch._dynamo.maybe_mark_dynamic(x, tuple(range(x.dim())))  # a 16-token dim specializes
     with torch._dynamo.config.patch(recompile_limit=_PROGRAM_RECOMPILE_LIMIT):
         return _compiled_hadamard()(x)
@@ -243,9 +245,9 @@ def quantize_operand(
     g = None if tensor_amax is None else tensor_amax.detach().float().reshape(())
     target = scaled_target(op.scale_target if op.scale_format != "ue8m0" else 448.0, x.device)
     draws = None
-    if op.rounding == "sr8":
+    if op.rounding in BYTE_DRAW_ROUNDINGS:
         draws = sr8_words(rows_p * cols_p, generator, x.device)
-    elif op.rounding == "sr":
+    elif op.rounding == "sr_exact":
         draws = torch.rand((rows_p, cols_p), generator=generator, device=x.device, dtype=torch.float64)
         draws = draws.view(blocks.shape)
     spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=g is None)
@@ -253,7 +255,7 @@ def quantize_operand(
         core = functools.partial(_run_compiled, spec)
         torch._dynamo.mark_dynamic(blocks, (0, 2))  # one graph for every operand shape
         if draws is not None:
-            torch._dynamo.mark_dynamic(draws, 0 if op.rounding == "sr8" else (0, 2))
+            torch._dynamo.mark_dynamic(draws, 0 if op.rounding in BYTE_DRAW_ROUNDINGS else (0, 2))
     else:
         core = functools.partial(_quantize_core, spec=spec)
     values, tensor_scale, g, codes, scale_codes, counts = core(blocks, g, target, draws)
@@ -271,6 +273,7 @@ def quantize_operand(
         scale_format=op.scale_format,
         tensor_scale=tensor_scale,
         tensor_amax=g,
+        scale_target=float(op.scale_target),
         codes=codes,
         scale_codes=scale_codes,
         scaled=values.view(rows_p, cols_p),

@@ -7,7 +7,7 @@ reduction (:func:`triton_amax`) and runs only when no held reference is passed: 
 refreshes of the UE5M3 recipe's sample-and-hold reference the input is read exactly once.
 
 For ``rounding="rne"`` every output equals the PyTorch reference bit for bit (codes, scale
-codes, tensor scale, tensor amax, statistics). ``"sr8"``/``"sr"`` use the same rounding rule
+codes, tensor scale, tensor amax, statistics). ``"sr"``/``"sr8"``/``"sr_exact"`` use the same rounding rule
 with Philox random bits (``tl.randint4x``) instead of the torch generator, so the bits differ
 from the reference; :func:`triton_quantize_with_draws` returns the draws so a test can check
 the rule exactly. The stream layout is documented in ``_quantize_kernels``.
@@ -36,7 +36,7 @@ __all__ = [
 
 DEFAULT_BLOCK_SIZE = {"e4m3": 16, "ue5m3": 16, "ue5m3_cuda": 16, "ue8m0": 32}
 SUPPORTED_BLOCK_SIZES = (2, 4, 8, 16, 32, 64)
-_ROUNDING_CODES = {"rne": 0, "sr8": 1, "sr": 2}
+_ROUNDING_CODES = {"rne": 0, "sr8": 1, "sr_exact": 2, "sr": 3}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MX_SCALE_MODES = ("floor", "ceil")
 _STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks", "clipped_elements")
@@ -93,7 +93,7 @@ def triton_quantize_blocks(
     ``tensor_amax`` is None and the format has a tensor scale).
 
     Args:
-        seed: Philox seed for ``sr8``/``sr`` (an int, or an int64 one-element device tensor, e.g.
+        seed: Philox seed for the stochastic roundings (an int, or an int64 one-element device tensor, e.g.
             drawn from a torch generator on the GPU, which avoids a host sync).
         also_transposed: also quantize ``x.T`` (2-D ``x``; blocks along dim 0, zero-padded to the
             block) in the same launch, with the same tensor reference; returns ``(q, q_t)`` where
@@ -123,7 +123,7 @@ def triton_quantize_with_draws(x: torch.Tensor, **kwargs):
     rounding rule exactly: ``((rows, rows_draws), (cols | None, cols_draws | None))``, draws int64
     per padded element. Same keyword arguments as :func:`triton_quantize`."""
     if kwargs.get("rounding", "rne") == "rne":
-        raise ValueError("triton_quantize_with_draws needs rounding='sr8' or 'sr' (rne draws nothing)")
+        raise ValueError("triton_quantize_with_draws needs a stochastic rounding ('sr', 'sr8' or 'sr_exact'; rne draws nothing)")
     return triton_quantize(x, _write_draws=True, **kwargs)
 
 
@@ -200,6 +200,7 @@ def triton_quantize(
             scale_codes=r["scales"] if two_d else r["scales"].view(*shape[:-1], cols_p // b),
             tensor_scale=r["ts"].reshape(()),
             tensor_amax=g0,
+            scale_target=float(scale_target),
             counts=dict(zip(_STAT_NAMES, r["counts"].unbind())) if stats else {},
             shape=shape,
             padded_shape=torch.Size([rows_p, cols_p]) if two_d else padded,
@@ -218,6 +219,7 @@ def triton_quantize(
             scale_codes=t["scales"],
             tensor_scale=t["ts"].reshape(()),
             tensor_amax=g0,
+            scale_target=float(scale_target if transposed_scale_target is None else transposed_scale_target),
             counts=dict(zip(_STAT_NAMES, t["counts"].unbind())) if stats else {},
             shape=torch.Size([cols, rows]),
             padded_shape=torch.Size([cols, rows_p]),

@@ -39,7 +39,7 @@ __all__ = [
 
 ELEMENT_FORMATS = ("e2m1",)
 SCALE_FORMATS = ("e4m3", "ue5m3", "ue5m3_cuda", "ue8m0")
-ROUNDING_MODES = ("rne", "sr8", "sr")
+ROUNDING_MODES = ("rne", "sr8", "sr", "sr_exact")
 GEMM_MODES = ("scaled", "decoded", "hardware")
 
 
@@ -67,7 +67,8 @@ class OperandQuant:
     two_d: bool = False
     """block_size x block_size tiles (weights only), so W and W^T quantize identically."""
     rounding: str = "rne"
-    """'rne' (ties to even), 'sr8' (8-bit midpoint stochastic rounding) or 'sr' (exact SR)."""
+    """'rne' (ties to even), 'sr' (TE's cvt.rs SR, 8 random bits), 'sr8' (the UE5M3 paper's
+    8-bit midpoint SR) or 'sr_exact' (53-bit SR); see :mod:`nemofp4.formats.minifloat`."""
     hadamard: bool = False
     """16x16 random Hadamard transform along the reduction dimension before quantizing.
     Only meaningful for wgrad operands, where it cancels in the product (H H^T = I)."""

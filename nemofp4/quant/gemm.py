@@ -6,8 +6,11 @@ product (an E2M1 value times a decoded scale code) has at most 2 + 4 significant
 is exact in BF16 and in float32.
 
 ``scaled``   (default) multiplies the block-scaled operands (exact in the compute dtype) with
-             FP32 accumulation and applies the two tensor scales once, after the product:
-             the emulation runs at the speed of an ordinary BF16 (GPU) or FP32 (CPU) GEMM.
+             FP32 accumulation and applies the tensor-scale product once, after the product, as
+             each source computes it from the two amaxes (TE's ``fl(g_a g_b) * fl(1/(36 * 448^2))``
+             for NVFP4, the paper's ``_encoded_global_alpha`` for UE5M3;
+             :func:`nemofp4.formats.tensor_scale_product`): the emulation runs at the speed of an
+             ordinary BF16 (GPU) or FP32 (CPU) GEMM.
 ``decoded``  multiplies the fully dequantized FP32 operands in FP32 (the UE5M3 paper's
              "decoded-Torch" control).
 ``reference_gemm`` is the slow, obviously-correct float64 product of the same operands that
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nemofp4 import kernels
-from nemofp4.formats import QuantizedBlocks
+from nemofp4.formats import QuantizedBlocks, tensor_scale_product
 
 __all__ = ["GemmOperand", "decoded_gemm", "gemm", "reference_gemm", "scaled_gemm"]
 
@@ -80,7 +83,7 @@ def _common_k(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def scaled_gemm(a: GemmOperand, b: GemmOperand, compute_dtype: torch.dtype) -> torch.Tensor:
-    """``A @ B^T`` in float32 from block-scaled operands, tensor scales applied after the product."""
+    """``A @ B^T`` in float32 from block-scaled operands, the tensor-scale product applied after it."""
     m, n = a.shape[0], b.shape[0]
     a_s, b_s = _common_k(a.scaled()[:m], b.scaled()[:n])
     if compute_dtype == torch.bfloat16 and a_s.is_cuda:
@@ -88,7 +91,7 @@ def scaled_gemm(a: GemmOperand, b: GemmOperand, compute_dtype: torch.dtype) -> t
         acc = torch.mm(a_s.to(torch.bfloat16), b_s.to(torch.bfloat16).t(), out_dtype=torch.float32)
     else:
         acc = a_s @ b_s.t()
-    return acc * (a.tensor_scale * b.tensor_scale)
+    return acc * tensor_scale_product(a.q, b.q).to(acc.device)
 
 
 def decoded_gemm(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
@@ -102,8 +105,9 @@ def gemm(
     """Dispatch on the recipe's GEMM mode; returns float32 ``[a.rows, b.rows]``.
 
     ``hardware`` is the UE5M3 paper's probe-matched model of a native FP4 GEMM (64-product
-    groups, round-toward-zero accumulation), from :mod:`nemofp4.kernels`: a Triton kernel on
-    CUDA, its PyTorch twin elsewhere.
+    groups, round-toward-zero accumulation, then the final snap to the 1/1024 lattice that its
+    ``probe_matched_fp4_gemm`` applies with ``snap_to_1_over_1024=True``), from
+    :mod:`nemofp4.kernels`: a Triton kernel on CUDA, its PyTorch twin elsewhere.
     """
     if mode == "scaled":
         return scaled_gemm(a, b, compute_dtype)
@@ -111,7 +115,7 @@ def gemm(
         return decoded_gemm(a, b)
     if mode == "hardware":
         assert not a.transposed
-        return kernels.gemm_hardware(a.q, b.q, b_transposed=b.transposed, backend=backend)
+        return kernels.gemm_hardware(a.q, b.q, b_transposed=b.transposed, lattice_snap=True, backend=backend)
     raise ValueError(f"unknown gemm mode {mode!r}; valid modes are 'scaled', 'decoded' and 'hardware'")
 
 

@@ -216,7 +216,10 @@ def test_nvfp4_equals_ue5m3_when_scales_are_normal():
     nv, ue = quantize_blocks(x, scale_format="e4m3"), quantize_blocks(x, scale_format="ue5m3")
     assert torch.equal(nv.codes, ue.codes)
     assert torch.equal(nv.block_scales(), ue.block_scales())
-    assert torch.equal(nv.dequantize(), ue.dequantize())
+    assert torch.equal(nv.scaled_values(), ue.scaled_values())
+    # dequantize() follows each source's order (TE: value * (scale * amax * fl(1/2688)); the paper:
+    # (value * scale) * fl(1/G)): within one ulp of each other
+    torch.testing.assert_close(nv.dequantize(), ue.dequantize(), rtol=2**-21, atol=0)
 
 
 # --------------------------------------------------------------------------- torchao
@@ -389,8 +392,8 @@ def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
 def test_gaussian_round_trip_sqnr():
     """SQNR of a 4096x4096 standard Gaussian (measured: NVFP4 20.44 dB, UE5M3 20.44 dB,
     MXFP4 floor 18.80 dB). E2M1 has 8 magnitudes; with each block's amax mapped near 6,
-    the rounding noise is about 1% of the signal power (~20 dB). NVFP4 and UE5M3 are
-    identical here (normal scales, current amax). MXFP4 loses ~1.6 dB: its power-of-two
+    the rounding noise is about 1% of the signal power (~20 dB). NVFP4 and UE5M3 quantize
+    identically here (normal scales, current amax). MXFP4 loses ~1.6 dB: its power-of-two
     scales leave the block amax anywhere in [4, 8) (floor), wasting up to one binade.
     Floors sit 0.5 dB below the measurements: the spread over seeds on 16.7M elements is
     ~0.01 dB, while a broken tie rule, a lost +-6 code or a one-binade scale error costs
@@ -401,7 +404,7 @@ def test_gaussian_round_trip_sqnr():
         for fmt in ("e4m3", "ue5m3", "ue8m0")
     }
     assert results["e4m3"] > 19.9 and results["ue5m3"] > 19.9 and results["ue8m0"] > 18.3, results
-    assert results["e4m3"] == results["ue5m3"]
+    assert abs(results["e4m3"] - results["ue5m3"]) < 1e-5  # same codes; dequantize() orders differ by an ulp
 
 
 # --------------------------------------------------------------------------- Hadamard

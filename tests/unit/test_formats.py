@@ -284,8 +284,8 @@ def test_sr8_draws_layout_and_uniformity():
 
 def test_sr8_follows_its_exact_8bit_rule():
     """Reproduce the draws (one torch.randint(0, 2**24) word per three elements, element i
-    taking byte i // m of word i % m) and apply the paper's rule in float64: round away iff
-    frac + (2r+1)/512 >= 1."""
+    taking byte i // m of word i % m) and apply the paper's rule: round away iff
+    fp32(frac + (2r+1)/512) >= 1, the sum rounded to float32 as its code evaluates it."""
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.uniform(-7, 7, 50_000), [0.25, 0.75, 2.5, 5.0, 0.5 + 255 / 512, 0.5 + 1 / 1024]])
     x = torch.from_numpy(x.astype(np.float32))
@@ -297,18 +297,19 @@ def test_sr8_follows_its_exact_8bit_rule():
     lower_index = np.searchsorted(grid, a, side="right") - 1
     upper_index = np.minimum(lower_index + 1, grid.size - 1)
     spacing = np.where(upper_index > lower_index, grid[upper_index] - grid[lower_index], 1.0)
-    frac = (a - grid[lower_index]) / spacing
-    away = frac + (2 * r + 1) / 512 >= 1
+    frac = ((a - grid[lower_index]) / spacing).astype(np.float32)  # exact
+    away = frac + ((2 * r + 1) / 512).astype(np.float32) >= np.float32(1)  # one float32 addition
     expected = np.copysign(np.where(away, grid[upper_index], grid[lower_index]), x.numpy())
     np.testing.assert_array_equal(ours.numpy(), expected.astype(np.float32))
 
 
-@pytest.mark.parametrize("rounding", ["sr", "sr8"])
+@pytest.mark.parametrize("rounding", ["sr", "sr8", "sr_exact"])
 @pytest.mark.parametrize("fmt", [E2M1, E4M3, UE5M3], ids=lambda f: f.name)
 def test_stochastic_rounding_is_unbiased(fmt, rounding):
-    """Mean of N draws vs the exact expectation, within 4 standard errors. For ``sr`` the
+    """Mean of N draws vs the exact expectation, within 4 standard errors. For ``sr_exact`` the
     expectation is x itself; ``sr8`` rounds up with probability #{r: frac >= 1-(2r+1)/512}/256,
-    which is within 1/512 of a spacing from x (its known, bounded bias)."""
+    which is within 1/512 of a spacing from x (its known, bounded bias); TE's ``sr`` with
+    floor(256 frac)/256, up to 1/256 of a spacing toward zero."""
     draws = 4000
     rng = np.random.default_rng(3)
     grid = np.array(fmt._magnitude_values_f64)
@@ -317,8 +318,11 @@ def test_stochastic_rounding_is_unbiased(fmt, rounding):
     x64 = grid[lower] + frac * (grid[lower + 1] - grid[lower])
     x = torch.from_numpy(x64.astype(np.float32))
     exact_frac = (x.double().numpy() - grid[lower]) / (grid[lower + 1] - grid[lower])
-    if rounding == "sr":
+    if rounding == "sr_exact":
         p_up = exact_frac
+    elif rounding == "sr":
+        p_up = np.floor(exact_frac * 256) / 256  # count of r in 0..255 with frac + r/256 >= 1
+        assert np.all((p_up <= exact_frac) & (exact_frac - p_up < 1 / 256))
     else:
         p_up = np.floor(exact_frac * 256 + 0.5) / 256  # count of r in 0..255 with frac >= 1-(2r+1)/512
         assert np.all(np.abs(p_up - exact_frac) <= 1 / 512 + 1e-12)

@@ -188,17 +188,21 @@ def test_amax_reduction():
 
 
 # --------------------------------------------------------------------------- stochastic rounding
-def _expected_sr8(x_pad: np.ndarray, encode: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """E2M1 codes by the paper's rule, in float64 from y = fp32(x * enc): away iff
-    frac + (2r + 1) / 512 >= 1."""
+def _expected_sr8(x_pad: np.ndarray, encode: np.ndarray, draws: np.ndarray, rounding: str = "sr8") -> np.ndarray:
+    """E2M1 codes from y = fp32(x * enc) by the paper's sr8 rule, away iff fp32(frac + (2r + 1) / 512) >= 1
+    (frac exact, one float32 addition), or TE's cvt.rs rule (sr), away iff frac + r / 256 >= 1."""
     y = (x_pad.astype(np.float32) * encode.astype(np.float32)).astype(np.float64)
     grid = np.array(E2M1._magnitude_values_f64)
     a = np.minimum(np.abs(y), 6.0)
     lower = np.searchsorted(grid, a, side="right") - 1
     upper = np.minimum(lower + 1, grid.size - 1)
     spacing = np.where(upper > lower, grid[upper] - grid[lower], 1.0)
-    frac = (a - grid[lower]) / spacing
-    magnitude = np.where(frac + (2 * draws + 1) / 512 >= 1, upper, lower)
+    frac = ((a - grid[lower]) / spacing).astype(np.float32)
+    if rounding == "sr":
+        away = frac.astype(np.float64) + draws / 256 >= 1  # exact in float64
+    else:
+        away = frac + ((2 * draws + 1) / 512).astype(np.float32) >= np.float32(1)
+    magnitude = np.where(away, upper, lower)
     return (magnitude | (np.signbit(y) << 3)).astype(np.uint8)
 
 
@@ -211,11 +215,11 @@ def _encode_per_element(ref, b: int) -> np.ndarray:
     return np.repeat(encode, b, axis=-1)
 
 
-@pytest.mark.parametrize("scale_format", ["ue5m3", "e4m3"])
-def test_sr8_follows_the_8bit_rule_given_the_kernels_draws(scale_format):
+@pytest.mark.parametrize("scale_format,rounding", [("ue5m3", "sr8"), ("e4m3", "sr8"), ("e4m3", "sr")])
+def test_sr8_follows_the_8bit_rule_given_the_kernels_draws(scale_format, rounding):
     x = make_input(40, 56, seed=21)
     (rows, rows_draws), (cols, cols_draws) = triton_quantize_with_draws(
-        x, scale_format=scale_format, rounding="sr8", seed=1234, transposed=True
+        x, scale_format=scale_format, rounding=rounding, seed=1234, transposed=True
     )
     for ours, ours_draws, source in ((rows, rows_draws, x), (cols, cols_draws, x.t())):
         ref = quantize_blocks(source, scale_format)  # scale codes never depend on the payload rounding
@@ -224,7 +228,7 @@ def test_sr8_follows_the_8bit_rule_given_the_kernels_draws(scale_format):
         assert draws.min() >= 0 and draws.max() <= 255
         x_pad = np.zeros(ref.padded_shape, dtype=np.float32)
         x_pad[: source.shape[0], : source.shape[1]] = source.numpy()
-        expected = _expected_sr8(x_pad, _encode_per_element(ref, 16), draws)
+        expected = _expected_sr8(x_pad, _encode_per_element(ref, 16), draws, rounding)
         np.testing.assert_array_equal(unpack_fp4(ours.codes).numpy(), expected)
     # the two directions draw independent streams; the draws look uniform on 0..255, per lane too
     assert not np.array_equal(rows_draws[:40, :40].numpy(), cols_draws[:40, :40].numpy().T)
@@ -235,7 +239,7 @@ def test_sr8_follows_the_8bit_rule_given_the_kernels_draws(scale_format):
     assert np.all(np.abs(lanes.mean(0) - 127.5) <= 4 * sigma / math.sqrt(lanes.shape[0]))
 
 
-@pytest.mark.parametrize("rounding", ["sr8", "sr"])
+@pytest.mark.parametrize("rounding", ["sr8", "sr", "sr_exact"])
 def test_stochastic_rounding_is_unbiased(rounding):
     """The reference's test: mean of many draws vs the exact expectation, within 4 standard
     errors (60 checks at 4 sigma, fixed seed). Each 16-block starts with a 6 and the reference is
@@ -252,7 +256,11 @@ def test_stochastic_rounding_is_unbiased(rounding):
     q = triton_quantize_blocks(x, scale_format="e4m3", tensor_amax=2688.0, rounding=rounding, seed=1)
     samples = q.dequantize().double().numpy().reshape(draws, 4, 16)[:, :, 1:]
     exact_frac = (values.astype(np.float64) - grid[lower]) / (grid[lower + 1] - grid[lower])
-    p_up = exact_frac if rounding == "sr" else np.floor(exact_frac * 256 + 0.5) / 256
+    p_up = {
+        "sr_exact": exact_frac,
+        "sr": np.floor(exact_frac * 256) / 256,  # TE's cvt.rs: 8 random bits, carry out rounds away
+        "sr8": np.floor(exact_frac * 256 + 0.5) / 256,
+    }[rounding]
     spacing = grid[lower + 1] - grid[lower]
     expected = grid[lower] + p_up * spacing
     std_error = spacing * np.sqrt(np.maximum(p_up * (1 - p_up), 1e-12) / draws)
@@ -265,7 +273,8 @@ def test_stochastic_rounding_is_deterministic_per_seed():
     run = lambda seed, rounding="sr8": triton_quantize_blocks(x, rounding=rounding, seed=seed).codes
     assert torch.equal(run(5), run(5)) and not torch.equal(run(5), run(6))
     assert torch.equal(run(5), run(torch.tensor([5])))  # a device-tensor seed (no host sync)
-    assert torch.equal(run(5, "sr"), run(5, "sr")) and not torch.equal(run(5, "sr"), run(6, "sr"))
+    for sr in ("sr", "sr_exact"):
+        assert torch.equal(run(5, sr), run(5, sr)) and not torch.equal(run(5, sr), run(6, sr))
     rne = triton_quantize_blocks(x).codes
     assert not torch.equal(run(5), rne) and (run(5) == rne).float().mean() > 0.3
     # on-grid values never move
@@ -293,7 +302,7 @@ def test_bad_arguments_raise():
         triton_quantize_blocks(x.double())
     with pytest.raises(ValueError, match="seed"):
         triton_quantize_blocks(x, rounding="sr8", seed=2**64)
-    with pytest.raises(ValueError, match="needs rounding='sr8' or 'sr'"):
+    with pytest.raises(ValueError, match="needs a stochastic rounding"):
         triton_quantize_with_draws(x)
     with pytest.warns(UserWarning, match="no effect"):
         triton_quantize_blocks(x, scale_format="ue8m0", tensor_amax=1.0)

@@ -62,7 +62,7 @@ def make_operand(values, scales, *, scale_format="ue5m3", tensor_scale=1.0, bloc
         codes=pack_fp4(E2M1.encode(values)),
         scale_codes=fmt.encode(scales),
         tensor_scale=torch.tensor(tensor_scale, dtype=torch.float32),
-        tensor_amax=torch.tensor(0.0),
+        tensor_amax=torch.tensor(tensor_scale * 2688.0),  # the reference g that gives it (T = 448)
         shape=torch.Size([rows, k]),
         padded_shape=torch.Size([rows, k]),
         block_size=block,
@@ -188,10 +188,12 @@ def test_lattice_snap_and_tensor_scales_come_last():
         assert float(out) == 1.0  # round(1024 * (1 + 2^-23)) / 1024
     third = one_hot_operand({0: (1.5, 0.203125)})
     small = one_hot_operand({0: (1.0, 2.0**-5)})  # product 0.009521484375 = 9.75 / 1024 -> 10 / 1024
-    a.tensor_scale = torch.tensor(3.0)
-    b.tensor_scale = torch.tensor(0.5)
+    a.tensor_scale, a.tensor_amax = torch.tensor(3.0), torch.tensor(3.0 * 2688)
+    b.tensor_scale, b.tensor_amax = torch.tensor(0.5), torch.tensor(0.5 * 2688)
+    # alpha from the amaxes as the paper's _encoded_global_alpha (on CUDA): fl(g_a g_b) * fl(1 / 2688^2)
+    alpha = np.float32(np.float32(3.0 * 2688) * np.float32(0.5 * 2688)) * (np.float32(1) / np.float32(2688.0**2))
     for out in all_paths(a, b):
-        assert float(out) == np.float32(1 + 2**-23) * np.float32(1.5)  # alpha = 3 * 0.5, in FP32, last
+        assert float(out) == np.float32(1 + 2**-23) * alpha  # applied last, in FP32
     for out in all_paths(third, small, lattice_snap=True):
         assert float(out) == 10 / 1024
 

@@ -31,7 +31,8 @@ def _inputs():
 CASES = [
     (fmt, 32 if fmt == "ue8m0" else 16, two_d, rounding, 448.0)
     for fmt, two_d, rounding in itertools.product(["e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"], [False, True], ["rne", "sr8", "sr"])
-] + [("ue5m3", 16, False, "sr8", 2048.0), ("ue5m3", 32, True, "rne", 2048.0), ("e4m3", 32, False, "rne", 448.0)]
+] + [("ue5m3", 16, False, "sr8", 2048.0), ("ue5m3", 32, True, "rne", 2048.0), ("e4m3", 32, False, "rne", 448.0),
+      ("e4m3", 16, False, "sr_exact", 448.0)]
 
 
 @pytest.mark.parametrize("fmt,block,two_d,rounding,target", CASES)
