@@ -6,6 +6,7 @@ naming the knobs it does take. The numbers and their sources are in docs/recipes
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -233,12 +234,19 @@ def ue5m3_te_settings(
 
     UE5M3 block scales (T = 448) with the reference refreshed every step (D = 1), 16x16 2-D
     weight tiles, a Hadamard transform on both wgrad operands, 8-bit stochastic rounding on dY,
-    the last 8 pattern layers in BF16 and the LM head in FP32.
+    the last 8 pattern layers in BF16 and the LM head in FP32. The amaxes of the transformed X^T
+    and dY^T are current (measured at every call, as the paper's ``_ProbeMatchedUE5M3LinearFunction``
+    does), not held for the step.
     """
     fp4 = _fp4_linear(
         scale_format="ue5m3", block_size=16, two_d_weights=True, dy_rounding="sr8", wgrad_hadamard=True,
         scale_target=scale_target, reference_interval=reference_interval, gemm=gemm,
     )  # fmt: skip
+    fp4 = dataclasses.replace(
+        fp4,
+        x_wgrad=dataclasses.replace(fp4.x_wgrad, reference_interval=0),
+        dy_wgrad=dataclasses.replace(fp4.dy_wgrad, reference_interval=0),
+    )
     return Recipe(
         name="ue5m3_te_settings",
         description=_description(ue5m3_te_settings),
