@@ -31,9 +31,9 @@ Load-bearing details a naive re-implementation gets wrong:
   * NVFP4 emits a zero scale code for zero (or underflowing) blocks (torchao clamps the scale
     to the smallest E4M3 subnormal instead); UE5M3 replaces a zero code by 1.0 before the
     reciprocal. Scale codes use RNE; only the payload rounding is selectable.
-  * ``dequantize`` = (payload * block scale) * tensor_scale: the first product is exact in
-    float32, so the result is rounded once. (TE and the UE5M3 emulator multiply the two scales
-    first; codes and scales, which is what a GEMM consumes, are identical.)
+  * ``dequantize`` follows each source: NVFP4 as TE's dequantize kernel,
+    payload * ((block scale * amax) * fl(1/2688)); UE5M3 as the paper's decoded output,
+    (payload * block scale) * tensor_scale, whose first product is exact in float32.
 
 Layout: blocks run along the last dim (``block_size`` contiguous elements), or 2-D tiles
 ``block_size x block_size`` for a 2-D weight (the tile amax sets the scale of every row of

@@ -151,17 +151,21 @@ class QuantizedBlocks:
         scales = self.block_scales()
         factor = nvfp4_dequantize_scale(scales, self.tensor_amax, self.scale_target)
         if self.codes is not None:
-            values = self.values()
+            values = self._blocks(self.values())
         else:  # E2M1 value = (value x scale) / scale, exact; a zero scale only scales zeros
-            values = self.scaled_values() / self._broadcast(torch.where(scales > 0, scales, 1.0))
-        return values * self._broadcast(factor)
+            values = self._blocks(self.scaled_values()) / self._per_block(torch.where(scales > 0, scales, 1.0))
+        return (values * self._per_block(factor)).view(self.padded_shape)
 
-    def _broadcast(self, per_block: torch.Tensor) -> torch.Tensor:
-        """A per-block tensor expanded to the padded element layout."""
+    def _blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """The padded elements viewed so that a per-block tensor (:meth:`_per_block`) broadcasts."""
         b = self.block_size
         if self.two_d:
-            return per_block.repeat_interleave(b, 0).repeat_interleave(b, 1)
-        return per_block.repeat_interleave(b, -1).view(self.padded_shape)
+            rows, cols = self.padded_shape
+            return t.view(rows // b, b, cols // b, b)
+        return t.view(*self.padded_shape[:-1], -1, b)
+
+    def _per_block(self, per_block: torch.Tensor) -> torch.Tensor:
+        return per_block[:, None, :, None] if self.two_d else per_block[..., None]
 
     def stats(self) -> dict[str, float]:
         """Fractions: saturated / underflowed (non-zero) / all-zero blocks, clipped elements (where

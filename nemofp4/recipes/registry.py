@@ -220,7 +220,9 @@ class UE5M3TESettings(PrecisionConfig):
 
     UE5M3 block scales (T = 448) with the reference refreshed every step (D = 1), 16x16 2-D
     weight tiles, a Hadamard transform on both wgrad operands, 8-bit stochastic rounding on dY,
-    the last 8 pattern layers in BF16 and the LM head in FP32.
+    the last 8 pattern layers in BF16 and the LM head in FP32. The amaxes of the transformed X^T
+    and dY^T are current (measured at every call, as the paper's ``_ProbeMatchedUE5M3LinearFunction``
+    does), not held for the step.
     """
 
     name: str = "ue5m3_te_settings"
@@ -238,6 +240,11 @@ class UE5M3TESettings(PrecisionConfig):
             scale_format="ue5m3", block_size=16, two_d_weights=True, dy_rounding="sr8", wgrad_hadamard=True,
             scale_target=self.scale_target, reference_interval=self.reference_interval, gemm=self.gemm,
         )  # fmt: skip
+        fp4 = replace(  # the transformed operands' amaxes are current, as the paper measures them
+            fp4,
+            x_wgrad=replace(fp4.x_wgrad, reference_interval=0),
+            dy_wgrad=replace(fp4.dy_wgrad, reference_interval=0),
+        )
         return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
 
 

@@ -344,3 +344,29 @@ def test_hardware_gemm_ends_with_the_papers_1_over_1024_snap(scale_format):
     ours = gemm(GemmOperand(qa), GemmOperand(qb), mode="hardware", compute_dtype=torch.float32).numpy()
     np.testing.assert_array_equal(ours.view(np.int32), expected.view(np.int32))
     assert (expected != acc * alpha).mean() > 0.01  # the snap moves outputs here
+
+
+# ----------------------------------------------------------------------- item 6: te_settings RHT amax
+def test_ue5m3_te_settings_measures_the_transformed_wgrad_amaxes_at_every_call():
+    """The paper (_ProbeMatchedUE5M3LinearFunction): activation_rht_reference = amax of the
+    transformed X^T in every forward, wgrad_dy_reference = amax of the transformed dY^T in every
+    backward; the X reference keeps its D = 1 hold. Two micro-batches of one step, the second 10x
+    larger: its wgrad operands use their own amaxes, its fprop X the first micro-batch's."""
+    import torch.nn.functional as F
+
+    layer = nn.Linear(32, 16, bias=False)
+    QuantLinear.from_linear(layer, _fp4_config("ue5m3_te_settings"), index=3)
+    layer.quant_backend = "eager"
+    layer.set_step(1, seed=7, rank=0)
+    g = torch.Generator().manual_seed(31)
+    batches = [(torch.randn(40, 32, generator=g).bfloat16(), torch.randn(40, 16, generator=g).bfloat16())]
+    batches.append((batches[0][0] * 10, batches[0][1] * 10))
+    for x, dy in batches:
+        layer._capture = []
+        x = x.float().requires_grad_()
+        layer(x).backward(dy.float())
+        captured = {name: (qa, qb) for name, qa, qb, _, _ in layer._capture}
+        pad_t = lambda t: F.pad(t.float(), (0, 0, 0, -t.shape[0] % 16)).t()  # noqa: E731
+        assert float(captured["wgrad"][1].tensor_amax) == float(_oracle_wgrad_rht(pad_t(x.detach())).abs().max())
+        assert float(captured["wgrad"][0].tensor_amax) == float(_oracle_wgrad_rht(pad_t(dy)).abs().max())
+        assert float(captured["fprop"][0].tensor_amax) == float(batches[0][0].float().abs().max())  # held
