@@ -9,7 +9,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from nemofp4.quant import QuantState, canonical_fqn, load_reference_state_dict, reference_state_dict
+from nemofp4.quant import (
+    QuantState,
+    canonical_fqn,
+    load_reference_state_dict,
+    quant_linears,
+    reference_state_dict,
+)
 from nemofp4.quant.state import set_held_reference_reduce_group
 from nemofp4.training.parallel import apply_activation_checkpointing, apply_compile
 from tests.unit.test_amax_schedule import _fresh, _train
@@ -101,3 +107,29 @@ def test_references_saved_by_two_ranks_load_in_one_process_bitwise():
         restored = reference_state_dict(model)
         assert restored.keys() == per_rank[0].keys()
         assert all(torch.equal(restored[k], per_rank[0][k]) for k in restored)
+
+
+def test_the_autograd_function_gets_a_frozen_call_and_the_state_not_the_module(monkeypatch):
+    import dataclasses
+
+    from nemofp4.quant import linear
+
+    model, optimizer = _fresh()
+    _train(model, optimizer, range(1, 2))  # builds the opaque entry with the real Function
+    seen = []
+    real_apply = linear._QuantLinearFunction.apply
+
+    def spy(*args):
+        seen.append(args)
+        return real_apply(*args)
+
+    monkeypatch.setattr(linear._QuantLinearFunction, "apply", spy)
+    _train(model, optimizer, range(2, 3))
+    assert len(seen) == len(quant_linears(model)) > 0  # one call per FP4 linear
+    for args in seen:
+        assert not any(isinstance(a, torch.nn.Module) for a in args)
+        call, state = args[-2:]
+        assert isinstance(call, linear.QuantCall) and isinstance(state, linear.QuantLinearState)
+        hash(call)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            call.training = False
