@@ -29,6 +29,7 @@ from nemofp4.quant import (
     QuantState,
     load_reference_state_dict,
     quant_stats,
+    reference_state_dict,
     reset_references,
     set_held_reference_reduce_group,
     set_quant_backend,
@@ -208,7 +209,12 @@ class Trainer:
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
         self.peak_flops = peak_tflops(cfg.logging) * 1e12
 
-    def _dcp_state(self) -> dict[str, Any] | None:
+    @property
+    def _references_replicated(self) -> bool:
+        """Whether every rank holds the same references (one process, or reduced at sampling)."""
+        return self.world == 1 or self.cfg.distributed.reduce_references
+
+    def _dcp_state(self, *, for_load: bool = False) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state: dict[str, Any] = {}
@@ -216,7 +222,7 @@ class Trainer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             state = {"model": model_sd, "optim": optim_sd}
         quant = QuantState(self.model)
-        if quant.state_dict():  # the held references agree across ranks: one replicated entry
+        if quant.state_dict() and (for_load or self._references_replicated):  # one replicated entry
             state["quant"] = quant
         return state or None
 
@@ -233,7 +239,7 @@ class Trainer:
         candidates = self.ckpt.candidates(cfg.resume)
         failures = []
         for folder in candidates:
-            state = self._dcp_state()
+            state = self._dcp_state(for_load=True)
             try:
                 trainer_state, rank_state, own = self.ckpt.load(
                     folder, dcp_state=state,
@@ -285,8 +291,8 @@ class Trainer:
         if not self.cfg.precision.restore_references:
             reset_references(self.model)
         elif not _quant_state_in_dcp(state):
-            # an older checkpoint: references per rank, possibly under wrapper names (loaded by canonical
-            # name); a rank new to the run takes rank 0's
+            # references per rank (distributed.reduce_references=false, or an older checkpoint, possibly under
+            # wrapper names: loaded by canonical name); a rank new to the run takes rank 0's
             load_reference_state_dict(self.model, rank_state.get("references", {}))
         # else: DCP has restored them (QuantState), whatever the number of ranks that wrote them
         if own:
@@ -306,11 +312,14 @@ class Trainer:
             "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
             "world_size": self.world,
             "total_steps": self.budget.total_steps,
-            "quant_state": "dcp",  # held references in the DCP state's "quant" entry (QuantState), not per rank
+            # held references: in the DCP state's "quant" entry (QuantState) when the ranks agree on them
+            "quant_state": "dcp" if self._references_replicated else "per_rank",
         }
 
     def _rank_state(self) -> dict[str, Any]:
-        return {"rng": rng_state()}
+        if self._references_replicated:
+            return {"rng": rng_state()}
+        return {"rng": rng_state(), "references": reference_state_dict(self.model)}  # reduce_references=false
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded FP32 weights on CPU (collective under FSDP2 / ZeRO-3)."""
@@ -534,7 +543,8 @@ class Trainer:
 
 
 def _quant_state_in_dcp(trainer_state: dict[str, Any]) -> bool:
-    """Whether a checkpoint keeps its held references in DCP (older ones saved them per rank)."""
+    """Whether a checkpoint keeps its held references in DCP (older ones, and runs whose ranks hold
+    their own references, save them per rank)."""
     return trainer_state.get("quant_state") == "dcp"
 
 
