@@ -36,7 +36,7 @@ def test_split_batch_holds_the_same_references_and_another_world_size_keeps_them
     forward = [k for k in one if ".x." in k or ".w." in k]
     last_block_dy = [k for k in one if k.startswith("layers.5.") and ".dy." in k]
     assert forward and last_block_dy
-    assert_bitwise(one, two, forward + last_block_dy)  # per-rank loss normalization made these 2x before
+    assert_bitwise(one, two, forward + last_block_dy)  # dY 2x on 2 ranks if each backpropagated its own mean
     # resume the 2-rank checkpoint on 1 process: step 2 holds (D = 50) what the 2 ranks sampled
     launch(1, tmp_path / "two", *common, "train.micro_batch=4")
     assert_bitwise(two, held_references(tmp_path / "two" / "checkpoints" / "step-2"))
