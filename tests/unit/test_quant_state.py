@@ -16,10 +16,18 @@ from nemofp4.quant import (
     quant_linears,
     reference_state_dict,
 )
-from nemofp4.quant.state import set_held_reference_reduce_group
+from nemofp4.quant.state import set_held_reference_reduce_group, set_quant_backend
 from nemofp4.training.parallel import apply_activation_checkpointing, apply_compile
-from tests.unit.test_amax_schedule import _fresh, _train
+from tests.unit.test_amax_schedule import _fresh as _fresh_auto
+from tests.unit.test_amax_schedule import _train
 from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+
+
+def _fresh():
+    """The stand-in model under ue5m3 with the eager quantizers: the same bits, nothing to compile."""
+    model, optimizer = _fresh_auto()
+    set_quant_backend(model, "eager")
+    return model, optimizer
 
 
 @pytest.mark.parametrize(
