@@ -63,6 +63,9 @@ def test_fsdp_two_ranks_match_one_process_and_agree_on_references(tmp_path, prec
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(two) == list(range(1, 7))
     assert one[1] == pytest.approx(two[1], rel=1e-5)  # identical weights at step 1 (same init on every rank)
+    # the gradient of the same global mean loss: each rank backpropagates its share and FSDP2 sums
+    grad_norms = [{r["step"]: r["grad_norm"] for r in read_metrics(tmp_path / run, "train")} for run in ("one", "two")]
+    assert grad_norms[1][1] == pytest.approx(grad_norms[0][1], rel=rtol)
     assert relative_gap(two, one, range(1, 7)) < rtol
     rank_files = sorted((tmp_path / "two" / "checkpoints" / "step-6" / "rank").glob("rank-*.pt"))
     assert len(rank_files) == 2
