@@ -72,3 +72,39 @@ def test_resume_with_compile_toggled_continues_bitwise(tmp_path):
     # that fp32 difference (measured 8e-5 relative)
     assert moved[3] == straight[3]
     assert moved[4] == pytest.approx(straight[4], rel=1e-3)
+
+
+@pytest.mark.slow  # two runs; tests/unit/test_quant_state.py checks the loading by canonical name fast
+def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exactly(tmp_path, monkeypatch):
+    """Checkpoints written before the references moved into DCP kept them in each rank's file, under
+    the module names of the run (here with activation checkpointing's wrapper segment), and their
+    trainer state named no 'quant_state'. Such a checkpoint still resumes, with its references."""
+    from nemofp4.quant import reference_state_dict
+    from nemofp4.training.trainer import Trainer
+    from tests.integration.test_run_dirs import curve, train_here
+
+    common = ["precision=ue5m3", "train.kernels=eager", "train.max_steps=3", "checkpoint.interval=2",
+              "checkpoint.keep_last_k=0"]  # fmt: skip
+    new_trainer_state, new_rank_state = Trainer._trainer_state, Trainer._rank_state
+
+    def old_trainer_state(self):
+        return {k: v for k, v in new_trainer_state(self).items() if k != "quant_state"}
+
+    def old_rank_state(self):
+        wrapped = {k.replace(".mixer.", "._checkpoint_wrapped_module.mixer."): v
+                   for k, v in reference_state_dict(self.model).items()}  # fmt: skip
+        return {**new_rank_state(self), "references": wrapped}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_trainer_state", old_trainer_state)
+        patch.setattr(Trainer, "_rank_state", old_rank_state)
+        patch.setattr(Trainer, "_references_replicated", property(lambda self: False))  # nothing in DCP
+        train_here(tmp_path / "old", *common)
+    step_2 = tmp_path / "old" / "checkpoints" / "step-2"
+    assert not held_references(step_2)
+    train_here(tmp_path / "resumed", *common, f"resume={step_2}")
+    old, resumed = curve(tmp_path / "old"), curve(tmp_path / "resumed")
+    assert sorted(resumed) == [3]
+    assert resumed[3] == old[3]  # loss and gradient norm, bitwise
+    assert {int(v) for k, v in held_references(tmp_path / "resumed" / "checkpoints" / "step-3").items()
+            if k.endswith("refresh_step")} == {1}  # the step-1 references, restored, not re-sampled  # fmt: skip
