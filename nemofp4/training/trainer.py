@@ -27,6 +27,7 @@ from nemofp4.data import build_train_loader, build_validation_batches, check_mod
 from nemofp4.models import build_model, lm_loss, param_groups
 from nemofp4.quant import (
     QuantState,
+    canonical_fqn,
     load_reference_state_dict,
     quant_stats,
     reference_state_dict,
@@ -447,7 +448,7 @@ class Trainer:
         step = self.step
         if cfg.debug.nan_at_step == step and cfg.debug.nan_param:
             with torch.no_grad():
-                dict(self.model.named_parameters())[cfg.debug.nan_param].fill_(float("nan"))
+                {canonical_fqn(n): p for n, p in self.model.named_parameters()}[cfg.debug.nan_param].fill_(float("nan"))
         set_step(self.model, step, seed=cfg.train.seed, rank=self.rank)
         stats_interval = cfg.logging.quant_stats_interval
         set_quant_stats(self.model, bool(stats_interval) and step % stats_interval == 0)  # only when logged

@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from nemofp4.quant import (
+    HeldReference,
     QuantState,
     canonical_fqn,
     load_reference_state_dict,
@@ -141,3 +142,21 @@ def test_the_autograd_function_gets_a_frozen_call_and_the_state_not_the_module(m
         hash(call)
         with pytest.raises(dataclasses.FrozenInstanceError):
             call.training = False
+
+
+def test_nonfinite_reports_name_the_unwrapped_module():
+    from nemofp4.training.nonfinite import (
+        first_nonfinite_gradient,
+        first_nonfinite_parameter,
+        first_nonfinite_reference,
+    )
+
+    model, optimizer = _wrapped("ac+compile")
+    fqn, layer = quant_linears(model)[0]
+    assert fqn == "layers.0.mixer.in_proj"
+    with torch.no_grad():
+        layer.weight.fill_(float("nan"))
+    layer.weight.grad = torch.full_like(layer.weight, float("inf"))
+    layer.references.held["x"] = HeldReference(amax=torch.tensor(float("nan")), refresh_step=1)
+    assert first_nonfinite_parameter(model) == first_nonfinite_gradient(model) == f"{fqn}.weight"
+    assert first_nonfinite_reference(model) == f"{fqn}.x amax"
