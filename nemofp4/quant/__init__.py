@@ -1,8 +1,9 @@
 """FP4 training linears: QuantLinear (one autograd.Function, three quantized GEMMs), the tensor
 reference (amax) state, and the model-level controls the trainer calls.
 
-    from nemofp4.quant import QuantLinear, set_step, reference_state_dict, load_reference_state_dict
+    from nemofp4.quant import QuantLinear, QuantState, set_step
     set_step(model, step, seed=seed, rank=rank)   # once per optimizer step, before forward
+    dcp.save({"model": ..., "quant": QuantState(model)}, ...)   # held references, canonical names
 """
 
 from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
@@ -10,6 +11,9 @@ from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
 from .linear import FP32Linear, QuantLinear
 from .reference import HeldReference, ReferenceState
 from .state import (
+    WRAPPER_SEGMENTS,
+    QuantState,
+    canonical_fqn,
     load_reference_state_dict,
     quant_linears,
     quant_stats,
@@ -27,15 +31,18 @@ __all__ = [
     "GEMM_MODES",
     "ROUNDING_MODES",
     "SCALE_FORMATS",
+    "WRAPPER_SEGMENTS",
     "FP32Linear",
     "GemmOperand",
     "HeldReference",
     "LinearQuantConfig",
     "OperandQuant",
     "QuantLinear",
+    "QuantState",
     "ReferenceState",
     "Role",
     "TENVFP4Linear",
+    "canonical_fqn",
     "decoded_gemm",
     "gemm",
     "load_reference_state_dict",

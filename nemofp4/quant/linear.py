@@ -19,6 +19,11 @@ instead of 16), plus the 2-D weight's codes or, for 1-D weights, the weight para
 Stochastic rounding draws from one generator per module, seeded from (seed, rank, step,
 module index) by :func:`set_step`, so a resumed run reproduces the same random bits.
 
+The autograd Function never sees the module: it receives a frozen, hashable
+:class:`QuantCall` (the recipe's :class:`LinearQuantConfig`, backend, mode, dtype) and the
+module's :class:`QuantLinearState`, the one mutable object it updates (held references,
+the SR generator, the last statistics).
+
 Tensor legend: T tokens (product of leading dims), K in-features, N out-features,
 Tp tokens padded to a multiple of 16.
 """
@@ -26,6 +31,7 @@ Tp tokens padded to a multiple of 16.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +45,7 @@ from .gemm import GemmOperand, gemm
 from .reference import ReferenceState
 from .stats import OperandStats, operand_stats
 
-__all__ = ["FP32Linear", "QuantLinear"]
+__all__ = ["FP32Linear", "QuantCall", "QuantLinear", "QuantLinearState"]
 
 _TOKEN_MULTIPLE = 16
 
@@ -68,12 +74,70 @@ def _operand(packed: QuantizedBlocks, gemm_mode: str) -> QuantizedBlocks:
     return packed if gemm_mode == "hardware" else packed.unpack()
 
 
+@dataclass(frozen=True)
+class QuantCall:
+    """What one call of an FP4 linear computes: a frozen, hashable value built per call from the
+    module's settings, so the autograd Function depends on values, not on a module it could mutate."""
+
+    config: LinearQuantConfig
+    backend: str
+    """kernels backend: 'auto', 'triton', 'compiled' or 'eager'"""
+    training: bool
+    """training mode: held references are sampled when due (eval only reads them)"""
+    collect_stats: bool
+    compute_dtype: torch.dtype
+
+    @property
+    def forward_uses_sr(self) -> bool:
+        return any(self.config.operand(r).rounding != "rne" for r in (Role.X, Role.W, Role.X_WGRAD))
+
+
+class QuantLinearState:
+    """The mutable quantization state of one QuantLinear, the only thing its autograd Function
+    updates: the tensor references (:class:`ReferenceState`), the stochastic-rounding generator
+    (reseeded from (seed, rank, step, module index) at every step), the last quantization
+    statistics, and a test hook (``capture``: a list collects every GEMM's operands and product)."""
+
+    def __init__(self, references: ReferenceState, index: int) -> None:
+        self.references = references
+        self.index = index
+        self.seed = 0
+        self.rank = 0
+        self.generator: torch.Generator | None = None
+        self.generator_seed: int | None = None
+        self.stats: dict[str, OperandStats] = {}
+        self.capture: list | None = None
+
+    def set_step(self, step: int, *, seed: int = 0, rank: int = 0) -> None:
+        self.references.step = step
+        self.seed, self.rank = seed, rank
+        self.generator_seed = _mix_seed(seed, rank, step, self.index)
+        self.generator = None
+
+    def sr_generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None or self.generator.device != device:
+            if self.generator_seed is None:
+                self.generator_seed = _mix_seed(self.seed, self.rank, 0, self.index)
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.generator_seed)
+        return self.generator
+
+    def record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None, *, backend: str) -> None:
+        # Keep only the block counts and rho (device scalars, read lazily), not the data.
+        self.stats[role.value] = operand_stats(q, held_source, backend=backend)
+
+    def capture_gemm(self, name, qa, qb, b_transposed, out) -> None:
+        if self.capture is not None:
+            self.capture.append((name, qa, qb, b_transposed, out.detach().clone()))
+
+
 class _Quantizer:
     """Quantizes the operands of one forward/backward call, resolving each tensor reference once."""
 
-    def __init__(self, layer: QuantLinear, generator: torch.Generator | None) -> None:
-        self.layer = layer
-        self.config = layer.quant_config
+    def __init__(self, call: QuantCall, state: QuantLinearState, generator: torch.Generator | None) -> None:
+        self.call = call
+        self.state = state
+        self.config = call.config
         self.generator = generator
         self.references: dict[str, torch.Tensor] = {}
 
@@ -83,13 +147,13 @@ class _Quantizer:
             return None
         ref = LinearQuantConfig.reference_of(role, op)
         if ref not in self.references:
-            self.references[ref] = self.layer._references.get(ref, x, training=self.layer.training)
+            self.references[ref] = self.state.references.get(ref, x, training=self.call.training)
         return self.references[ref]
 
     def held_source(self, role: Role, x: torch.Tensor) -> torch.Tensor | None:
         """``x`` when ``role`` is quantized with a held reference (for the staleness statistic), else None."""
         op: OperandQuant = self.config.operand(role)
-        held = op.uses_tensor_reference and self.layer._references.is_held(LinearQuantConfig.reference_of(role, op))
+        held = op.uses_tensor_reference and self.state.references.is_held(LinearQuantConfig.reference_of(role, op))
         return x if held else None
 
     def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> QuantizedBlocks:
@@ -100,12 +164,16 @@ class _Quantizer:
             tensor_amax=self.reference(role, x),
             generator=self.generator if op.rounding != "rne" else None,
             two_d=two_d,
-            pack=pack or self.pack_all,
-            stats=self.layer.collect_stats,
-            backend=self.layer.quant_backend,
+            pack=pack or self.pack_all(x.device),
+            stats=self.call.collect_stats,
+            backend=self.call.backend,
         )
-        self.layer._record(role, q, self.held_source(role, x))
+        self.record(role, q, self.held_source(role, x))
         return q
+
+    def record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None) -> None:
+        if self.call.collect_stats:
+            self.state.record(role, q, held_source, backend=self.call.backend)
 
     def x_and_xt(self, x_TK: torch.Tensor) -> tuple[QuantizedBlocks, QuantizedBlocks]:
         """X for fprop and X^T [K, Tp] for wgrad (packed, it is saved), in one read on CUDA."""
@@ -118,30 +186,29 @@ class _Quantizer:
             config.x_wgrad,
             tensor_amax=amax,
             generator=self.generator if config.x.rounding != "rne" else None,
-            pack_x=self.pack_all,
+            pack_x=self.pack_all(x_TK.device),
             pack_xt=True,
-            stats=self.layer.collect_stats,
-            backend=self.layer.quant_backend,
+            stats=self.call.collect_stats,
+            backend=self.call.backend,
         )
-        self.layer._record(Role.X, qx, self.held_source(Role.X, x_TK))
-        self.layer._record(Role.X_WGRAD, qxt, self.held_source(Role.X_WGRAD, x_TK))
+        self.record(Role.X, qx, self.held_source(Role.X, x_TK))
+        self.record(Role.X_WGRAD, qxt, self.held_source(Role.X_WGRAD, x_TK))
         return qx, qxt
 
-    @property
-    def pack_all(self) -> bool:
+    def pack_all(self, device: torch.device) -> bool:
         # The Triton hardware GEMM reads packed codes.
-        device = self.layer.weight.device
-        return self.config.gemm == "hardware" and kernels.resolve_backend(self.layer.quant_backend, device) == "triton"
+        return self.config.gemm == "hardware" and kernels.resolve_backend(self.call.backend, device) == "triton"
 
 
 class _QuantLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: QuantLinear, compute_dtype: torch.dtype):
-        config = layer.quant_config
+    def forward(ctx, x, weight, bias, call: QuantCall, state: QuantLinearState):
+        config = call.config
+        backend, compute_dtype = call.backend, call.compute_dtype
         in_features = weight.shape[1]
         x_TK = x.reshape(-1, in_features)
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        quantize = _Quantizer(layer, layer._sr_generator(x.device) if layer._forward_uses_sr else None)
+        quantize = _Quantizer(call, state, state.sr_generator(x.device) if call.forward_uses_sr else None)
 
         if needs_dw and not config.x_wgrad.hadamard:
             qx, qxt = quantize.x_and_xt(x_TK)
@@ -149,11 +216,11 @@ class _QuantLinearFunction(torch.autograd.Function):
             qx = quantize(Role.X, x_TK)
             qxt = None
             if needs_dw:  # X^T with the Hadamard transform along the tokens
-                rht = kernels.hadamard_transform(_pad_tokens(x_TK).t(), backend=layer.quant_backend)
+                rht = kernels.hadamard_transform(_pad_tokens(x_TK).t(), backend=backend)
                 qxt = quantize(Role.X_WGRAD, rht, pack=True)
         qw = quantize(Role.W, weight, pack=needs_dx and config.w.two_d)
-        y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype, backend=layer.quant_backend)
-        layer._capture_gemm("fprop", qx, qw, False, y_TN)
+        y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
+        state.capture_gemm("fprop", qx, qw, False, y_TN)
         del qx
         if bias is not None:
             y_TN = y_TN + bias.float()
@@ -172,17 +239,18 @@ class _QuantLinearFunction(torch.autograd.Function):
             else:
                 saved.append(weight)
         ctx.save_for_backward(*saved)
-        ctx.layer = layer
-        ctx.compute_dtype = compute_dtype
+        ctx.call, ctx.state = call, state
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
-        ctx.has_bias = bias is not None
+        ctx.w_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        layer: QuantLinear = ctx.layer
-        config = layer.quant_config
+        call: QuantCall = ctx.call
+        state: QuantLinearState = ctx.state
+        config, backend, compute_dtype = call.config, call.backend, call.compute_dtype
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         saved = list(ctx.saved_tensors)
         if needs_dw:
@@ -190,7 +258,7 @@ class _QuantLinearFunction(torch.autograd.Function):
             saved = saved[4:]
         out_features = dy.shape[-1]
         dy_TN = dy.reshape(-1, out_features)
-        quantize = _Quantizer(layer, layer._sr_generator(dy.device))
+        quantize = _Quantizer(call, state, state.sr_generator(dy.device))
         dx = dw = db = None
 
         if needs_dx:
@@ -199,21 +267,28 @@ class _QuantLinearFunction(torch.autograd.Function):
                 wt = GemmOperand(_operand(QuantizedBlocks.from_tensors(tuple(saved[:4]), ctx.w_meta), config.gemm), transposed=True)
             else:
                 wt = GemmOperand(quantize(Role.W, saved[0].t(), two_d=False))
-            dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=ctx.compute_dtype, backend=layer.quant_backend)
-            layer._capture_gemm("dgrad", qdy, wt.q, wt.transposed, dx_TK)
+            dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
+            state.capture_gemm("dgrad", qdy, wt.q, wt.transposed, dx_TK)
             del qdy, wt
             dx = dx_TK.to(ctx.x_dtype).reshape(ctx.x_shape)
         if needs_dw:
             dyt_NTp = _pad_tokens(dy_TN).t()
             if config.dy_wgrad.hadamard:
-                dyt_NTp = kernels.hadamard_transform(dyt_NTp, backend=layer.quant_backend)
+                dyt_NTp = kernels.hadamard_transform(dyt_NTp, backend=backend)
             qdyt = quantize(Role.DY_WGRAD, dyt_NTp)
-            dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=ctx.compute_dtype, backend=layer.quant_backend)
-            layer._capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
-            dw = dw_NK.to(layer.weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy_TN.float().sum(0).to(layer.bias.dtype)
+            dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
+            state.capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
+            dw = dw_NK.to(ctx.w_dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy_TN.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None
+
+
+def _quant_linear(layer: QuantLinear, x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """Freeze the layer's settings into a :class:`QuantCall` and run the autograd Function on values."""
+    call = QuantCall(config=layer.quant_config, backend=layer.quant_backend, training=layer.training,
+                     collect_stats=layer.collect_stats, compute_dtype=compute_dtype)  # fmt: skip
+    return _QuantLinearFunction.apply(x, layer.weight, layer.bias, call, layer.quant_state)
 
 
 @functools.cache
@@ -223,7 +298,7 @@ def _opaque_quant_linear():
     Python state would recompile the block again and again; the quantizer compiles itself.
     Built at first use: ``torch.compiler.disable`` imports dynamo, which imports triton, and the
     first triton import must come after ``TRITON_INTERPRET`` is set where it is used."""
-    return torch.compiler.disable(_QuantLinearFunction.apply)
+    return torch.compiler.disable(_quant_linear)
 
 
 class QuantLinear(nn.Linear):
@@ -267,55 +342,42 @@ class QuantLinear(nn.Linear):
             raise ValueError(f"config must be a LinearQuantConfig, got {type(config).__name__}")
         self.quant_config = config
         self.quant_index = index
-        self._references = ReferenceState(
-            {ref: config.reference_interval(ref) for ref in config.reference_roles()}
-        )
-        self._forward_uses_sr = any(
-            config.operand(r).rounding != "rne" for r in (Role.X, Role.W, Role.X_WGRAD)
-        )
-        self._seed = 0
-        self._rank = 0
-        self._generator: torch.Generator | None = None
-        self._generator_seed: int | None = None
+        references = ReferenceState({ref: config.reference_interval(ref) for ref in config.reference_roles()})
+        self.quant_state = QuantLinearState(references, index)
         self.collect_stats = True
         self.quant_backend = "auto"  # kernels backend: 'auto', 'triton', 'compiled' or 'eager'
-        self._stats: dict[str, OperandStats] = {}
-        self._capture: list | None = None  # test hook: a list collects every GEMM (operands, product)
 
     # ----------------------------------------------------------------- step, seeds, references
     def set_step(self, step: int, *, seed: int = 0, rank: int = 0) -> None:
         """Enter optimizer step ``step`` (1-based): drives reference refresh and reseeds SR."""
-        self._references.step = step
-        self._seed, self._rank = seed, rank
-        self._generator_seed = _mix_seed(seed, rank, step, self.quant_index)
-        self._generator = None
-
-    def _sr_generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            if self._generator_seed is None:
-                self._generator_seed = _mix_seed(self._seed, self._rank, 0, self.quant_index)
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self._generator_seed)
-        return self._generator
+        self.quant_state.set_step(step, seed=seed, rank=rank)
 
     @property
     def references(self) -> ReferenceState:
-        return self._references
+        return self.quant_state.references
 
     # ----------------------------------------------------------------- statistics and test hooks
-    def _record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None = None) -> None:
-        if self.collect_stats:
-            # Keep only the block counts and rho (device scalars, read lazily), not the data.
-            self._stats[role.value] = operand_stats(q, held_source, backend=self.quant_backend)
+    @property
+    def _stats(self) -> dict[str, OperandStats]:
+        return self.quant_state.stats
+
+    @_stats.setter
+    def _stats(self, value: dict[str, OperandStats]) -> None:
+        self.quant_state.stats = value
+
+    @property
+    def _capture(self) -> list | None:
+        """Test hook: set a list to collect every GEMM (name, operands, product)."""
+        return self.quant_state.capture
+
+    @_capture.setter
+    def _capture(self, value: list | None) -> None:
+        self.quant_state.capture = value
 
     def quant_stats(self) -> dict[str, float]:
         """Fractions of the last quantization of each role, and rho = current / held amax for roles with
         a held reference (:mod:`nemofp4.quant.stats`): '<role>/<stat>' -> value."""
         return {f"{role}/{k}": v for role, s in self._stats.items() for k, v in s.read().items()}
-
-    def _capture_gemm(self, name, qa, qb, b_transposed, out) -> None:
-        if self._capture is not None:
-            self._capture.append((name, qa, qb, b_transposed, out.detach().clone()))
 
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,7 +387,7 @@ class QuantLinear(nn.Linear):
         else:
             compute_dtype = x.dtype
         with torch.autocast(device_type, enabled=False):
-            return _opaque_quant_linear()(x, self.weight, self.bias, self, compute_dtype)
+            return _opaque_quant_linear()(self, x, compute_dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, quant=[{self.quant_config.summary()}]"

@@ -30,7 +30,12 @@ __all__ = ["HeldReference", "ReferenceState", "finite_sample_or_previous"]
 
 @dataclass
 class HeldReference:
-    """One held amax (fp32 0-d tensor on the operand's device) and the step that sampled it."""
+    """One held amax (fp32 0-d tensor on the operand's device) and the step that sampled it.
+
+    The refresh step is a host int because the host decides, at every use, whether the reference
+    is due: a device tensor would cost a synchronization per linear per micro-batch. It is saved as
+    an int64 tensor with the amax, under the module's canonical name (:class:`nemofp4.quant.QuantState`).
+    """
 
     amax: torch.Tensor
     refresh_step: int

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nemofp4.quant import quant_linears
+from nemofp4.quant import canonical_fqn, quant_linears
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -20,7 +20,7 @@ def first_nonfinite_parameter(model: nn.Module) -> str | None:
     for name, param in model.named_parameters():
         local = param.to_local() if hasattr(param, "to_local") else param  # this rank's FSDP shard
         if not torch.isfinite(local).all():
-            return name
+            return canonical_fqn(name)
     return None
 
 
@@ -56,7 +56,7 @@ def first_nonfinite_module(model: nn.Module, run_forward: Callable[[], object]) 
             tensors = output if isinstance(output, (tuple, list)) else (output,)
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
-                    found.append(name)
+                    found.append(canonical_fqn(name))
                     return
 
         return check
@@ -81,5 +81,5 @@ def first_nonfinite_gradient(model: nn.Module) -> str | None:
         if grad is not None:
             grad = grad.to_local() if hasattr(grad, "to_local") else grad
             if not torch.isfinite(grad).all():
-                return name
+                return canonical_fqn(name)
     return None

@@ -126,6 +126,22 @@ def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str) ->
             head_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         fully_shard(model.lm_head, mesh=mesh, mp_policy=head_mp, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    sum_gradients(model)
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Make every FSDP2 group of ``model`` sum its gradients over the ranks instead of averaging them.
+
+    The trainer then backpropagates each rank's share of the global mean loss (its micro-batch
+    loss divided by grad_accum x world size), so every activation gradient dY has the value it has
+    in one process taking the whole batch: the sampled dY references, which are held for D steps
+    and saved in checkpoints, do not depend on how a batch is split over ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM, no pre-multiplied sum (gloo has none)
 
 
 def attach_head_loss(model: nn.Module) -> None:

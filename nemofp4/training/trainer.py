@@ -26,6 +26,8 @@ from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.models import build_model, lm_loss, param_groups
 from nemofp4.quant import (
+    QuantState,
+    canonical_fqn,
     load_reference_state_dict,
     quant_stats,
     reference_state_dict,
@@ -211,13 +213,22 @@ class Trainer:
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
         self.peak_flops = peak_tflops(cfg.logging) * 1e12
 
-    def _dcp_state(self) -> dict[str, Any] | None:
+    @property
+    def _references_replicated(self) -> bool:
+        """Whether every rank holds the same references (one process, or reduced at sampling)."""
+        return self.world == 1 or self.cfg.distributed.reduce_references
+
+    def _dcp_state(self, *, for_load: bool = False) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        if self.engine is not None:
-            return None  # DeepSpeed writes model and optimizer in its own format
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {}
+        if self.engine is None:  # DeepSpeed writes model and optimizer in its own format
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        quant = QuantState(self.model)
+        if quant.state_dict() and (for_load or self._references_replicated):  # one replicated entry
+            state["quant"] = quant
+        return state or None
 
     def _maybe_resume(self) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -232,12 +243,12 @@ class Trainer:
         candidates = self.ckpt.candidates(cfg.resume)
         failures = []
         for folder in candidates:
-            state = self._dcp_state()
+            state = self._dcp_state(for_load=True)
             try:
                 trainer_state, rank_state, own = self.ckpt.load(
                     folder, dcp_state=state,
                     read_collective=(lambda f: deepspeed_engine.load(self.engine, f)) if self.engine else None,
-                    check=lambda saved, folder=folder: self._check_identity(saved, folder),
+                    check=lambda saved, folder=folder, state=state: self._check_identity(saved, folder, state),
                 )
             except CheckpointError as err:
                 if cfg.resume != "auto":
@@ -245,7 +256,7 @@ class Trainer:
                 log.warning("%s; falling back to the previous complete checkpoint", err)
                 failures.append(folder.name)
                 continue
-            if state is not None:
+            if state is not None and "model" in state:
                 set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                                optim_state_dict=state["optim"])
             self._restore(trainer_state, rank_state, own)
@@ -264,13 +275,16 @@ class Trainer:
             check_resume_config(saved.read_text(), cfg, step=0, saved_total=None, new_total=self.budget.total_steps,
                                 where=f"run_dir {self.run_dir}", log_notes=self.rank == 0)
 
-    def _check_identity(self, trainer_state: dict[str, Any], folder: Path) -> None:
-        """Refuse a checkpoint trained with another configuration before any of its tensors is read."""
+    def _check_identity(self, trainer_state: dict[str, Any], folder: Path, dcp_state: dict[str, Any] | None) -> None:
+        """Refuse a checkpoint trained with another configuration before any of its tensors is read;
+        read the held references from DCP only where they are wanted and were saved there."""
         if "config" not in trainer_state:
             raise CheckpointError(f"checkpoint {folder}: its trainer state has no config; it was not written by nemofp4")
         check_resume_config(trainer_state["config"], self.cfg, step=int(trainer_state["step"]),
                             saved_total=trainer_state.get("total_steps"), new_total=self.budget.total_steps,
                             where=f"checkpoint {folder}", log_notes=self.rank == 0)
+        if dcp_state is not None and not (self.cfg.precision.restore_references and _quant_state_in_dcp(trainer_state)):
+            dcp_state.pop("quant", None)  # restore_references=false, or an older checkpoint (per-rank references)
 
     def _restore(self, state: dict[str, Any], rank_state: dict[str, Any], own: bool) -> None:
         self.step = state["step"]
@@ -278,11 +292,13 @@ class Trainer:
         self.skipped_steps = state["skipped_steps"]
         self.wandb_id = state.get("wandb_id")
         self.loader.load_state_dict(state["loader"])
-        if self.cfg.precision.restore_references:
-            # references agree across ranks when reduced; a rank new to the run takes rank 0's
-            load_reference_state_dict(self.model, rank_state["references"])
-        else:
+        if not self.cfg.precision.restore_references:
             reset_references(self.model)
+        elif not _quant_state_in_dcp(state):
+            # references per rank (distributed.reduce_references=false, or an older checkpoint, possibly under
+            # wrapper names: loaded by canonical name); a rank new to the run takes rank 0's
+            load_reference_state_dict(self.model, rank_state.get("references", {}))
+        # else: DCP has restored them (QuantState), whatever the number of ranks that wrote them
         if own:
             set_rng_state(rank_state["rng"])
         else:
@@ -300,10 +316,14 @@ class Trainer:
             "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
             "world_size": self.world,
             "total_steps": self.budget.total_steps,
+            # held references: in the DCP state's "quant" entry (QuantState) when the ranks agree on them
+            "quant_state": "dcp" if self._references_replicated else "per_rank",
         }
 
     def _rank_state(self) -> dict[str, Any]:
-        return {"rng": rng_state(), "references": reference_state_dict(self.model)}
+        if self._references_replicated:
+            return {"rng": rng_state()}
+        return {"rng": rng_state(), "references": reference_state_dict(self.model)}  # reduce_references=false
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded FP32 weights on CPU (collective under FSDP2 / ZeRO-3)."""
@@ -444,7 +464,7 @@ class Trainer:
         step = self.step
         if cfg.debug.nan_at_step == step and cfg.debug.nan_param:
             with torch.no_grad():
-                dict(self.model.named_parameters())[cfg.debug.nan_param].fill_(float("nan"))
+                {canonical_fqn(n): p for n, p in self.model.named_parameters()}[cfg.debug.nan_param].fill_(float("nan"))
         set_step(self.model, step, seed=cfg.train.seed, rank=self.rank)
         stats_interval = cfg.logging.quant_stats_interval
         set_quant_stats(self.model, bool(stats_interval) and step % stats_interval == 0)  # only when logged
@@ -471,7 +491,9 @@ class Trainer:
                 self.engine.backward(loss)  # scales by 1/grad_accum itself
                 self.engine.step()  # clips and steps at the accumulation boundary
             else:
-                (loss / self.budget.grad_accum).backward()
+                # this rank's share of the global mean loss (FSDP sums gradients over ranks): dY, and so the
+                # held dY references, do not depend on how the batch is split over ranks
+                (loss / (self.budget.grad_accum * self.world)).backward()
             loss_sum += loss.detach()
         loss_avg = _all_reduce_mean(loss_sum / self.budget.grad_accum)
         if self.engine is not None:
@@ -536,6 +558,12 @@ class Trainer:
     def close(self) -> None:
         self.run_directory.close()
         destroy_distributed()
+
+
+def _quant_state_in_dcp(trainer_state: dict[str, Any]) -> bool:
+    """Whether a checkpoint keeps its held references in DCP (older ones, and runs whose ranks hold
+    their own references, save them per rank)."""
+    return trainer_state.get("quant_state") == "dcp"
 
 
 def train(cfg: JobConfig) -> dict[str, Any]:

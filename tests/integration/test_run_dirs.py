@@ -18,6 +18,7 @@ import torch
 from nemofp4.training.metrics import read_metrics
 from nemofp4.training.nonfinite import NonFiniteError
 from nemofp4.training.run_dir import LOCK_FILE, RunLockedError
+from tests.held_references import held_references
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [
@@ -115,10 +116,6 @@ def test_a_start_that_fails_leaves_no_run_directory_behind(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def _references(folder: Path) -> dict[str, torch.Tensor]:
-    return torch.load(folder / "rank" / "rank-00000.pt", weights_only=True)["references"]
-
-
 def test_a_nan_at_a_refresh_step_is_never_held_and_the_run_continues(tmp_path):
     # ue5m3 with references refreshed every 3 steps (1, 4, 7): the loss of refresh step 4 is NaN, so every
     # dy sampled there is NaN. The previous references must stay; steps 5 and 6 train normally.
@@ -128,7 +125,7 @@ def test_a_nan_at_a_refresh_step_is_never_held_and_the_run_continues(tmp_path):
     rows = {r["step"]: r for r in read_metrics(tmp_path, "train")}
     assert [s for s, r in rows.items() if r.get("skipped")] == [4]
     assert all(torch.isfinite(torch.tensor([rows[s]["loss"], rows[s]["grad_norm"]])).all() for s in (5, 6))
-    before, after = _references(tmp_path / "checkpoints" / "step-3"), _references(tmp_path / "checkpoints" / "step-6")
+    before, after = (held_references(tmp_path / "checkpoints" / f"step-{s}") for s in (3, 6))
     dy = [k for k in after if k.endswith(".dy.amax")]
     assert dy and all(torch.isfinite(after[k]) and torch.equal(after[k], before[k]) for k in dy)
 

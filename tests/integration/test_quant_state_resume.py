@@ -1,0 +1,110 @@
+"""Held tensor references in checkpoints: independent of wrappers (activation checkpointing, compile)
+and of the data-parallel layout (the same global batch split over 1 or 2 gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.held_references import held_references
+from tests.integration.test_distributed import launch, losses
+
+UE5M3 = ["precision=ue5m3", "checkpoint.keep_last_k=0"]
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys=None) -> None:
+    assert a.keys() == b.keys()
+    for key in keys if keys is not None else a:
+        assert torch.equal(a[key], b[key]), (key, a[key], b[key])
+
+
+@pytest.mark.slow  # three runs, two of them on 2 ranks; the fast check of the DCP entry is in tests/unit
+def test_split_batch_holds_the_same_references_and_another_world_size_keeps_them(tmp_path):
+    """1 process x micro-batch 8 and 2 FSDP2 ranks x 4 see the same 8 sequences at step 1. Forward
+    operands (x, w) are RNE-quantized row by row, so their references agree bitwise; dY is the
+    gradient of the global mean loss on every rank, so the last block's dY references (upstream of
+    any stochastic rounding) agree bitwise too. Deeper dY references carry the per-rank SR draws.
+    The 2-rank checkpoint then resumes on 1 process and holds the very same references."""
+    common = [*UE5M3, "train.global_batch=8", "train.max_steps=2", "checkpoint.interval=1"]
+    launch(1, tmp_path / "one", *common, "train.micro_batch=8", "train.max_steps=1")
+    launch(2, tmp_path / "two", *common, "distributed=fsdp", "train.micro_batch=4", "debug.sigkill_at_step=1",
+           expect_rc=1)  # fmt: skip
+    one, two = (held_references(tmp_path / run / "checkpoints" / "step-1") for run in ("one", "two"))
+    assert losses(tmp_path / "two")[1] == pytest.approx(losses(tmp_path / "one")[1], rel=1e-6)
+    assert len(one) == 2 * 3 * 14  # (amax, refresh_step) x (x, w, dy) x the tiny model's 14 FP4 linears
+    assert {int(v) for k, v in one.items() if k.endswith("refresh_step")} == {1}
+    forward = [k for k in one if ".x." in k or ".w." in k]
+    last_block_dy = [k for k in one if k.startswith("layers.5.") and ".dy." in k]
+    assert forward and last_block_dy
+    assert_bitwise(one, two, forward + last_block_dy)  # dY 2x on 2 ranks if each backpropagated its own mean
+    # resume the 2-rank checkpoint on 1 process: step 2 holds (D = 50) what the 2 ranks sampled
+    launch(1, tmp_path / "two", *common, "train.micro_batch=4")
+    assert_bitwise(two, held_references(tmp_path / "two" / "checkpoints" / "step-2"))
+
+
+def _resume_with(tmp_path, toggle: str, *extra: str, steps: int = 4) -> tuple[dict[int, float], dict[int, float]]:
+    """An uninterrupted run, and one checkpointed at step 2 without the wrapper and resumed with it
+    (module names now carry `_checkpoint_wrapped_module` / `_orig_mod`)."""
+    common = [*UE5M3, f"train.max_steps={steps}", "checkpoint.interval=2", "train.micro_batch=2", *extra]
+    launch(1, tmp_path / "straight", *common)
+    launch(1, tmp_path / "moved", *common, "debug.sigkill_at_step=2", expect_rc=-9)
+    launch(1, tmp_path / "moved", *common, f"{toggle}=true")
+    straight, moved = losses(tmp_path / "straight"), losses(tmp_path / "moved")
+    assert sorted(moved) == list(range(1, steps + 1))
+    # D = 50: the last step still holds the step-1 references, restored (not re-sampled) bitwise
+    assert_bitwise(held_references(tmp_path / "straight" / "checkpoints" / f"step-{steps}"),
+                   held_references(tmp_path / "moved" / "checkpoints" / f"step-{steps}"))  # fmt: skip
+    return straight, moved
+
+
+def test_resume_with_activation_checkpointing_toggled_continues_bitwise(tmp_path):
+    # eager quantizers: the same bits as the compiled ones (tests/integration/test_train.py), no compile time;
+    # 2 micro-batches per step: the recomputed forward of each runs between the SR draws of backward
+    straight, moved = _resume_with(tmp_path, "distributed.activation_checkpointing", "train.kernels=eager", steps=3)
+    assert moved[3] == straight[3]
+
+
+@pytest.mark.slow  # compiling the blocks takes minutes on a loaded CPU
+def test_resume_with_compile_toggled_continues_bitwise(tmp_path):
+    straight, moved = _resume_with(tmp_path, "distributed.compile")
+    # step 3 depends only on the restored weights and references (the compiled forward is bitwise the
+    # eager one); Inductor's fused backward sums in another order, and the FP4 roundings of step 4 amplify
+    # that fp32 difference (measured 8e-5 relative)
+    assert moved[3] == straight[3]
+    assert moved[4] == pytest.approx(straight[4], rel=1e-3)
+
+
+@pytest.mark.slow  # two runs; tests/unit/test_quant_state.py checks the loading by canonical name fast
+def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exactly(tmp_path, monkeypatch):
+    """Checkpoints written before the references moved into DCP kept them in each rank's file, under
+    the module names of the run (here with activation checkpointing's wrapper segment), and their
+    trainer state named no 'quant_state'. Such a checkpoint still resumes, with its references."""
+    from nemofp4.quant import reference_state_dict
+    from nemofp4.training.trainer import Trainer
+    from tests.integration.test_run_dirs import curve, train_here
+
+    common = ["precision=ue5m3", "train.kernels=eager", "train.max_steps=3", "checkpoint.interval=2",
+              "checkpoint.keep_last_k=0"]  # fmt: skip
+    new_trainer_state, new_rank_state = Trainer._trainer_state, Trainer._rank_state
+
+    def old_trainer_state(self):
+        return {k: v for k, v in new_trainer_state(self).items() if k != "quant_state"}
+
+    def old_rank_state(self):
+        wrapped = {k.replace(".mixer.", "._checkpoint_wrapped_module.mixer."): v
+                   for k, v in reference_state_dict(self.model).items()}  # fmt: skip
+        return {**new_rank_state(self), "references": wrapped}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_trainer_state", old_trainer_state)
+        patch.setattr(Trainer, "_rank_state", old_rank_state)
+        patch.setattr(Trainer, "_references_replicated", property(lambda self: False))  # nothing in DCP
+        train_here(tmp_path / "old", *common)
+    step_2 = tmp_path / "old" / "checkpoints" / "step-2"
+    assert not held_references(step_2)
+    train_here(tmp_path / "resumed", *common, f"resume={step_2}")
+    old, resumed = curve(tmp_path / "old"), curve(tmp_path / "resumed")
+    assert sorted(resumed) == [3]
+    assert resumed[3] == old[3]  # loss and gradient norm, bitwise
+    assert {int(v) for k, v in held_references(tmp_path / "resumed" / "checkpoints" / "step-3").items()
+            if k.endswith("refresh_step")} == {1}  # the step-1 references, restored, not re-sampled  # fmt: skip
