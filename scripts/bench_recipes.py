@@ -3,6 +3,7 @@
     python scripts/bench_recipes.py [--repeats 7] [--batch 4] [--seq-len 256] [--threads 1]
                                     [--kernels auto|compiled|eager]
     python scripts/bench_recipes.py --run-steps 120 [--recipe ue5m3] [--stats-interval 50]
+    python scripts/bench_recipes.py --profile --recipe nvfp4 [--profile-rows 25]
 
 Two workloads, all recipes side by side in one run:
 
@@ -21,7 +22,8 @@ mostly wait on each other.
 ``--run-steps N`` instead times every step of one N-step run of the tiny model under ``--recipe``
 (held-reference refreshes and quantization statistics every ``--stats-interval`` steps, as the
 trainer collects them): the first step (which compiles), the median of the others and the
-slowest of them against that median.
+slowest of them against that median. ``--profile`` prints torch.profiler's op table of one
+tiny-model step of ``--recipe``.
 
 Memory: the tensors autograd saves during one forward pass, counted once per storage
 (parameters excluded), run under CPU autocast to bfloat16 as a GPU run would be: an
@@ -48,7 +50,7 @@ from nemofp4.models import build_model, get_model_config
 from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
 
-RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_all_fp4_no_rht", "mxfp4"]
+RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_delayed", "nvfp4_all_fp4_no_rht", "mxfp4"]
 
 
 def _recipe(name: str, bf16_last_layers: int | None):
@@ -144,6 +146,25 @@ def time_run(args) -> None:
     print(f"| {times[0]:.3f} | {median:.3f} | {slowest + 2} | {rest[slowest]:.3f} | {rest[slowest] / median:.2f}x |")
 
 
+def profile_step(args) -> None:
+    """torch.profiler over one tiny-model step of ``--recipe`` (after three warm-up steps): where
+    an FP4 recipe's time goes, op by op, against the same table for bf16."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = get_model_config("tiny").vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    model, _, knobs = build_tiny(args.recipe, args.tiny_bf16_last_layers)
+    set_quant_stats(model, False)
+    set_quant_backend(model, args.kernels)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step in range(1, 4):
+        _tiny_step(model, optimizer, ids, step)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _tiny_step(model, optimizer, ids, 4)
+    print(f"\n## profile of one {args.recipe} step of the tiny model, {args.batch}x{args.seq_len} tokens")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+
+
 def time_linear(args) -> dict[str, float]:
     g = torch.Generator().manual_seed(2)
     x = torch.randn(args.linear_tokens, args.width, generator=g)
@@ -237,6 +258,8 @@ def main() -> None:
     parser.add_argument("--run-steps", type=int, default=0, help="time every step of one run of this many steps")
     parser.add_argument("--recipe", choices=RECIPES, default="ue5m3", help="the recipe of --run-steps")
     parser.add_argument("--stats-interval", type=int, default=50, help="statistics steps of --run-steps")
+    parser.add_argument("--profile", action="store_true", help="profile one tiny-model step of --recipe instead")
+    parser.add_argument("--profile-rows", type=int, default=25, help="ops listed by --profile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -244,6 +267,9 @@ def main() -> None:
           f"kernels={args.kernels}")
     if args.run_steps:
         time_run(args)
+        return
+    if args.profile:
+        profile_step(args)
         return
 
     tiny_time = time_tiny(args)
