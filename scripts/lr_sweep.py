@@ -204,8 +204,9 @@ def aggregate(args, runs: list[dict]) -> dict:
     return {"table": table}
 
 
-def _pm(value: tuple[float, float], fmt: str = ".4f") -> str:
-    return f"{value[0]:{fmt}} ± {value[1]:{fmt}}"
+def _pm(value: tuple[float, float], n: int, fmt: str = ".4f") -> str:
+    """Mean ± sample std over ``n`` seeds; one seed has no spread to show."""
+    return f"{value[0]:{fmt}} ± {value[1]:{fmt}}" if n > 1 else f"{value[0]:{fmt}}"
 
 
 def markdown_table(args, summary: dict) -> str:
@@ -217,8 +218,8 @@ def markdown_table(args, summary: dict) -> str:
         cells = [f"`{recipe}`"]
         for lr in args.lrs:
             cell = row["per_lr"][f"{lr:g}"]
-            cells.append(_pm(cell["nll"]) + (f" ({cell['diverged']} diverged)" if cell["diverged"] else ""))
-        cells += [f"{row['best_lr']:g}", _pm(row["sensitivity"])]
+            cells.append(_pm(cell["nll"], cell["seeds"]) + (f" ({cell['diverged']} diverged)" if cell["diverged"] else ""))
+        cells += [f"{row['best_lr']:g}", _pm(row["sensitivity"], len(args.seeds))]
         if args.extreme_seeds:
             cells += [f"{row['per_lr'][f'{lr:g}']['spread']:.4f}" for lr in (args.lrs[0], args.lrs[-1])]
         lines.append("| " + " | ".join(cells) + " |")
