@@ -75,7 +75,7 @@ def test_fsdp_two_ranks_match_one_process_and_agree_on_references(tmp_path, prec
     assert bool(refs) == (precision == "ue5m3"), "ue5m3 holds references, bf16 none"
 
 
-@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("first, second", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])  # one direction in CI
 def test_checkpoint_reshards_between_world_sizes(tmp_path, first, second):
     common = ["precision=bf16", "train.max_steps=6", "checkpoint.interval=3", "train.micro_batch=2"]
     fsdp = lambda n: ["distributed=fsdp"] if n > 1 else []
@@ -89,7 +89,7 @@ def test_checkpoint_reshards_between_world_sizes(tmp_path, first, second):
     assert relative_gap(moved, straight, range(4, 7)) < 1e-4
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])  # ZeRO-3 in CI
 def test_deepspeed_zero_trains_checkpoints_and_resumes_exactly(tmp_path, stage):
     pytest.importorskip("deepspeed")
     common = ["precision=bf16", "train.max_steps=4", "checkpoint.interval=2", "train.micro_batch=2",

@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, port: int, num_batches: int, queue) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, num_batches", [(3, 7), (3, 2)])
+@pytest.mark.parametrize("world, num_batches", [(3, 7), pytest.param(3, 2, marks=pytest.mark.slow)])
 def test_each_rank_scores_its_share_and_the_reduced_nll_is_the_single_rank_one(world, num_batches):
     single_model = _CountingLM(11)
     single = evaluate(single_model, _batches(num_batches), device=torch.device("cpu"), autocast=contextlib.nullcontext)
