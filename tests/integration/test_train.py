@@ -50,7 +50,8 @@ def train_curve(run_dir: Path) -> dict[int, tuple[float, float]]:
         ("bf16", 12, 6),
         # ue5m3 holds references for 50 steps: kill at 40 (references sampled at step 1), resume, and cross the
         # refresh at step 51 in the resumed process.
-        ("ue5m3", 60, 40),
+        # slow: in CI the SLURM requeue test resumes ue5m3 across the step-51 refresh bitwise
+        pytest.param("ue5m3", 60, 40, marks=pytest.mark.slow),
     ],
 )
 def test_sigkill_then_auto_resume_matches_uninterrupted_run(tmp_path, precision, steps, kill_at):
