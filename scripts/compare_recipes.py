@@ -38,10 +38,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_common  # noqa: E402 (the scripts folder, also when this file is loaded by path)
-from study_common import COLORS, REPO_ROOT, is_finished, mean_std, read_rows  # noqa: E402
-from study_common import display_path as _display_path  # noqa: E402
-from study_common import mean_curve as _mean_curve  # noqa: E402
-from study_common import moving_average as _moving_average  # noqa: E402
+from study_common import (  # noqa: E402
+    COLORS,
+    REPO_ROOT,
+    display_path,
+    is_finished,
+    mean_curve,
+    mean_std,
+    moving_average,
+    read_rows,
+)
 
 DEFAULT_RECIPES = ("bf16", "nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht")
 DEFAULT_POLICIES = ("current", "delayed", "calibrated", "unquantized")
@@ -135,7 +141,7 @@ def collect_run(args, recipe: str, seed: int) -> dict:
     return {
         "recipe": recipe,
         "seed": seed,
-        "run_dir": _display_path(path),
+        "run_dir": display_path(path),
         "warmup_steps": job.schedule.warmup_steps,
         "steps": [r["step"] for r in train],
         "loss": losses,
@@ -208,7 +214,7 @@ def plot(args, runs: list[dict], folder: Path) -> list[str]:
     plt = study_common.pyplot()
     written = []
     def relative(curve_x, curve_y, reference):  # percent above a (smoothed) BF16 curve, where it has the step
-        return [(x_, 100 * (y / reference[x_] - 1)) for x_, y in zip(curve_x, _moving_average(curve_y, smooth))
+        return [(x_, 100 * (y / reference[x_] - 1)) for x_, y in zip(curve_x, moving_average(curve_y, smooth))
                 if x_ in reference]
 
     for xkey, ykey, name, ylabel, smooth in (
@@ -216,20 +222,20 @@ def plot(args, runs: list[dict], folder: Path) -> list[str]:
         ("eval_steps", "val_loss", "validation_nll.png", "validation NLL (trainer's eval)", 1),
     ):
         fig, (ax_abs, ax_rel) = plt.subplots(1, 2, figsize=(12, 4.5))
-        base_x, base_y, _, _ = _mean_curve([r for r in runs if r["recipe"] == "bf16"], xkey, ykey)
-        base = dict(zip(base_x, _moving_average(base_y, smooth)))
+        base_x, base_y, _, _ = mean_curve([r for r in runs if r["recipe"] == "bf16"], xkey, ykey)
+        base = dict(zip(base_x, moving_average(base_y, smooth)))
         # Seed s of a recipe is compared with BF16's seed s: the same data order and initial weights, so
         # the band shows what the recipe changes, not how much the seeds' data orders differ.
-        bf16_by_seed = {r["seed"]: dict(zip(r[xkey], _moving_average(r[ykey], smooth)))
+        bf16_by_seed = {r["seed"]: dict(zip(r[xkey], moving_average(r[ykey], smooth)))
                         for r in runs if r["recipe"] == "bf16"}
         for recipe in args.recipes:
             rs = [r for r in runs if r["recipe"] == recipe]
-            x, mean, lo, hi = _mean_curve(rs, xkey, ykey)
-            mean_s = _moving_average(mean, smooth)
+            x, mean, lo, hi = mean_curve(rs, xkey, ykey)
+            mean_s = moving_average(mean, smooth)
             color = COLORS.get(recipe)
             ax_abs.plot(x, mean_s, label=recipe, color=color, lw=1.2)
             if len(rs) > 1:
-                ax_abs.fill_between(x, _moving_average(lo, smooth), _moving_average(hi, smooth), color=color, alpha=0.15)
+                ax_abs.fill_between(x, moving_average(lo, smooth), moving_average(hi, smooth), color=color, alpha=0.15)
             rel = relative(x, mean, base)
             ax_rel.plot([a for a, _ in rel], [b for _, b in rel], label=recipe, color=color, lw=1.2)
             paired = [dict(relative(r[xkey], r[ykey], bf16_by_seed[r["seed"]])) for r in rs if r["seed"] in bf16_by_seed]
@@ -247,7 +253,7 @@ def plot(args, runs: list[dict], folder: Path) -> list[str]:
         if skip:  # the first steps are far above the rest and would flatten the curves
             ax_abs.set_xlim(left=skip)
             ax_rel.set_xlim(left=skip)
-            tail = [m for r in runs for s, m in zip(r["steps"], _moving_average(r["loss"], smooth)) if s >= skip]
+            tail = [m for r in runs for s, m in zip(r["steps"], moving_average(r["loss"], smooth)) if s >= skip]
             ax_abs.set_ylim(min(tail) - 0.05, max(tail) + 0.05)
         for ax in (ax_abs, ax_rel):
             ax.grid(alpha=0.3)
@@ -265,7 +271,7 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     plots = plot(args, runs, folder)
     order = ordering(summary) if "current" in args.policies else []
     command = "python scripts/compare_recipes.py " + shlex.join(argv)
-    results = {"command": command, "args": {k: _display_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    results = {"command": command, "args": {k: display_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "summary": summary, "runs": runs, "ordering_current": order, "paper_ordering": PAPER_ORDER}  # fmt: skip
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     lines = [
