@@ -38,27 +38,32 @@ def hadamard_matrix(
     return (signs[:, None] * h * 0.25).to(device)
 
 
-def hadamard_transform(x: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
-    """Apply ``diag(sign) @ H16 / 4`` to each group of 16 along the last dim; float32 result.
+def hadamard_transform(x: torch.Tensor, sign: torch.Tensor | None = None, *, dim: int = -1) -> torch.Tensor:
+    """Apply ``diag(sign) @ H16 / 4`` to each group of 16 along ``dim``; float32 result.
 
     Row vector convention, as TE's reference: ``y = x @ (diag(sign) @ H16 / 4)``. Computed
     in float32 with a butterfly (exact sign flips and 1/4 scaling, then 4 add/subtract
     stages), not a matmul, so GPU TF32 settings cannot change it. The result stays float32
     because it feeds the FP4 quantizer directly. ``sign`` defaults to TE's wgrad vector.
+    ``dim`` is the last dim (-1) or the first (0): ``hadamard_transform(x, dim=0)`` is
+    ``hadamard_transform(x.t()).t()`` for a 2-D ``x``, bit for bit (the same operations on the
+    same values), without the transposed copy: the wgrad operands are token-major tensors
+    transformed along their tokens.
     """
-    groups = _groups(x)
-    return _walsh_hadamard(groups * (_check_sign(sign).to(groups.device) * 0.25)).reshape(x.shape)
+    groups = _groups(x, dim)
+    signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1) * 0.25
+    return _walsh_hadamard(groups * signs).reshape(x.shape)
 
 
-def wgrad_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+def wgrad_hadamard_transform(x: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
     """The wgrad operand as NVFP4 quantizes it: :func:`hadamard_transform` (TE's signs) rounded to
     BF16 (RNE), returned as float32. TE's fused RHT-cast kernel downcasts the transform to BF16
     before its amax and quantization ("for bit-wise compatibility",
     ``common/hadamard_transform/hadamard_transform_cast_fusion.cu``; the amax kernel in
     ``hadamard_transform.cu`` reduces the same BF16 values), and the UE5M3 paper's TE-settings
     recipe materializes it with a BF16 matmul (``_te_settings_rht_last_dim_b16``), which on BF16
-    inputs is the same rounding of the same exact sums."""
-    return round_to_bf16(hadamard_transform(x))
+    inputs is the same rounding of the same exact sums. ``dim`` as in :func:`hadamard_transform`."""
+    return round_to_bf16(hadamard_transform(x, dim=dim))
 
 
 def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -72,29 +77,42 @@ def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 def inverse_hadamard_transform(y: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
     """Undo ``hadamard_transform``: ``x = y @ (H16 @ diag(sign) / 4)``; float32 result."""
-    groups = _groups(y)
-    return (_walsh_hadamard(groups * 0.25) * _check_sign(sign).to(groups.device)).reshape(y.shape)
+    groups = _groups(y, -1)
+    signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1)
+    return (_walsh_hadamard(groups * 0.25) * signs).reshape(y.shape)
 
 
-def _groups(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 0 or x.shape[-1] % HADAMARD_SIZE:
+def _groups(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` as float32 ``[groups, 16, inner]``: the 16 elements of a group along dim 1, ``inner``
+    1 for groups along the last dim, the row length for groups along dim 0 of a 2-D tensor."""
+    if dim not in (0, -1) or (dim == 0 and x.dim() != 2):
+        raise ValueError(f"the Hadamard transform runs along the last dim, or dim 0 of a 2-D tensor; got dim={dim}")
+    if x.dim() == 0 or x.shape[dim] % HADAMARD_SIZE:
         raise ValueError(
-            f"the Hadamard transform works on groups of {HADAMARD_SIZE} along the last dim; "
+            f"the Hadamard transform works on groups of {HADAMARD_SIZE} along dim {dim}; "
             f"got shape {tuple(x.shape)}"
         )
-    return x.float().reshape(-1, HADAMARD_SIZE)
+    x = x.float()
+    if dim == 0:
+        return x.reshape(-1, HADAMARD_SIZE, x.shape[1])
+    return x.reshape(-1, HADAMARD_SIZE, 1)
 
 
 def _walsh_hadamard(groups: torch.Tensor) -> torch.Tensor:
-    """``groups @ H16`` (Sylvester order, unnormalized) by the fast Walsh-Hadamard butterfly."""
-    out = groups
+    """``groups @ H16`` along dim 1 of ``[groups, 16, inner]`` (Sylvester order, unnormalized) by
+    the fast Walsh-Hadamard butterfly: stage ``h`` replaces each pair ``(i, i + h)`` (``i & h == 0``)
+    by ``(a + b, a - b)``. Spelled out element by element, so that a compiler fuses the four stages
+    into one loop over the contiguous inner dim (a stacked form makes it gather)."""
+    rows = list(groups.unbind(1))
     half = 1
     while half < HADAMARD_SIZE:
-        pairs = out.view(-1, HADAMARD_SIZE // (2 * half), 2, half)
-        a, b = pairs[:, :, 0], pairs[:, :, 1]
-        out = torch.stack((a + b, a - b), dim=2).view(-1, HADAMARD_SIZE)
+        stage = list(rows)
+        for i in range(HADAMARD_SIZE):
+            if not i & half:
+                stage[i], stage[i + half] = rows[i] + rows[i + half], rows[i] - rows[i + half]
+        rows = stage
         half *= 2
-    return out
+    return torch.stack(rows, dim=1)
 
 
 def _check_sign(sign: torch.Tensor | None) -> torch.Tensor:

@@ -157,12 +157,13 @@ class QuantizedBlocks:
         return (values * self._per_block(factor)).view(self.padded_shape)
 
     def _blocks(self, t: torch.Tensor) -> torch.Tensor:
-        """The padded elements viewed so that a per-block tensor (:meth:`_per_block`) broadcasts."""
+        """The padded elements shaped so that a per-block tensor (:meth:`_per_block`) broadcasts
+        (a copy only for a transposed view: the wgrad operands' scaled form)."""
         b = self.block_size
         if self.two_d:
             rows, cols = self.padded_shape
-            return t.view(rows // b, b, cols // b, b)
-        return t.view(*self.padded_shape[:-1], -1, b)
+            return t.reshape(rows // b, b, cols // b, b)
+        return t.reshape(*self.padded_shape[:-1], -1, b)
 
     def _per_block(self, per_block: torch.Tensor) -> torch.Tensor:
         return per_block[:, None, :, None] if self.two_d else per_block[..., None]

@@ -30,12 +30,14 @@ from nemofp4.formats import amax as reference_amax
 from nemofp4.formats import quantize_blocks as reference_quantize_blocks
 from nemofp4.formats import wgrad_hadamard_transform as reference_hadamard_transform
 
-from .program import compiled_hadamard_transform, cpu_compile_available
+from .program import TOKEN_MULTIPLE, compiled_hadamard_transform, cpu_compile_available
 from .program import quantize_operand as program_quantize_operand
+from .program import quantize_tokens_operand as program_quantize_tokens_operand
 from .quantize import SUPPORTED_BLOCK_SIZES
 
 __all__ = [
     "BACKENDS",
+    "TOKEN_MULTIPLE",
     "amax",
     "check_backend",
     "cpu_compile_available",
@@ -45,6 +47,7 @@ __all__ = [
     "quantize_blocks",
     "quantize_operand",
     "quantize_operand_pair",
+    "quantize_tokens_operand",
     "resolve_backend",
     "triton_available",
 ]
@@ -188,6 +191,34 @@ def quantize_operand(
     )  # fmt: skip
 
 
+def quantize_tokens_operand(
+    x_TD: torch.Tensor,
+    op,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pack: bool = False,
+    stats: bool = True,
+    backend: str = "auto",
+):
+    """:func:`nemofp4.kernels.program.quantize_tokens_operand` (the wgrad operand X^T or dY^T of a
+    token-major tensor, same arguments and result) on the path ``backend`` resolves to. Triton
+    quantizes the padded transpose (after the eager Hadamard transform when ``op.hadamard``)."""
+    path = resolve_backend(backend, x_TD.device)
+    if path == "triton" and op.block_size in SUPPORTED_BLOCK_SIZES:
+        from .operand import triton_quantize_operand
+
+        pad = -x_TD.shape[0] % TOKEN_MULTIPLE
+        t = torch.nn.functional.pad(x_TD, (0, 0, 0, pad)).t() if pad else x_TD.t()
+        if op.hadamard:
+            t = reference_hadamard_transform(t)
+        return triton_quantize_operand(t, op, tensor_amax=tensor_amax, generator=generator, pack=pack, stats=stats)
+    return program_quantize_tokens_operand(
+        x_TD, op, tensor_amax=tensor_amax, generator=generator, pack=pack, stats=stats,
+        compiled=path == "compiled",
+    )  # fmt: skip
+
+
 def quantize_operand_pair(
     x_TK: torch.Tensor,
     op_x,
@@ -200,8 +231,9 @@ def quantize_operand_pair(
     stats: bool = True,
     backend: str = "auto",
 ):
-    """(X along K, X^T [K, tokens padded to 16] along the tokens): one fused launch on CUDA, two
-    quantizations otherwise. See :func:`nemofp4.kernels.operand.triton_quantize_operand_pair`
+    """(X along K, X^T [K, tokens padded to 16] along the tokens) sharing one tensor reference: one
+    fused launch on CUDA, two quantizations of ``x_TK`` otherwise (:func:`quantize_operand` and
+    :func:`quantize_tokens_operand`). See :func:`nemofp4.kernels.operand.triton_quantize_operand_pair`
     for when the two can be fused (same format, block and rounding; no Hadamard)."""
     fusable = (
         op_x.scale_format == op_xt.scale_format
@@ -218,14 +250,10 @@ def quantize_operand_pair(
             pack_x=pack_x, pack_xt=pack_xt, stats=stats,
         )  # fmt: skip
     if op_xt.hadamard:
-        raise ValueError(
-            "quantize_operand_pair does not apply the Hadamard transform; quantize X^T separately"
-        )
-    pad = -x_TK.shape[0] % 16
-    xt_KTp = torch.nn.functional.pad(x_TK, (0, 0, 0, pad)).t() if pad else x_TK.t()
+        raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
     common = dict(tensor_amax=tensor_amax, generator=generator, stats=stats, backend=backend)
     first = quantize_operand(x_TK, op_x, pack=pack_x, **common)
-    second = quantize_operand(xt_KTp, op_xt, pack=pack_xt, **common)
+    second = quantize_tokens_operand(x_TK, op_xt, pack=pack_xt, **common)
     return first, second
 
 

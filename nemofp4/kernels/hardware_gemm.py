@@ -144,7 +144,7 @@ def _scaled_f64(q, *, transposed: bool, device: str | None = "cpu") -> torch.Ten
     scaled = q.scaled_values()
     if scaled.dim() != 2:
         raise ValueError(f"the hardware GEMM takes 2-D operands, got padded shape {tuple(scaled.shape)}")
-    scaled = scaled.detach().double()
+    scaled = scaled.detach().double().contiguous()  # the wgrad operands' scaled form is a transposed view
     if device is not None:
         scaled = scaled.to(device)
     rows = q.shape[1] if transposed else q.shape[0]

@@ -19,11 +19,11 @@ import torch
 
 from nemofp4.formats import QuantizedBlocks
 
+from .program import TOKEN_MULTIPLE
 from .quantize import triton_quantize
 
 __all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
 
-_TOKEN_MULTIPLE = 16  # QuantLinear pads the tokens of wgrad operands to this multiple
 _OPERAND_STATS = ("saturated_blocks", "underflow_blocks", "zero_blocks")
 
 
@@ -98,7 +98,7 @@ def triton_quantize_operand_pair(
         scaled_dtype=torch.float32,
         stats=stats,
     )
-    padded_tokens = tokens + (-tokens % _TOKEN_MULTIPLE)
+    padded_tokens = tokens + (-tokens % TOKEN_MULTIPLE)
     return (
         _block_operand(rows, (tokens, features), pack_x, stats),
         _block_operand(cols, (features, padded_tokens), pack_xt, stats),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -46,7 +47,6 @@ from nemofp4.formats.scaling import (
 __all__ = ["compiled_hadamard_transform", "cpu_compile_available", "quantize_operand"]
 
 _STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks")
-_PROGRAM_RECOMPILE_LIMIT = 128  # one graph per Spec; every Spec recompiles the same core function
 _POW2_MIN = 2.0**-127  # the smallest UE8M0 scale, a float32 subnormal
 _SCALE_GRIDS = {name: scale_grid(name) for name in ("e4m3", "ue5m3", "ue5m3_cuda")}  # plain dict: compiles
 
@@ -66,6 +66,11 @@ class _Spec:
     measure: bool
     """Current scaling: the tensor reference is max |x|, reduced from the block amaxes inside
     the program (one pass over ``x`` fewer than a separate amax)."""
+    columns: bool = False
+    """Blocks run down the columns (dim 0) of the input: the wgrad operand X^T or dY^T read from
+    the token-major X or dY, so the transpose is never materialized."""
+    hadamard: bool = False
+    """The wgrad Hadamard transform along the blocks' dim first (with ``columns``), in the same loop."""
 
 
 _compile_failed = False
@@ -90,18 +95,32 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent > -127, normal, _POW2_MIN)
 
 
+def _materialized(t: torch.Tensor, stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``t`` (with ``stride`` if given), which Inductor stores to a buffer of its own instead of fusing
+    its computation into every consumer (eagerly: ``t`` itself). With blocks down the
+    columns the vectorized loop runs across blocks: a block scale recomputed in that loop would be
+    computed once per element, and a transposed read of the random bytes would gather."""
+    if not torch.compiler.is_compiling():
+        return t  # eagerly every consumer reads the tensor anyway (a strided view reads as it is)
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride() if stride is None else stride)
+
+
 def _quantize_core(
     blocks: torch.Tensor, g: torch.Tensor, target: torch.Tensor, draws: torch.Tensor | None, spec: _Spec
 ):
-    """Quantize ``blocks``, padded float32 ``x`` viewed as [R, 1, C/b, b] (1-D blocks) or
-    [R/b, b, C/b, b] (2-D tiles), so that a block is dims 1 and 3.
+    """Quantize ``blocks``, padded float32 ``x`` viewed as [R, 1, C/b, b] (1-D blocks), [R/b, b, C/b, b]
+    (2-D tiles) or [R/b, b, C, 1] (``spec.columns``: blocks down the columns), so that a block is
+    dims 1 and 3.
 
     ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
     0-d float32; ``draws`` the random bits (sr/sr8: int32 words; sr_exact: float64 uniforms shaped like
-    ``blocks``). Returns (scaled values shaped like ``blocks``, tensor_scale, g, uint8 E2M1 codes
-    shaped like ``blocks`` | None,
-    scale codes [R or R/b, C/b] | None, counts [3]: saturated, underflowed and zero blocks).
+    ``blocks``), drawn in the element order of the operand: row-major over ``x``, or over ``x^T``
+    with ``spec.columns``. Returns (scaled values shaped like ``blocks``, tensor_scale, g, uint8 E2M1
+    codes shaped like ``blocks`` | None, scale codes [R or R/b, C/b] or [R/b, C] | None, counts [3]:
+    saturated, underflowed and zero blocks).
     """
+    if spec.hadamard:  # along the columns: groups of 16 consecutive rows
+        blocks = _materialized(wgrad_hadamard_transform(blocks.view(-1, blocks.shape[2]), dim=0).view(blocks.shape))
     block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     if spec.measure:
         g = block_amax.amax()  # == max |x| (padding is zero), exactly
@@ -121,6 +140,8 @@ def _quantize_core(
         block_scale = rounded_scale if spec.scale_format == "e4m3" else rounded_scale + (rounded_scale == 0)
         encode = torch.clamp(torch.reciprocal(block_scale * tensor_scale), max=FLT_MAX)
         saturated, underflow = ideal > grid.max_finite, (rounded_scale == 0) & (block_amax > 0)
+    if spec.columns:  # one scale per block, not one per element of the loop over a row
+        block_scale, encode = _materialized(block_scale), _materialized(encode)
 
     # Payload magnitude |y| = |x| * encode, saturating at 6, rounded onto the E2M1 grid, whose
     # binades [0,2), [2,4), [4,6] have spacings 1/2, 1, 2 (comparisons, not bit casts: they
@@ -139,7 +160,10 @@ def _quantize_core(
         lower = torch.floor(scaled_grid)
         frac = scaled_grid - lower  # the exact fraction of a grid step
         if spec.rounding in BYTE_DRAW_ROUNDINGS:  # TE's cvt.rs (sr) or the paper's sr8, r the element's byte
-            r = sr8_bytes(draws, blocks.numel()).view(blocks.shape).to(torch.float32)
+            r = sr8_bytes(draws, blocks.numel())
+            if spec.columns:  # drawn row-major over x^T: transposed once, as bytes
+                r = _materialized(r.to(torch.uint8).view(blocks.shape[2], -1).t(), (blocks.shape[2], 1))
+            r = r.view(blocks.shape).to(torch.float32)
             away = sr_away(frac, r, spec.rounding)
         else:  # sr_exact: away from zero iff u < frac, u uniform on [0, 1) in float64
             away = draws < frac.double()
@@ -167,8 +191,23 @@ def _quantize_core(
 
 @functools.cache
 def _compiled(spec: _Spec):
-    # The caller marks the block-count dims dynamic; the spec and the block size stay constants.
-    return torch.compile(functools.partial(_quantize_core, spec=spec), dynamic=False, fullgraph=True)
+    """The core compiled for ``spec`` (the caller marks the block-count dims dynamic; the spec and
+    the block size stay constants). Dynamo keeps its graphs per code object and stops compiling one
+    after ``recompile_limit`` graphs, so each spec gets a code object of its own: its one graph is
+    not counted against the other specs', and no limit needs raising, for the process or a call."""
+
+    import torch._inductor.inductor_prims  # noqa: F401 (registers the prim _materialized uses)
+
+    def core(blocks, g, target, draws):
+        return _quantize_core(blocks, g, target, draws, spec)
+
+    name = f"quantize_core_{len(_SPEC_NAMES)}"
+    _SPEC_NAMES[spec] = name
+    own = types.FunctionType(core.__code__.replace(co_name=name), core.__globals__, name, None, core.__closure__)
+    return torch.compile(own, dynamic=False, fullgraph=True)
+
+
+_SPEC_NAMES: dict[_Spec, str] = {}
 
 
 def _run_compiled(spec: _Spec, *args):
@@ -178,9 +217,7 @@ def _run_compiled(spec: _Spec, *args):
     global _compile_failed
     if not _compile_failed:
         try:
-            # Scoped, not process-wide: each Spec is one more graph of the same function.
-            with torch._dynamo.config.patch(recompile_limit=_PROGRAM_RECOMPILE_LIMIT):
-                return _compiled(spec)(*args)
+            return _compiled(spec)(*args)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             _compile_failed = True
             warnings.warn(
@@ -204,11 +241,14 @@ def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     if _compile_failed or torch.compiler.is_compiling():
         return wgrad_hadamard_transform(x)
     torch._dynamo.maybe_mark_dynamic(x, tuple(range(x.dim())))  # a 16-token dim specializes
-    with torch._dynamo.config.patch(recompile_limit=_PROGRAM_RECOMPILE_LIMIT):
-        return _compiled_hadamard()(x)
+    return _compiled_hadamard()(x)
 
 
 # ------------------------------------------------------------------------------------ entry
+TOKEN_MULTIPLE = 16
+"""The tokens of a wgrad operand are zero-padded to this multiple (one Hadamard group)."""
+
+
 def quantize_operand(
     x: torch.Tensor,
     op,
@@ -235,39 +275,105 @@ def quantize_operand(
     two_d = op.two_d if two_d is None else two_d
     b = op.block_size
     rows, cols = x.shape
-    x32 = x.detach().float()
-    pad_r, pad_c = (-rows % b if two_d else 0), -cols % b
-    if pad_r or pad_c:
-        x32 = F.pad(x32, (0, pad_c, 0, pad_r))
+    x32 = _padded(x, -rows % b if two_d else 0, -cols % b)
     rows_p, cols_p = x32.shape
     row_block = b if two_d else 1
-    blocks = x32.contiguous().view(rows_p // row_block, row_block, cols_p // b, b)
+    blocks = x32.view(rows_p // row_block, row_block, cols_p // b, b)
+    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None)
+    values, tensor_scale, g, codes, scale_codes, counts = _run(
+        spec, blocks, op, tensor_amax, generator, (rows_p, cols_p), compiled
+    )
+    if pack:
+        codes = _pack_pairs(codes.view(-1, 2))
+    return _result(
+        op, (rows, cols), (rows_p, cols_p), two_d, values.view(rows_p, cols_p), tensor_scale, g,
+        None if codes is None else codes.view(rows_p, cols_p // 2), scale_codes, counts, stats,
+    )  # fmt: skip
+
+
+def quantize_tokens_operand(
+    x_TD: torch.Tensor,
+    op,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pack: bool = False,
+    stats: bool = True,
+    compiled: bool = False,
+) -> QuantizedBlocks:
+    """The wgrad operand of a token-major ``x_TD`` [T, D]: its transpose [D, Tp] (tokens zero-padded
+    to 16) quantized along the tokens, after ``op.hadamard``'s wgrad transform along them.
+
+    Equals ``quantize_operand(t, op, ...)`` with ``t = pad(x_TD).t()``, or
+    ``wgrad_hadamard_transform(t)`` when ``op.hadamard``, bit for bit (random draws included, in
+    ``t``'s element order), but reads ``x_TD`` in its own layout: the blocks run down its
+    columns, so neither the transpose nor the transform is ever materialized (the transform runs
+    inside the quantizer's loop). The scaled values come back as a transposed view (``[D, Tp]``,
+    strides ``(1, D)``); packed codes and scale codes are row-major ``[D, ...]``, as
+    ``quantize_operand`` gives them.
+    """
+    if x_TD.dim() != 2:
+        raise ValueError(f"quantize_tokens_operand takes a 2-D [tokens, features] tensor, got shape {tuple(x_TD.shape)}")
+    if op.two_d:
+        raise ValueError("a wgrad operand is quantized in 1-D blocks along the tokens, not in 2-D tiles")
+    b = op.block_size
+    tokens, features = x_TD.shape
+    padded_tokens = tokens + -tokens % TOKEN_MULTIPLE
+    x32 = _padded(x_TD, padded_tokens - tokens + -padded_tokens % b, 0)
+    rows_p = x32.shape[0]  # tokens padded to 16, then to the block
+    blocks = x32.view(rows_p // b, b, features, 1)
+    spec = _Spec(op.scale_format, b, False, op.rounding, pack, measure=tensor_amax is None, columns=True,
+                 hadamard=op.hadamard)  # fmt: skip
+    values, tensor_scale, g, codes, scale_codes, counts = _run(
+        spec, blocks, op, tensor_amax, generator, (features, rows_p), compiled
+    )
+    if pack:  # pairs of consecutive tokens, the even one in the low nibble
+        codes = _pack_pairs(codes.view(rows_p // 2, 2, features).transpose(1, 2)).t().contiguous()
+    return _result(
+        op, (features, padded_tokens), (features, rows_p), False, values.view(rows_p, features).t(), tensor_scale,
+        g, codes, scale_codes.t().contiguous(), counts, stats,
+    )  # fmt: skip
+
+
+def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
+    """float32 ``x`` zero-padded at the end of both dims, contiguous."""
+    x32 = x.detach().float()
+    if pad_rows or pad_cols:
+        x32 = F.pad(x32, (0, pad_cols, 0, pad_rows))
+    return x32.contiguous()
+
+
+def _run(spec: _Spec, blocks: torch.Tensor, op, tensor_amax, generator, operand_shape: tuple[int, int], compiled: bool):
+    """Draw the random bits (in the operand's element order) and run the core, compiled or eagerly."""
+    device = blocks.device
     g = None if tensor_amax is None else tensor_amax.detach().float().reshape(())
-    target = scaled_target(op.scale_target if op.scale_format != "ue8m0" else 448.0, x.device)
+    target = scaled_target(op.scale_target if op.scale_format != "ue8m0" else 448.0, device)
     draws = None
     if op.rounding in BYTE_DRAW_ROUNDINGS:
-        draws = sr8_words(rows_p * cols_p, generator, x.device)
+        draws = sr8_words(blocks.numel(), generator, device)
     elif op.rounding == "sr_exact":
-        draws = torch.rand((rows_p, cols_p), generator=generator, device=x.device, dtype=torch.float64)
-        draws = draws.view(blocks.shape)
-    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=g is None)
+        draws = torch.rand(operand_shape, generator=generator, device=device, dtype=torch.float64)
+        draws = (draws.t() if spec.columns else draws).view(blocks.shape)
     if compiled and not torch.compiler.is_compiling():
-        core = functools.partial(_run_compiled, spec)
         torch._dynamo.mark_dynamic(blocks, (0, 2))  # one graph for every operand shape
         if draws is not None:
             torch._dynamo.mark_dynamic(draws, 0 if op.rounding in BYTE_DRAW_ROUNDINGS else (0, 2))
-    else:
-        core = functools.partial(_quantize_core, spec=spec)
-    values, tensor_scale, g, codes, scale_codes, counts = core(blocks, g, target, draws)
+        return _run_compiled(spec, blocks, g, target, draws)
+    return _quantize_core(blocks, g, target, draws, spec=spec)
 
-    if pack:
-        # two codes per byte, even element in the low nibble (outside the fused loop, whose
-        # vectorized body would otherwise compute every element twice, once per nibble)
-        pairs = codes.view(-1, 2)
-        codes = torch.bitwise_or(pairs[:, 1] << 4, pairs[:, 0]).view(rows_p, cols_p // 2)
+
+def _pack_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """Two E2M1 codes per byte from ``[..., 2]`` code pairs, the first in the low nibble (outside the
+    fused loop, whose vectorized body would otherwise compute every element twice, once per nibble)."""
+    return torch.bitwise_or(pairs[..., 1] << 4, pairs[..., 0])
+
+
+def _result(op, shape, padded_shape, two_d, scaled, tensor_scale, g, codes, scale_codes, counts, stats) -> QuantizedBlocks:
+    b = op.block_size
+    rows_p, cols_p = padded_shape
     return QuantizedBlocks(
-        shape=(rows, cols),
-        padded_shape=(rows_p, cols_p),
+        shape=shape,
+        padded_shape=padded_shape,
         block_size=b,
         two_d=two_d,
         scale_format=op.scale_format,
@@ -276,8 +382,8 @@ def quantize_operand(
         scale_target=float(op.scale_target),
         codes=codes,
         scale_codes=scale_codes,
-        scaled=values.view(rows_p, cols_p),
+        scaled=scaled,
         counts=dict(zip(_STAT_NAMES, counts.unbind())) if stats else {},
-        num_blocks=(rows_p // row_block) * (cols_p // b),
-        num_elements=rows * cols,
+        num_blocks=(rows_p // (b if two_d else 1)) * (cols_p // b),
+        num_elements=shape[0] * shape[1],
     )

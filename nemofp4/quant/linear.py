@@ -9,7 +9,9 @@ Forward and backward are one ``autograd.Function``:
   exactly the quantization of W^T), else W^T quantized afresh from the high-precision weight.
 * wgrad ``dW = dY^T X``: dY^T ``[N, T]`` and X^T ``[K, T]`` quantized along the tokens (roles
   ``dy_wgrad``, ``x_wgrad``), after an optional 16x16 Hadamard transform along the tokens.
-  Tokens (the product of the leading dims) are zero-padded to a multiple of 16 first.
+  Tokens (the product of the leading dims) are zero-padded to a multiple of 16 first. Both are
+  quantized from the token-major dY and X directly (:func:`nemofp4.kernels.quantize_tokens_operand`:
+  blocks down the columns), without materializing a transpose or the transformed tensor.
 
 Every operand is quantized from the high-precision tensor in the layout of its own GEMM;
 quantized data is never re-quantized. X^T is quantized for wgrad already in the forward pass,
@@ -31,6 +33,7 @@ Tp tokens padded to a multiple of 16.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +50,6 @@ from .stats import OperandStats, operand_stats
 
 __all__ = ["FP32Linear", "QuantCall", "QuantLinear", "QuantLinearState"]
 
-_TOKEN_MULTIPLE = 16
-
 
 def _mix_seed(*values: int) -> int:
     """A well-mixed 63-bit seed from a tuple of ints (splitmix64 chained over the values)."""
@@ -64,9 +65,10 @@ def _mix_seed(*values: int) -> int:
     return state >> 1
 
 
-def _pad_tokens(x_TD: torch.Tensor) -> torch.Tensor:
-    pad = -x_TD.shape[0] % _TOKEN_MULTIPLE
-    return F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD
+def _tokens_transposed(x_TD: torch.Tensor) -> torch.Tensor:
+    """[D, Tp]: ``x_TD`` transposed, its tokens zero-padded to 16 (the wgrad operand's layout)."""
+    pad = -x_TD.shape[0] % kernels.TOKEN_MULTIPLE
+    return (F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD).t()
 
 
 def _operand(packed: QuantizedBlocks, gemm_mode: str) -> QuantizedBlocks:
@@ -141,7 +143,9 @@ class _Quantizer:
         self.generator = generator
         self.references: dict[str, torch.Tensor] = {}
 
-    def reference(self, role: Role, x: torch.Tensor) -> torch.Tensor | None:
+    def reference(self, role: Role, x: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """The tensor reference of ``role`` (None: the quantizer measures it); ``x`` is the tensor it
+        is the amax of, or a function that makes it (read only when an amax is measured here)."""
         op: OperandQuant = self.config.operand(role)
         if not op.uses_tensor_reference:
             return None
@@ -150,8 +154,9 @@ class _Quantizer:
             self.references[ref] = self.state.references.get(ref, x, training=self.call.training)
         return self.references[ref]
 
-    def held_source(self, role: Role, x: torch.Tensor) -> torch.Tensor | None:
-        """``x`` when ``role`` is quantized with a held reference (for the staleness statistic), else None."""
+    def held_source(self, role: Role, x):
+        """``x`` (a tensor, or a function making it) when ``role`` is quantized with a held reference
+        (for the staleness statistic), else None."""
         op: OperandQuant = self.config.operand(role)
         held = op.uses_tensor_reference and self.state.references.is_held(LinearQuantConfig.reference_of(role, op))
         return x if held else None
@@ -171,8 +176,30 @@ class _Quantizer:
         self.record(role, q, self.held_source(role, x))
         return q
 
-    def record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None) -> None:
+    def tokens(self, role: Role, x_TD: torch.Tensor, *, pack: bool = False) -> QuantizedBlocks:
+        """The wgrad operand of role ``role`` (X^T or dY^T) from the token-major ``x_TD``."""
+        op: OperandQuant = self.config.operand(role)
+        if op.hadamard:  # its reference is the amax of the transformed tensor: made only if measured here
+            def source():
+                return kernels.hadamard_transform(_tokens_transposed(x_TD), backend=self.call.backend)
+        else:
+            source = x_TD
+        q = kernels.quantize_tokens_operand(
+            x_TD,
+            op,
+            tensor_amax=self.reference(role, source),
+            generator=self.generator if op.rounding != "rne" else None,
+            pack=pack or self.pack_all(x_TD.device),
+            stats=self.call.collect_stats,
+            backend=self.call.backend,
+        )
+        self.record(role, q, self.held_source(role, source))
+        return q
+
+    def record(self, role: Role, q: QuantizedBlocks, held_source) -> None:
         if self.call.collect_stats:
+            if callable(held_source):
+                held_source = held_source()
             self.state.record(role, q, held_source, backend=self.call.backend)
 
     def x_and_xt(self, x_TK: torch.Tensor) -> tuple[QuantizedBlocks, QuantizedBlocks]:
@@ -214,10 +241,7 @@ class _QuantLinearFunction(torch.autograd.Function):
             qx, qxt = quantize.x_and_xt(x_TK)
         else:
             qx = quantize(Role.X, x_TK)
-            qxt = None
-            if needs_dw:  # X^T with the Hadamard transform along the tokens
-                rht = kernels.hadamard_transform(_pad_tokens(x_TK).t(), backend=backend)
-                qxt = quantize(Role.X_WGRAD, rht, pack=True)
+            qxt = quantize.tokens(Role.X_WGRAD, x_TK, pack=True) if needs_dw else None  # after the RHT
         qw = quantize(Role.W, weight, pack=needs_dx and config.w.two_d)
         y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
         state.capture_gemm("fprop", qx, qw, False, y_TN)
@@ -272,10 +296,7 @@ class _QuantLinearFunction(torch.autograd.Function):
             del qdy, wt
             dx = dx_TK.to(ctx.x_dtype).reshape(ctx.x_shape)
         if needs_dw:
-            dyt_NTp = _pad_tokens(dy_TN).t()
-            if config.dy_wgrad.hadamard:
-                dyt_NTp = kernels.hadamard_transform(dyt_NTp, backend=backend)
-            qdyt = quantize(Role.DY_WGRAD, dyt_NTp)
+            qdyt = quantize.tokens(Role.DY_WGRAD, dy_TN)
             dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
             state.capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
             dw = dw_NK.to(ctx.w_dtype)

@@ -18,6 +18,7 @@ the D-step phase restarts from there).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,17 +72,18 @@ class ReferenceState:
         self.backend = "auto"  # the kernels backend that measures amaxes
         self._warned_no_step = False
 
-    def measure(self, x: torch.Tensor, *, for_held: bool = False) -> torch.Tensor:
+    def measure(self, x: torch.Tensor | Callable[[], torch.Tensor], *, for_held: bool = False) -> torch.Tensor:
         """Current amax of ``x`` as fp32 0-d, all-reduced (max) over ``reduce_group`` if set (and over
-        ``held_reduce_group`` when sampling a held reference)."""
-        value = kernels.amax(x, backend=self.backend)  # Triton on CUDA, nemofp4.formats.amax otherwise
+        ``held_reduce_group`` when sampling a held reference). ``x`` may be a function that makes the
+        tensor (an operand the quantizer transforms in its own loop is made only when measured here)."""
+        value = kernels.amax(x() if callable(x) else x, backend=self.backend)  # Triton on CUDA, nemofp4.formats.amax otherwise
         group = self.reduce_group if self.reduce_group is not None else (self.held_reduce_group if for_held else None)
         if group is not None:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return value
 
-    def get(self, name: str, x: torch.Tensor, *, training: bool) -> torch.Tensor | None:
+    def get(self, name: str, x: torch.Tensor | Callable[[], torch.Tensor], *, training: bool) -> torch.Tensor | None:
         """The reference to quantize ``x`` with (None: the quantizer measures it), refreshing the held
         value when it is due.
 

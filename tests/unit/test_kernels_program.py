@@ -108,6 +108,43 @@ def test_the_program_leaves_the_process_recompile_limit_alone():
     assert torch._dynamo.config.recompile_limit == before
 
 
+# (format, block, rounding, Hadamard): each runs eagerly and compiled (a compile each, seconds).
+TOKEN_CASES = [("e4m3", 16, "rne", True), ("e4m3", 16, "sr", True), ("ue5m3", 16, "sr8", False),
+               ("ue5m3", 16, "rne", False), ("ue8m0", 32, "sr", True), ("e4m3", 16, "sr_exact", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_compiler)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("fmt,block,rounding,hadamard", TOKEN_CASES)
+def test_tokens_operand_is_bitwise_the_quantization_of_the_padded_transpose(fmt, block, rounding, hadamard, compiled):
+    """quantize_tokens_operand(x) reads x [T, D] in its own layout (blocks down the columns, the
+    Hadamard transform inside the loop) and must equal the reference quantization of the
+    materialized wgrad operand: pad the tokens to 16, transpose, transform; the same random draws."""
+    from nemofp4.formats import wgrad_hadamard_transform
+    from nemofp4.kernels.program import quantize_tokens_operand
+
+    op = OperandQuant(scale_format=fmt, block_size=block, rounding=rounding, hadamard=hadamard)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(39, 48, generator=g) * torch.logspace(-3, 3, 48)  # 39 tokens: padded to 48
+    x[:, 5] = 0.0  # a zero column: zero blocks
+    for reference in [None] if fmt == "ue8m0" else [None, torch.tensor(7.0)]:
+        seeds = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+        t = torch.nn.functional.pad(x, (0, 0, 0, 9)).t()
+        if hadamard:
+            t = wgrad_hadamard_transform(t)
+        ref = quantize_blocks(t.contiguous(), fmt, block, False, 448.0, reference, rounding, seeds[0])
+        ours = quantize_tokens_operand(x, op, tensor_amax=reference, generator=seeds[1], pack=True, compiled=compiled)
+        where = f"reference={reference}"
+        assert ours.shape == (48, 48) and ours.padded_shape == ref.padded_shape, where
+        assert torch.equal(_bits(ours.scaled), _bits(ref.scaled_values())), where
+        assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale_codes, ref.scale_codes), where
+        assert torch.equal(ours.tensor_scale, ref.tensor_scale) and torch.equal(ours.tensor_amax, ref.tensor_amax), where
+        assert torch.equal(ours.dequantize(), ref.dequantize()), where
+        expected = ref.stats()
+        assert ours.stats() == {k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")}, where
+        # the same number of draws from the generator
+        assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1])), where
+
+
 def test_non_2d_input_is_refused_by_name():
     with pytest.raises(ValueError, match="2-D tensor"):
         quantize_operand(torch.randn(16), OperandQuant(scale_format="ue5m3"))
