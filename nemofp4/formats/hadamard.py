@@ -50,9 +50,7 @@ def hadamard_transform(x: torch.Tensor, sign: torch.Tensor | None = None, *, dim
     same values), without the transposed copy: the wgrad operands are token-major tensors
     transformed along their tokens.
     """
-    groups = _groups(x, dim)
-    signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1) * 0.25
-    return _walsh_hadamard(groups * signs).reshape(x.shape)
+    return _transform(x, sign, dim, to_bf16=False)
 
 
 def wgrad_hadamard_transform(x: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
@@ -63,7 +61,7 @@ def wgrad_hadamard_transform(x: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
     ``hadamard_transform.cu`` reduces the same BF16 values), and the UE5M3 paper's TE-settings
     recipe materializes it with a BF16 matmul (``_te_settings_rht_last_dim_b16``), which on BF16
     inputs is the same rounding of the same exact sums. ``dim`` as in :func:`hadamard_transform`."""
-    return round_to_bf16(hadamard_transform(x, dim=dim))
+    return _transform(x, None, dim, to_bf16=True)
 
 
 def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +70,7 @@ def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     trip inside a fused kernel, and this must round identically eagerly and compiled."""
     bits = x.view(torch.int32)
     rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
-    return torch.where(torch.isnan(x), x, rounded)
+    return torch.where(x != x, x, rounded)  # NaN kept (x != x vectorizes where isnan does not)
 
 
 def inverse_hadamard_transform(y: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,6 +78,12 @@ def inverse_hadamard_transform(y: torch.Tensor, sign: torch.Tensor | None = None
     groups = _groups(y, -1)
     signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1)
     return (_walsh_hadamard(groups * 0.25) * signs).reshape(y.shape)
+
+
+def _transform(x: torch.Tensor, sign: torch.Tensor | None, dim: int, *, to_bf16: bool) -> torch.Tensor:
+    groups = _groups(x, dim)
+    signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1) * 0.25
+    return _walsh_hadamard(groups * signs, finish=round_to_bf16 if to_bf16 else None).reshape(x.shape)
 
 
 def _groups(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -98,11 +102,13 @@ def _groups(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.reshape(-1, HADAMARD_SIZE, 1)
 
 
-def _walsh_hadamard(groups: torch.Tensor) -> torch.Tensor:
+def _walsh_hadamard(groups: torch.Tensor, finish=None) -> torch.Tensor:
     """``groups @ H16`` along dim 1 of ``[groups, 16, inner]`` (Sylvester order, unnormalized) by
     the fast Walsh-Hadamard butterfly: stage ``h`` replaces each pair ``(i, i + h)`` (``i & h == 0``)
     by ``(a + b, a - b)``. Spelled out element by element, so that a compiler fuses the four stages
-    into one loop over the contiguous inner dim (a stacked form makes it gather)."""
+    into one loop over the contiguous inner dim (a stacked form makes it gather). ``finish`` (an
+    elementwise function, the BF16 rounding) is applied to each output before they are assembled:
+    the same values, written once."""
     rows = list(groups.unbind(1))
     half = 1
     while half < HADAMARD_SIZE:
@@ -112,7 +118,7 @@ def _walsh_hadamard(groups: torch.Tensor) -> torch.Tensor:
                 stage[i], stage[i + half] = rows[i] + rows[i + half], rows[i] - rows[i + half]
         rows = stage
         half *= 2
-    return torch.stack(rows, dim=1)
+    return torch.stack(rows if finish is None else [finish(r) for r in rows], dim=1)
 
 
 def _check_sign(sign: torch.Tensor | None) -> torch.Tensor:

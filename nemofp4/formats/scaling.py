@@ -141,12 +141,19 @@ def gemm_alpha(
     ue5m3 = scale_format_a in ("ue5m3", "ue5m3_cuda") and scale_format_b in ("ue5m3", "ue5m3_cuda")
     if not (e4m3 or ue5m3):
         return tensor_scale_a * tensor_scale_b
-    if e4m3:
-        factor = torch.tensor(36.0, dtype=torch.float32) * float(target_a) * float(target_b)  # fp32 steps
-    else:
-        factor = torch.tensor((float(target_a) * 6.0) * (float(target_b) * 6.0), dtype=torch.float32)
-    inverse = torch.reciprocal(factor).to(amax_a.device)
+    inverse = _inverse_target_product(e4m3, float(target_a), float(target_b), amax_a.device)
     return (amax_a.float().reshape(()) * amax_b.float().reshape(()).to(amax_a.device)) * inverse
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_target_product(e4m3: bool, target_a: float, target_b: float, device: torch.device) -> torch.Tensor:
+    """float32 0-d ``fl(1 / fl(fl(36 T_a) T_b))`` (TE) or ``fl(1 / fl32((6 T_a)(6 T_b)))`` (the paper), cached:
+    a constant of the two targets, computed once instead of at every GEMM."""
+    if e4m3:
+        factor = torch.tensor(36.0, dtype=torch.float32) * target_a * target_b  # fp32 steps
+    else:
+        factor = torch.tensor((target_a * 6.0) * (target_b * 6.0), dtype=torch.float32)
+    return torch.reciprocal(factor).to(device)
 
 
 def nvfp4_dequantize_scale(block_scale: torch.Tensor, amax: torch.Tensor, target: float) -> torch.Tensor:
