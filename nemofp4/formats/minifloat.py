@@ -261,9 +261,11 @@ def sr8_words(numel: int, generator: torch.Generator | None, device: torch.devic
 
 
 def sr8_bytes(words: torch.Tensor, numel: int) -> torch.Tensor:
-    """int32 random bytes from :func:`sr8_words`: element ``i`` takes byte ``i // m`` (low byte
-    first) of word ``i % m``, ``m = len(words)``; three contiguous planes, cheap to vectorize."""
-    return torch.cat((words & 0xFF, (words >> 8) & 0xFF, words >> 16))[:numel]
+    """uint8 random bytes from :func:`sr8_words`: element ``i`` takes byte ``i // m`` (low byte
+    first) of word ``i % m``, ``m = len(words)``; three contiguous planes, cheap to vectorize (and
+    one byte per element where a compiler stores them)."""
+    planes = (words & 0xFF, (words >> 8) & 0xFF, words >> 16)
+    return torch.cat([plane.to(torch.uint8) for plane in planes])[:numel]
 
 
 def sr8_draws(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
@@ -273,7 +275,7 @@ def sr8_draws(shape: tuple[int, ...], generator: torch.Generator | None, device:
     stochastic rounding on CPU, and a draw per element would waste three quarters of its bits.
     """
     n = math.prod(shape)
-    return sr8_bytes(sr8_words(n, generator, device), n).to(torch.uint8).view(shape)
+    return sr8_bytes(sr8_words(n, generator, device), n).view(shape)
 
 
 def round_magnitude_to_index(

@@ -162,7 +162,7 @@ def _quantize_core(
         if spec.rounding in BYTE_DRAW_ROUNDINGS:  # TE's cvt.rs (sr) or the paper's sr8, r the element's byte
             r = sr8_bytes(draws, blocks.numel())
             if spec.columns:  # drawn row-major over x^T: transposed once, as bytes
-                r = _materialized(r.to(torch.uint8).view(blocks.shape[2], -1).t(), (blocks.shape[2], 1))
+                r = _materialized(r.view(blocks.shape[2], -1).t(), (blocks.shape[2], 1))
             r = r.view(blocks.shape).to(torch.float32)
             away = sr_away(frac, r, spec.rounding)
         else:  # sr_exact: away from zero iff u < frac, u uniform on [0, 1) in float64
