@@ -95,14 +95,15 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent > -127, normal, _POW2_MIN)
 
 
-def _materialized(t: torch.Tensor, stride: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``t`` (with ``stride`` if given), which Inductor stores to a buffer of its own instead of fusing
-    its computation into every consumer (eagerly: ``t`` itself). With blocks down the
-    columns the vectorized loop runs across blocks: a block scale recomputed in that loop would be
-    computed once per element, and a transposed read of the random bytes would gather."""
+def _materialized(t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
+    """``t`` (made contiguous if asked, 2-D), stored by Inductor to a buffer of its own instead of
+    fused into every consumer. With blocks down the columns the vectorized loop runs across blocks:
+    a block scale recomputed in that loop would be computed once per element, and a transposed read
+    of the random bytes would gather (eagerly too: the bytes are transposed once)."""
     if not torch.compiler.is_compiling():
-        return t  # eagerly every consumer reads the tensor anyway (a strided view reads as it is)
-    return torch.ops.prims.inductor_force_stride_order(t, t.stride() if stride is None else stride)
+        return t.contiguous() if contiguous else t
+    stride = (t.shape[1], 1) if contiguous else t.stride()
+    return torch.ops.prims.inductor_force_stride_order(t, stride)
 
 
 def _quantize_core(
@@ -162,7 +163,7 @@ def _quantize_core(
         if spec.rounding in BYTE_DRAW_ROUNDINGS:  # TE's cvt.rs (sr) or the paper's sr8, r the element's byte
             r = sr8_bytes(draws, blocks.numel())
             if spec.columns:  # drawn row-major over x^T: transposed once, as bytes
-                r = _materialized(r.view(blocks.shape[2], -1).t(), (blocks.shape[2], 1))
+                r = _materialized(r.view(blocks.shape[2], -1).t(), contiguous=True)
             r = r.view(blocks.shape).to(torch.float32)
             away = sr_away(frac, r, spec.rounding)
         else:  # sr_exact: away from zero iff u < frac, u uniform on [0, 1) in float64
