@@ -108,13 +108,19 @@ def test_the_program_leaves_the_process_recompile_limit_alone():
     assert torch._dynamo.config.recompile_limit == before
 
 
-# (format, block, rounding, Hadamard): each runs eagerly and compiled (a compile each, seconds).
-TOKEN_CASES = [("e4m3", 16, "rne", True), ("e4m3", 16, "sr", True), ("ue5m3", 16, "sr8", False),
-               ("ue5m3", 16, "rne", False), ("ue8m0", 32, "sr", True), ("e4m3", 16, "sr_exact", False)]  # fmt: skip
+# (format, block, rounding, Hadamard, compiled in the default set): each runs eagerly, and compiled
+# (a compile each, about 10 s) by default for two of them, the others as slow tests.
+TOKEN_CASES = [("e4m3", 16, "sr", True, True), ("ue5m3", 16, "sr8", False, True), ("e4m3", 16, "rne", True, False),
+               ("ue5m3", 16, "rne", False, False), ("ue8m0", 32, "sr", True, False),
+               ("e4m3", 16, "sr_exact", False, False)]  # fmt: skip
+TOKEN_PARAMS = [
+    pytest.param(*case[:4], compiled, marks=[needs_compiler] + ([] if case[4] else [pytest.mark.slow]) if compiled else [],
+                 id=f"{'-'.join(map(str, case[:4]))}-{'compiled' if compiled else 'eager'}")
+    for case in TOKEN_CASES for compiled in (False, True)
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_compiler)], ids=["eager", "compiled"])
-@pytest.mark.parametrize("fmt,block,rounding,hadamard", TOKEN_CASES)
+@pytest.mark.parametrize("fmt,block,rounding,hadamard,compiled", TOKEN_PARAMS)
 def test_tokens_operand_is_bitwise_the_quantization_of_the_padded_transpose(fmt, block, rounding, hadamard, compiled):
     """quantize_tokens_operand(x) reads x [T, D] in its own layout (blocks down the columns, the
     Hadamard transform inside the loop) and must equal the reference quantization of the
