@@ -8,7 +8,9 @@ that same function to ``torch.compile``, whose C++ backend fuses it into a block
 and one elementwise loop. Inductor compiles without value-changing math flags (no
 reassociation, no contraction), so eager and compiled results are bitwise equal, and both
 equal the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the tests hold
-them to that.
+them to that. :func:`quantize_tokens_operand` runs the same core on the wgrad operands (X^T,
+dY^T) with its blocks down the columns of the token-major tensor, the wgrad Hadamard transform
+inside the loop.
 
 Random bits are drawn outside the core with the reference's calls (:func:`sr8_words` for sr and
 sr8, one float64 ``torch.rand`` per element for sr_exact), so every path consumes a generator
@@ -44,7 +46,13 @@ from nemofp4.formats.scaling import (
     scaled_target,
 )
 
-__all__ = ["compiled_hadamard_transform", "cpu_compile_available", "quantize_operand"]
+__all__ = [
+    "TOKEN_MULTIPLE",
+    "compiled_hadamard_transform",
+    "cpu_compile_available",
+    "quantize_operand",
+    "quantize_tokens_operand",
+]
 
 _STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks")
 _POW2_MIN = 2.0**-127  # the smallest UE8M0 scale, a float32 subnormal

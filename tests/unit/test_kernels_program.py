@@ -100,12 +100,17 @@ def test_one_graph_serves_every_operand_shape():
 
 @needs_compiler
 def test_the_program_leaves_the_process_recompile_limit_alone():
-    """Many operand kinds compile graphs of one function; the higher limit that needs is scoped
-    to the program's own calls."""
+    """A run quantizes a dozen operand kinds or more, more than dynamo's recompile limit (8 graphs per
+    code object): each kind compiles a function with a code object of its own, so no kind's graph
+    counts against another's and no limit is raised."""
     before = torch._dynamo.config.recompile_limit
     for fmt in ("e4m3", "ue5m3"):
         quantize_operand(torch.randn(16, 32), OperandQuant(scale_format=fmt), compiled=True)
     assert torch._dynamo.config.recompile_limit == before
+    specs = [program._Spec(fmt, 16, two_d, rounding, False, True) for fmt in ("e4m3", "ue5m3")
+             for two_d in (False, True) for rounding in ("rne", "sr", "sr8")]  # fmt: skip
+    codes = {program._compiled(spec)._torchdynamo_orig_callable.__code__ for spec in specs}
+    assert len(codes) == len(specs) > before
 
 
 # (format, block, rounding, Hadamard, compiled in the default set): each runs eagerly, and compiled
