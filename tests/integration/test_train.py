@@ -162,6 +162,7 @@ def test_compiled_cpu_quantizer_trains_exactly_as_the_eager_path(tmp_path):
     assert train_curve(tmp_path / "auto") == train_curve(tmp_path / "eager")
 
 
+@pytest.mark.slow  # in CI: tests/integration/test_quant_state_resume.py resumes bitwise with activation checkpointing toggled
 def test_activation_checkpointing_reproduces_the_same_quantization(tmp_path):
     """Recomputing each block in backward must quantize exactly as the first forward did (RNE in the
     forward pass, held references reused, the same SR draws in backward): identical losses."""
