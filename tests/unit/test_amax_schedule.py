@@ -29,8 +29,13 @@ from tests.unit.test_quant_standin import (
 
 
 def _layer(recipe="ue5m3", **overrides) -> QuantLinear:
+    """A QuantLinear on the eager quantizer: these tests are about the reference schedule, and the
+    compiled program (bitwise the eager one, tests/unit/test_kernels_program.py) would compile a graph
+    per operand kind in every process, the two-rank workers included."""
     torch.manual_seed(0)
-    return QuantLinear.from_linear(nn.Linear(32, 16, bias=False), get_recipe(recipe, **overrides).parts["fp4"])
+    layer = QuantLinear.from_linear(nn.Linear(32, 16, bias=False), get_recipe(recipe, **overrides).parts["fp4"])
+    layer.quant_backend = layer.references.backend = "eager"
+    return layer
 
 
 def _step(layer, step, scale):
