@@ -30,7 +30,7 @@ from nemofp4.formats import amax as reference_amax
 from nemofp4.formats import quantize_blocks as reference_quantize_blocks
 from nemofp4.formats import wgrad_hadamard_transform as reference_hadamard_transform
 
-from .program import TOKEN_MULTIPLE, compiled_hadamard_transform, cpu_compile_available
+from .program import TOKEN_MULTIPLE, compiled_hadamard_transform, cpu_compile_available, tokens_transposed
 from .program import quantize_operand as program_quantize_operand
 from .program import quantize_tokens_operand as program_quantize_tokens_operand
 from .quantize import SUPPORTED_BLOCK_SIZES
@@ -49,6 +49,7 @@ __all__ = [
     "quantize_operand_pair",
     "quantize_tokens_operand",
     "resolve_backend",
+    "tokens_transposed",
     "triton_available",
 ]
 
@@ -208,8 +209,7 @@ def quantize_tokens_operand(
     if path == "triton" and op.block_size in SUPPORTED_BLOCK_SIZES:
         from .operand import triton_quantize_operand
 
-        pad = -x_TD.shape[0] % TOKEN_MULTIPLE
-        t = torch.nn.functional.pad(x_TD, (0, 0, 0, pad)).t() if pad else x_TD.t()
+        t = tokens_transposed(x_TD)
         if op.hadamard:
             t = reference_hadamard_transform(t)
         return triton_quantize_operand(t, op, tensor_amax=tensor_amax, generator=generator, pack=pack, stats=stats)

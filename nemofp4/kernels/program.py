@@ -52,6 +52,7 @@ __all__ = [
     "cpu_compile_available",
     "quantize_operand",
     "quantize_tokens_operand",
+    "tokens_transposed",
 ]
 
 _STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks")
@@ -256,6 +257,13 @@ def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ entry
 TOKEN_MULTIPLE = 16
 """The tokens of a wgrad operand are zero-padded to this multiple (one Hadamard group)."""
+
+
+def tokens_transposed(x_TD: torch.Tensor) -> torch.Tensor:
+    """[D, Tp]: the wgrad operand's layout, ``x_TD`` transposed with its tokens zero-padded to 16 (a
+    view when no padding is needed): what :func:`quantize_tokens_operand` quantizes without building it."""
+    pad = -x_TD.shape[0] % TOKEN_MULTIPLE
+    return (F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD).t()
 
 
 def quantize_operand(

@@ -65,12 +65,6 @@ def _mix_seed(*values: int) -> int:
     return state >> 1
 
 
-def _tokens_transposed(x_TD: torch.Tensor) -> torch.Tensor:
-    """[D, Tp]: ``x_TD`` transposed, its tokens zero-padded to 16 (the wgrad operand's layout)."""
-    pad = -x_TD.shape[0] % kernels.TOKEN_MULTIPLE
-    return (F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD).t()
-
-
 def _operand(packed: QuantizedBlocks, gemm_mode: str) -> QuantizedBlocks:
     """A saved operand in the form its GEMM reads: the hardware model takes the packed codes."""
     return packed if gemm_mode == "hardware" else packed.unpack()
@@ -181,7 +175,7 @@ class _Quantizer:
         op: OperandQuant = self.config.operand(role)
         if op.hadamard:  # its reference is the amax of the transformed tensor: made only if measured here
             def source():
-                return kernels.hadamard_transform(_tokens_transposed(x_TD), backend=self.call.backend)
+                return kernels.hadamard_transform(kernels.tokens_transposed(x_TD), backend=self.call.backend)
         else:
             source = x_TD
         q = kernels.quantize_tokens_operand(
