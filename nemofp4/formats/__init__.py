@@ -7,10 +7,11 @@ q = quantize_blocks(x, scale_format="ue5m3")   # "e4m3" (NVFP4), "ue5m3_cuda", "
 q.dequantize()
 
 The shared scaling formulas are in ``formats.scaling``; ``QuantizedBlocks`` is the one quantized
-tensor type every quantizer returns and every GEMM consumes.
+tensor type every quantizer returns and every GEMM consumes; ``formats.spec`` holds the scale-format
+table and the frozen ``BlockSpec`` every quantizer is typed against.
 """
 
-from .block import SCALE_FORMATS, amax, quantize_blocks
+from .block import amax, quantize_blocks, quantize_with_spec
 from .hadamard import (
     TE_WGRAD_SIGNS,
     hadamard_matrix,
@@ -37,6 +38,7 @@ from .minifloat import (
     unpack_fp4,
 )
 from .operand import QuantizedBlocks, tensor_scale_product
+from .spec import SCALE_FORMAT_TABLE, SCALE_FORMATS, BlockSpec, ScaleFormat, scale_format_of
 
 __all__ = [
     "E2M1",
@@ -45,12 +47,15 @@ __all__ = [
     "FORMATS",
     "ROUNDING_MODES",
     "SCALE_FORMATS",
+    "SCALE_FORMAT_TABLE",
     "TE_WGRAD_SIGNS",
     "UE5M3",
     "UE5M3_CUDA",
     "UE8M0",
+    "BlockSpec",
     "FloatFormat",
     "QuantizedBlocks",
+    "ScaleFormat",
     "tensor_scale_product",
     "SpecialValues",
     "amax",
@@ -61,6 +66,8 @@ __all__ = [
     "wgrad_hadamard_transform",
     "pack_fp4",
     "quantize_blocks",
+    "quantize_with_spec",
+    "scale_format_of",
     "sr8_bytes",
     "sr8_draws",
     "sr8_words",

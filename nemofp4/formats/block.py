@@ -44,34 +44,15 @@ padded layout is what ``codes`` holds.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
-from .minifloat import (
-    E2M1,
-    E4M3,
-    UE5M3,
-    UE5M3_CUDA,
-    UE8M0,
-    FloatFormat,
-    check_rounding,
-    round_magnitude_to_index,
-)
+from .minifloat import E2M1, round_magnitude_to_index
 from .operand import QuantizedBlocks
 from .scaling import FLT_MAX, FP4_MAX, global_scales, mx_floor_exponent, scaled_target
+from .spec import SCALE_FORMATS, BlockSpec
 
-__all__ = ["SCALE_FORMATS", "QuantizedBlocks", "amax", "quantize_blocks"]
-
-SCALE_FORMATS: dict[str, FloatFormat] = {
-    "e4m3": E4M3,
-    "ue5m3": UE5M3,
-    "ue5m3_cuda": UE5M3_CUDA,
-    "ue8m0": UE8M0,
-}
-DEFAULT_BLOCK_SIZE = {"e4m3": 16, "ue5m3": 16, "ue5m3_cuda": 16, "ue8m0": 32}
-MX_SCALE_MODES = ("floor", "ceil")
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["SCALE_FORMATS", "QuantizedBlocks", "amax", "quantize_blocks", "quantize_with_spec"]
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -114,10 +95,26 @@ def quantize_blocks(
         mx_scale_mode: ue8m0 only: "floor" (OCP reference) or "ceil" (never saturates).
         name: how error messages refer to ``x``.
     """
-    fmt = _check_args(
-        x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode, name
-    )
-    block_size = DEFAULT_BLOCK_SIZE[scale_format] if block_size is None else block_size
+    spec = BlockSpec(scale_format=scale_format, block_size=block_size, two_d=two_d, rounding=rounding,
+                     scale_target=scale_target, mx_scale_mode=mx_scale_mode)  # fmt: skip
+    return quantize_with_spec(x, spec, tensor_amax=tensor_amax, generator=generator, name=name, stacklevel=4)
+
+
+def quantize_with_spec(
+    x: torch.Tensor,
+    spec: BlockSpec,
+    *,
+    tensor_amax: torch.Tensor | float | None = None,
+    generator: torch.Generator | None = None,
+    name: str = "x",
+    stacklevel: int = 3,
+) -> QuantizedBlocks:
+    """:func:`quantize_blocks` of ``x`` as ``spec`` says (its ``hadamard`` is the caller's: the
+    reference quantizes the tensor it is given)."""
+    spec.check_input(x, tensor_amax, name=name, stacklevel=stacklevel)
+    row = spec.format
+    fmt = row.codes
+    block_size, two_d, rounding = spec.block_size, spec.two_d, spec.rounding
     device = x.device
     shape = x.shape
 
@@ -153,20 +150,21 @@ def quantize_blocks(
             raise ValueError(f"tensor_amax must be finite and >= 0, got {float(g)}")
 
     # ---- block scale codes and the per-block payload multiplier
-    if scale_format == "ue8m0":
+    if row.power_of_two:
         tensor_scale = torch.ones((), dtype=torch.float32, device=device)
-        exponent, unclamped = _mx_exponent(block_amax, mx_scale_mode)
+        exponent, unclamped = _mx_exponent(block_amax, spec.mx_scale_mode)
         scale_codes = (exponent + 127).to(torch.uint8)
         encode = _ue8m0_reciprocal_table(device)[scale_codes.long()]
         saturated = unclamped > 127
         underflow = (unclamped < -127) & (block_amax > 0)
     else:
-        tensor_scale, code_multiplier = global_scales(scale_format, g, scaled_target(scale_target, device))
+        target = scaled_target(spec.scale_target, device)
+        tensor_scale, code_multiplier = global_scales(row.zero_code_to_one, g, target)
         ideal = (block_amax * code_multiplier).clamp_(max=FLT_MAX)
         saturated = ideal > fmt.max_finite
         index = round_magnitude_to_index(fmt, ideal.clamp(max=fmt.max_finite), "rne", None)
         underflow = (index == 0) & (block_amax > 0)
-        if scale_format != "e4m3":  # UE5M3: a zero code becomes 1.0 before the reciprocal
+        if row.zero_code_to_one:  # UE5M3: a zero code becomes 1.0 before the reciprocal
             one = fmt._magnitude_values_f64.index(1.0)
             index = torch.where(index == 0, one, index)
         scale_codes = index.to(torch.uint8)
@@ -199,12 +197,12 @@ def quantize_blocks(
         scale_codes=scale_codes,
         tensor_scale=tensor_scale,
         tensor_amax=g.float(),
-        scale_target=float(scale_target),
+        scale_target=float(spec.scale_target),
         shape=shape,
         padded_shape=padded_shape,
         block_size=b,
         two_d=two_d,
-        scale_format=scale_format,
+        scale_format=spec.scale_format,
         counts=counts,
         num_blocks=block_amax.numel(),
         num_elements=x.numel(),
@@ -243,34 +241,3 @@ def _ue8m0_reciprocal_table(device: torch.device) -> torch.Tensor:
         table = torch.tensor([math.ldexp(1.0, 127 - c) for c in range(255)] + [math.nan], dtype=torch.float64)
         _UE8M0_RECIPROCALS[device] = table.float().to(device)
     return _UE8M0_RECIPROCALS[device]
-
-
-def _check_args(
-    x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode, name
-) -> FloatFormat:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"quantize_blocks: {name!r} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise ValueError(f"quantize_blocks: {name!r} has dtype {x.dtype}; valid: float32, bfloat16, float16")
-    if x.dim() == 0 or x.numel() == 0:
-        raise ValueError(
-            f"quantize_blocks: {name!r} has shape {tuple(x.shape)}; need >= 1 dim and >= 1 element"
-        )
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"unknown scale_format {scale_format!r}; valid: {', '.join(SCALE_FORMATS)}")
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 2 or block_size % 2):
-        raise ValueError(f"block_size must be an even integer >= 2, got {block_size!r}")
-    if two_d and x.dim() != 2:
-        raise ValueError(f"two_d=True needs a 2-D tensor; {name!r} has shape {tuple(x.shape)}")
-    if not (isinstance(scale_target, (int, float)) and math.isfinite(scale_target) and scale_target > 0):
-        raise ValueError(f"scale_target must be a finite positive number, got {scale_target!r}")
-    check_rounding(rounding)
-    if mx_scale_mode not in MX_SCALE_MODES:
-        raise ValueError(f"unknown mx_scale_mode {mx_scale_mode!r}; valid: {', '.join(MX_SCALE_MODES)}")
-    if scale_format == "ue8m0" and scale_target != 448.0:
-        warnings.warn("scale_target has no effect with scale_format='ue8m0' (no tensor scale)", stacklevel=3)
-    if scale_format == "ue8m0" and tensor_amax is not None:
-        warnings.warn("tensor_amax has no effect with scale_format='ue8m0' (no tensor scale)", stacklevel=3)
-    if scale_format != "ue8m0" and mx_scale_mode != "floor":
-        warnings.warn(f"mx_scale_mode has no effect with scale_format={scale_format!r}", stacklevel=3)
-    return SCALE_FORMATS[scale_format]

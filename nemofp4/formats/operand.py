@@ -22,6 +22,7 @@ import torch
 
 from .minifloat import E2M1, get_format
 from .scaling import gemm_alpha, nvfp4_dequantize_scale
+from .spec import SCALE_FORMAT_TABLE
 
 __all__ = ["QuantizedBlocks", "e2m1_pair_table", "scale_code_table", "tensor_scale_product"]
 
@@ -137,7 +138,7 @@ class QuantizedBlocks:
         """float32 tensor of the original shape. NVFP4 (e4m3): TE's ``dequantize_fp4_kernel``,
         ``fl(value * fl(fl(block_scale * amax) * fl(1 / (6 T))))`` per element; other formats:
         ``scaled_values()[unpad] * tensor_scale``."""
-        if self.scale_format == "e4m3":
+        if SCALE_FORMAT_TABLE[self.scale_format].dequantize == "te":
             full = self._nvfp4_dequantize()
         else:
             full = self.scaled_values() * self.tensor_scale

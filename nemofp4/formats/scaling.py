@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .minifloat import get_format
+from .spec import SCALE_FORMAT_TABLE
 
 __all__ = [
     "E2M1_EMAX",
@@ -58,18 +59,19 @@ def scaled_target(scale_target: float, device: torch.device | str = "cpu") -> to
 
 
 def global_scales(
-    scale_format: str, g: torch.Tensor, target: torch.Tensor
+    zero_code_to_one: bool, g: torch.Tensor, target: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tensor_scale = 1/G, G * fp32(1/6)) for the tensor reference ``g`` (float32 0-d).
 
-    ``target`` is :func:`scaled_target`. TE (``e4m3``): g = 0 gives FLT_MAX and only a zero
-    multiplier (g = inf) becomes 1; the UE5M3 emulator: g = 0 gives G = 1.
+    ``target`` is :func:`scaled_target`; ``zero_code_to_one`` the scale format's rule for zeros
+    (:class:`nemofp4.formats.spec.ScaleFormat`). TE (e4m3, False): g = 0 gives FLT_MAX and only a
+    zero multiplier (g = inf) becomes 1; the UE5M3 emulator (True): g = 0 gives G = 1.
     """
     multiplier = torch.clamp(target / g, max=FLT_MAX)
-    if scale_format == "e4m3":
-        multiplier = torch.where(multiplier == 0, 1.0, multiplier)
-    else:
+    if zero_code_to_one:
         multiplier = torch.where(g == 0, 1.0, multiplier)
+    else:
+        multiplier = torch.where(multiplier == 0, 1.0, multiplier)
     return torch.reciprocal(multiplier), multiplier * (1.0 / FP4_MAX)
 
 
@@ -136,12 +138,13 @@ def gemm_alpha(
       tensors torch evaluates that as a multiply by ``fl(1 / fl32(divisor))`` (``div_true_kernel_cuda``
       in ATen's ``BinaryDivTrueKernel.cu``), which this reproduces on every device.
     * OCP MX (``ue8m0``, tensor scales 1) and mixed formats: ``tensor_scale_a * tensor_scale_b``.
+
+    Which one is the scale formats' ``alpha`` column (:data:`nemofp4.formats.spec.SCALE_FORMAT_TABLE`).
     """
-    e4m3 = scale_format_a == scale_format_b == "e4m3"
-    ue5m3 = scale_format_a in ("ue5m3", "ue5m3_cuda") and scale_format_b in ("ue5m3", "ue5m3_cuda")
-    if not (e4m3 or ue5m3):
+    alpha = SCALE_FORMAT_TABLE[scale_format_a].alpha
+    if alpha is None or SCALE_FORMAT_TABLE[scale_format_b].alpha != alpha:
         return tensor_scale_a * tensor_scale_b
-    inverse = _inverse_target_product(e4m3, float(target_a), float(target_b), amax_a.device)
+    inverse = _inverse_target_product(alpha == "te", float(target_a), float(target_b), amax_a.device)
     return (amax_a.float().reshape(()) * amax_b.float().reshape(()).to(amax_a.device)) * inverse
 
 

@@ -17,56 +17,33 @@ import dataclasses
 
 import torch
 
-from nemofp4.formats import QuantizedBlocks
+from nemofp4.formats import BlockSpec, QuantizedBlocks
+from nemofp4.formats.spec import BLOCK_STATS
 
 from .program import TOKEN_MULTIPLE
 from .quantize import triton_quantize
 
 __all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
 
-_OPERAND_STATS = ("saturated_blocks", "underflow_blocks", "zero_blocks")
 
 
 def triton_quantize_operand(
-    x: torch.Tensor,
-    op,
-    *,
-    tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    two_d: bool | None = None,
-    pack: bool = False,
-    stats: bool = True,
-):
-    """Same contract as ``nemofp4.kernels.program.quantize_operand`` (2-D ``x``, an ``OperandQuant``)."""
+    x: torch.Tensor, op: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None, two_d: bool | None = None, pack: bool = False, stats: bool = True,
+) -> QuantizedBlocks:  # fmt: skip
+    """Same contract as ``nemofp4.kernels.program.quantize_operand`` (2-D ``x``, a ``BlockSpec``)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
-    two_d = op.two_d if two_d is None else two_d
-    rows, _ = triton_quantize(
-        x,
-        scale_format=op.scale_format,
-        block_size=op.block_size,
-        two_d=two_d,
-        scale_target=op.scale_target,
-        tensor_amax=tensor_amax,
-        rounding=op.rounding,
-        seed=_seed(op.rounding, generator, x.device),
-        scaled_dtype=torch.float32,
-        stats=stats,
-    )
+    spec = op if two_d is None or two_d == op.two_d else dataclasses.replace(op, two_d=two_d)
+    seed = _seed(op.rounding, generator, x.device)
+    rows, _ = triton_quantize(x, spec, tensor_amax=tensor_amax, seed=seed, scaled_dtype=torch.float32, stats=stats)
     return _block_operand(rows, tuple(x.shape), pack, stats)
 
 
 def triton_quantize_operand_pair(
-    x_TK: torch.Tensor,
-    op_x,
-    op_xt,
-    *,
-    tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    pack_x: bool = False,
-    pack_xt: bool = True,
-    stats: bool = True,
-):
+    x_TK: torch.Tensor, op_x: BlockSpec, op_xt: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None, pack_x: bool = False, pack_xt: bool = True, stats: bool = True,
+) -> tuple[QuantizedBlocks, QuantizedBlocks]:  # fmt: skip
     """(X quantized along K as ``op_x`` says, X^T [K, Tp] quantized along the tokens as ``op_xt``
     says) from one read of ``x_TK``: what QuantLinear's forward computes as ``quantize(Role.X,
     x_TK)`` and ``quantize(Role.X_WGRAD, pad_tokens(x_TK).t(), pack=True)``, bitwise (RNE).
@@ -76,28 +53,19 @@ def triton_quantize_operand_pair(
     """
     if x_TK.dim() != 2:
         raise ValueError(f"x_TK must be 2-D [tokens, features], got shape {tuple(x_TK.shape)}")
-    for field in ("scale_format", "block_size", "rounding"):
-        if getattr(op_x, field) != getattr(op_xt, field):
-            raise ValueError(
-                f"X and X^T quantizations must share {field} to fuse: {getattr(op_x, field)!r} vs "
-                f"{getattr(op_xt, field)!r}; quantize them separately"
-            )
+    if not op_x.blocks_like(op_xt):
+        raise ValueError(
+            f"X and X^T quantizations must share scale_format, block_size and rounding to fuse: {op_x} vs {op_xt}; "
+            "quantize them separately"
+        )
     if op_x.two_d or op_xt.two_d or op_x.hadamard or op_xt.hadamard:
         raise ValueError("fused X/X^T quantization supports 1-D blocks without a Hadamard transform only")
     tokens, features = x_TK.shape
+    seed = _seed(op_x.rounding, generator, x_TK.device)
     rows, cols = triton_quantize(
-        x_TK,
-        scale_format=op_x.scale_format,
-        block_size=op_x.block_size,
-        scale_target=op_x.scale_target,
-        tensor_amax=tensor_amax,
-        rounding=op_x.rounding,
-        seed=_seed(op_x.rounding, generator, x_TK.device),
-        transposed=True,
-        transposed_scale_target=op_xt.scale_target,
-        scaled_dtype=torch.float32,
-        stats=stats,
-    )
+        x_TK, op_x, tensor_amax=tensor_amax, seed=seed, transposed=True, transposed_scale_target=op_xt.scale_target,
+        scaled_dtype=torch.float32, stats=stats,
+    )  # fmt: skip
     padded_tokens = tokens + (-tokens % TOKEN_MULTIPLE)
     return (
         _block_operand(rows, (tokens, features), pack_x, stats),
@@ -117,6 +85,6 @@ def _seed(rounding: str, generator: torch.Generator | None, device: torch.device
 def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, stats: bool) -> QuantizedBlocks:
     """``q`` as the torch program returns it: the operand's own (unpadded-token) shape, packed
     codes only when asked for, and the three block counts (a test compares the two)."""
-    counts = {name: q.counts[name] for name in _OPERAND_STATS} if stats else {}
+    counts = {name: q.counts[name] for name in BLOCK_STATS} if stats else {}
     codes = q.codes if pack else None  # the block-scale codes stay: NVFP4's dequantize reads them
     return dataclasses.replace(q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, codes=codes)

@@ -17,8 +17,9 @@ sr8, one float64 ``torch.rand`` per element for sr_exact), so every path consume
 identically. Unlike the reference the program does not check for NaN/Inf (that would
 synchronize): a non-finite input yields non-finite values, which the trainer's checks catch.
 
-Compiling needs a C++ compiler (:func:`cpu_compile_available`); a build that fails anyway warns
-once and runs the core eagerly on the same inputs.
+Compiling needs a C++ compiler (:func:`cpu_compile_available`); a spec whose build fails anyway
+warns once, naming the spec, and runs its core eagerly on the same inputs from then on (the other
+specs still compile).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import shutil
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ from nemofp4.formats.scaling import (
     scale_grid,
     scaled_target,
 )
+from nemofp4.formats.spec import BLOCK_STATS, DEFAULT_SCALE_TARGET, SCALE_FORMAT_TABLE, BlockSpec
 
 __all__ = [
     "TOKEN_MULTIPLE",
@@ -55,9 +57,9 @@ __all__ = [
     "tokens_transposed",
 ]
 
-_STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks")
 _POW2_MIN = 2.0**-127  # the smallest UE8M0 scale, a float32 subnormal
-_SCALE_GRIDS = {name: scale_grid(name) for name in ("e4m3", "ue5m3", "ue5m3_cuda")}  # plain dict: compiles
+_SCALE_GRIDS = {name: scale_grid(name) for name, row in SCALE_FORMAT_TABLE.items() if not row.power_of_two}
+"""Plain dict of named tuples: the compiled core reads them as constants."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,19 @@ class _Spec:
     the token-major X or dY, so the transpose is never materialized."""
     hadamard: bool = False
     """The wgrad Hadamard transform along the blocks' dim first (with ``columns``), in the same loop."""
+    power_of_two: bool = field(init=False)
+    """The scale format's columns of the table (plain bools: the compiled core reads constants)."""
+    zero_code_to_one: bool = field(init=False)
 
+    def __post_init__(self) -> None:
+        row = SCALE_FORMAT_TABLE[self.scale_format]
+        object.__setattr__(self, "power_of_two", row.power_of_two)
+        object.__setattr__(self, "zero_code_to_one", row.zero_code_to_one)
 
-_compile_failed = False
+    def describe(self) -> str:
+        blocks = f"{self.block_size}x{self.block_size} tiles" if self.two_d else f"blocks of {self.block_size}"
+        layout = ", down the columns" + (" after the Hadamard transform" if self.hadamard else "") if self.columns else ""
+        return f"{self.scale_format} {blocks}, {self.rounding}{layout}"
 
 
 @functools.cache
@@ -92,9 +104,8 @@ def _compiler_on_path() -> bool:
 
 
 def cpu_compile_available() -> bool:
-    """``torch.compile`` can build CPU kernels here: a C++ compiler is on PATH (or in ``CXX``),
-    and no build has failed in this process."""
-    return not _compile_failed and _compiler_on_path()
+    """``torch.compile`` can build CPU kernels here: a C++ compiler is on PATH (or in ``CXX``)."""
+    return _compiler_on_path()
 
 
 # ------------------------------------------------------------------------------------ core
@@ -135,7 +146,7 @@ def _quantize_core(
     if spec.measure:
         g = block_amax.amax()  # == max |x| (padding is zero), exactly
 
-    if spec.scale_format == "ue8m0":  # OCP MX: power-of-two block scales, no tensor scale
+    if spec.power_of_two:  # OCP MX: power-of-two block scales, no tensor scale
         tensor_scale = torch.ones((), dtype=torch.float32, device=blocks.device)
         unclamped = mx_floor_exponent(block_amax)
         exponent = unclamped.clamp(-127, 127)
@@ -143,11 +154,11 @@ def _quantize_core(
         saturated, underflow = unclamped > 127, (unclamped < -127) & (block_amax > 0)
     else:
         grid = _SCALE_GRIDS[spec.scale_format]
-        tensor_scale, code_multiplier = global_scales(spec.scale_format, g, target)
+        tensor_scale, code_multiplier = global_scales(spec.zero_code_to_one, g, target)
         ideal = torch.clamp(block_amax * code_multiplier, max=FLT_MAX)
         rounded_scale = round_scale_rne(torch.clamp(ideal, max=grid.max_finite), grid)
         # UE5M3 (the paper's emulator): a zero scale code becomes 1.0 before the reciprocal
-        block_scale = rounded_scale if spec.scale_format == "e4m3" else rounded_scale + (rounded_scale == 0)
+        block_scale = rounded_scale + (rounded_scale == 0) if spec.zero_code_to_one else rounded_scale
         encode = torch.clamp(torch.reciprocal(block_scale * tensor_scale), max=FLT_MAX)
         saturated, underflow = ideal > grid.max_finite, (rounded_scale == 0) & (block_amax > 0)
     if spec.columns:  # one scale per block, not one per element of the loop over a row
@@ -190,7 +201,7 @@ def _quantize_core(
         )  # -0.0 too (signbit does not vectorize)
         codes = (torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8)
     # scale codes always (one byte per block): NVFP4's dequantize (TE's order) needs the block scales
-    if spec.scale_format == "ue8m0":
+    if spec.power_of_two:
         scale_codes = (exponent + 127).to(torch.uint8)
     else:
         scale_codes = encode_scales(block_scale, grid)
@@ -220,38 +231,45 @@ def _compiled(spec: _Spec):
 _SPEC_NAMES: dict[_Spec, str] = {}
 
 
-def _run_compiled(spec: _Spec, *args):
-    """The compiled core. If it cannot be built here (a broken toolchain, missing headers), warn
-    once, stop compiling in this process and run this call's core eagerly on the same inputs
-    (the same numerics, and the random draws already made are the ones used)."""
-    global _compile_failed
-    if not _compile_failed:
+_failed_builds: set = set()
+"""The specs (and ``"hadamard"``) whose compiled form could not be built in this process."""
+
+
+def _compiled_or_eager(key, build, eager, args: tuple, what: str):
+    """``build(key)(*args)``, the compiled form. If it cannot be built here (a broken toolchain,
+    missing headers), warn once naming ``what``, and run ``eager(*args)`` for this key from then on
+    (the same numerics; the random draws already made are the ones used). Other keys still compile."""
+    if key not in _failed_builds:
         try:
-            return _compiled(spec)(*args)
+            return build(key)(*args)
         except torch._dynamo.exc.BackendCompilerFailed as error:
-            _compile_failed = True
+            _failed_builds.add(key)
             warnings.warn(
-                f"torch.compile could not build the CPU FP4 quantizer ({error}); quantizing with the "
-                "eager PyTorch path instead (same numerics, slower). kernels=eager skips the attempt.",
-                stacklevel=3,
+                f"torch.compile could not build the CPU FP4 quantizer for {what} ({error}); quantizing it with "
+                "the eager PyTorch path instead (same numerics, slower). kernels=eager skips the attempt.",
+                stacklevel=4,
             )
-    return _quantize_core(*args, spec=spec)
+    return eager(*args)
+
+
+def _run_compiled(spec: _Spec, *args):
+    """The compiled core of ``spec`` (eager for a spec whose build failed)."""
+    return _compiled_or_eager(spec, _compiled, functools.partial(_quantize_core, spec=spec), args, spec.describe())
 
 
 @functools.cache
-def _compiled_hadamard():
+def _compiled_hadamard(_key: str = "hadamard"):
     return torch.compile(wgrad_hadamard_transform, dynamic=False, fullgraph=True)
 
 
 def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """:func:`nemofp4.formats.wgrad_hadamard_transform` (TE's wgrad signs, BF16 output) fused by
     Inductor into one loop instead of a dozen eager passes: the same sign flips, scaling, butterfly
-    additions and BF16 rounding in the same order, so the same bits. Falls back to the eager
-    transform where compiling is off (no compiler, or a failed build)."""
-    if _compile_failed or torch.compiler.is_compiling():
+    additions and BF16 rounding in the same order, so the same bits. Eager where its build failed."""
+    if torch.compiler.is_compiling():
         return wgrad_hadamard_transform(x)
     torch._dynamo.maybe_mark_dynamic(x, tuple(range(x.dim())))  # a 16-token dim specializes
-    return _compiled_hadamard()(x)
+    return _compiled_or_eager("hadamard", _compiled_hadamard, wgrad_hadamard_transform, (x,), "the wgrad Hadamard transform")
 
 
 # ------------------------------------------------------------------------------------ entry
@@ -268,7 +286,7 @@ def tokens_transposed(x_TD: torch.Tensor) -> torch.Tensor:
 
 def quantize_operand(
     x: torch.Tensor,
-    op,
+    op: BlockSpec,
     *,
     tensor_amax: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -277,8 +295,8 @@ def quantize_operand(
     stats: bool = True,
     compiled: bool = False,
 ) -> QuantizedBlocks:
-    """Quantize a 2-D ``x`` along its last dim (or in 2-D tiles) as ``op`` (an ``OperandQuant``:
-    ``scale_format``, ``block_size``, ``two_d``, ``rounding``, ``scale_target``) says.
+    """Quantize a 2-D ``x`` along its last dim (or in 2-D tiles) as ``op`` (a
+    :class:`~nemofp4.formats.BlockSpec`, e.g. an ``OperandQuant``) says.
 
     Equals ``quantize_blocks(x, op.scale_format, op.block_size, two_d, op.scale_target,
     tensor_amax, op.rounding, generator)`` bitwise (``scaled`` == its ``scaled_values()``).
@@ -310,7 +328,7 @@ def quantize_operand(
 
 def quantize_tokens_operand(
     x_TD: torch.Tensor,
-    op,
+    op: BlockSpec,
     *,
     tensor_amax: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -364,7 +382,7 @@ def _run(spec: _Spec, blocks: torch.Tensor, op, tensor_amax, generator, operand_
     """Draw the random bits (in the operand's element order) and run the core, compiled or eagerly."""
     device = blocks.device
     g = None if tensor_amax is None else tensor_amax.detach().float().reshape(())
-    target = scaled_target(op.scale_target if op.scale_format != "ue8m0" else 448.0, device)
+    target = scaled_target(DEFAULT_SCALE_TARGET if spec.power_of_two else op.scale_target, device)
     draws = None
     if op.rounding in BYTE_DRAW_ROUNDINGS:
         draws = sr8_words(blocks.numel(), generator, device)
@@ -400,7 +418,7 @@ def _result(op, shape, padded_shape, two_d, scaled, tensor_scale, g, codes, scal
         codes=codes,
         scale_codes=scale_codes,
         scaled=scaled,
-        counts=dict(zip(_STAT_NAMES, counts.unbind())) if stats else {},
+        counts=dict(zip(BLOCK_STATS, counts.unbind())) if stats else {},
         num_blocks=(rows_p // (b if two_d else 1)) * (cols_p // b),
         num_elements=shape[0] * shape[1],
     )

@@ -25,7 +25,8 @@ import warnings
 
 import torch
 
-from nemofp4.formats import SCALE_FORMATS, QuantizedBlocks
+from nemofp4.formats import QuantizedBlocks
+from nemofp4.formats.spec import INPUT_DTYPES, SCALE_FORMAT_TABLE, STAT_NAMES, BlockSpec
 
 __all__ = [
     "triton_amax",
@@ -34,18 +35,16 @@ __all__ = [
     "triton_quantize_with_draws",
 ]
 
-DEFAULT_BLOCK_SIZE = {"e4m3": 16, "ue5m3": 16, "ue5m3_cuda": 16, "ue8m0": 32}
 SUPPORTED_BLOCK_SIZES = (2, 4, 8, 16, 32, 64)
+"""Block sizes the kernel is built for (the torch program takes any even size)."""
 _ROUNDING_CODES = {"rne": 0, "sr8": 1, "sr_exact": 2, "sr": 3}
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MX_SCALE_MODES = ("floor", "ceil")
-_STAT_NAMES = ("saturated_blocks", "underflow_blocks", "zero_blocks", "clipped_elements")
+"""The kernel's ``ROUNDING`` constants (``_quantize_kernels.ROUND_*``)."""
 
 
 # ------------------------------------------------------------------------------------ amax
 def triton_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 0-d tensor on x's device (exact; NaN if x has a NaN); no host sync."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
+    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
         raise ValueError(f"triton_amax: expected a float32/bfloat16/float16 tensor, got {_describe(x)}")
     if x.numel() == 0:
         raise ValueError("amax of an empty tensor is undefined")
@@ -75,22 +74,13 @@ def _(flat: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ quantize
 def triton_quantize_blocks(
-    x: torch.Tensor,
-    *,
-    scale_format: str = "ue5m3",
-    block_size: int | None = None,
-    two_d: bool = False,
-    scale_target: float = 448.0,
-    tensor_amax: torch.Tensor | float | None = None,
-    rounding: str = "rne",
-    seed: int | torch.Tensor = 0,
-    also_transposed: bool = False,
-    transposed_scale_target: float | None = None,
-    mx_scale_mode: str = "floor",
+    x: torch.Tensor, *, also_transposed: bool = False, **kwargs
 ) -> QuantizedBlocks | tuple[QuantizedBlocks, QuantizedBlocks]:
     """Quantize ``x`` as ``quantize_blocks(x, scale_format, block_size, two_d, scale_target,
     tensor_amax, rounding)`` does, in one Triton launch (plus the amax reduction when
-    ``tensor_amax`` is None and the format has a tensor scale).
+    ``tensor_amax`` is None and the format has a tensor scale). Keyword arguments: those of
+    :func:`triton_quantize` (``scale_format``, ``block_size``, ``two_d``, ``scale_target``,
+    ``tensor_amax``, ``rounding``, ``seed``, ``transposed_scale_target``, ``mx_scale_mode``).
 
     Args:
         seed: Philox seed for the stochastic roundings (an int, or an int64 one-element device tensor, e.g.
@@ -101,20 +91,7 @@ def triton_quantize_blocks(
         transposed_scale_target: T for ``x.T`` when it differs (the UE5M3 recipe's T = 2048 for
             the wgrad dY of some layers); default ``scale_target``.
     """
-    out = triton_quantize(
-        x,
-        scale_format=scale_format,
-        block_size=block_size,
-        two_d=two_d,
-        scale_target=scale_target,
-        tensor_amax=tensor_amax,
-        rounding=rounding,
-        seed=seed,
-        transposed=also_transposed,
-        transposed_scale_target=transposed_scale_target,
-        mx_scale_mode=mx_scale_mode,
-    )
-    rows, cols = out
+    rows, cols = triton_quantize(x, transposed=also_transposed, **kwargs)
     return (rows, cols) if also_transposed else rows
 
 
@@ -129,6 +106,7 @@ def triton_quantize_with_draws(x: torch.Tensor, **kwargs):
 
 def triton_quantize(
     x: torch.Tensor,
+    spec: BlockSpec | None = None,
     *,
     scale_format: str = "ue5m3",
     block_size: int | None = None,
@@ -148,18 +126,25 @@ def triton_quantize(
 ) -> tuple[QuantizedBlocks | None, QuantizedBlocks | None]:
     """The full launch: ``(row-wise result or None, transposed result or None)``.
 
+    ``spec``, when given, is the quantization (its ``hadamard`` is the caller's) in place of the
+    keywords ``scale_format`` to ``mx_scale_mode``, which then must keep their defaults.
     ``scaled_dtype`` (float32 or bfloat16) also writes E2M1 value x block scale, padded, which
     is exact in either dtype: what a GEMM on block-scaled operands consumes directly.
     ``stats=False`` skips the four statistics counters (their atomics). ``_config`` overrides
     the tile sizes and launch options (``BM``, ``BK``, ``num_warps``; for benchmarks).
     """
-    block_size = _check_args(
-        x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode,
-        rowwise, transposed, transposed_scale_target, scaled_dtype,
-    )  # fmt: skip
+    if spec is None:
+        spec = BlockSpec(scale_format=scale_format, block_size=block_size, two_d=two_d, rounding=rounding,
+                         scale_target=scale_target, mx_scale_mode=mx_scale_mode)  # fmt: skip
+    elif (scale_format, block_size, two_d, scale_target, rounding, mx_scale_mode) != _DEFAULT_FIELDS:
+        raise ValueError("triton_quantize takes the quantization as a spec or as keywords, not both")
+    write_draws, config = _write_draws, _config
+    target_t = _check_launch(x, spec, tensor_amax, rowwise, transposed, transposed_scale_target, scaled_dtype)
     device = x.device
-    is_mx = scale_format == "ue8m0"
-    b = block_size
+    is_mx = spec.format.power_of_two
+    b = spec.block_size
+    scale_format, two_d, rounding = spec.scale_format, spec.two_d, spec.rounding
+    scale_target = spec.scale_target
     shape = x.shape
     cols = shape[-1]
     x2d = x.detach().reshape(-1, cols)
@@ -178,12 +163,11 @@ def triton_quantize(
     else:
         g = _reference_tensor(tensor_amax, device)
     seed_t = _seed_tensor(seed, device, rounding)
-    config = _config or _tile_config(b, two_d, transposed, interpreting(device))
-    target_t = scale_target if transposed_scale_target is None else transposed_scale_target
+    config = config or _tile_config(b, two_d, transposed, interpreting(device))
     outs = torch.ops.nemofp4.triton_quantize(
         x2d, g, seed_t, scale_format, b, two_d, _fp32(scale_target * 6.0), _fp32(target_t * 6.0),
-        _ROUNDING_CODES[rounding], mx_scale_mode == "ceil", rowwise, transposed,
-        _SCALED_DTYPE_CODES[scaled_dtype], _write_draws, stats,
+        _ROUNDING_CODES[rounding], spec.mx_scale_mode == "ceil", rowwise, transposed,
+        _SCALED_DTYPE_CODES[scaled_dtype], write_draws, stats,
         config["BM"], config["BK"], config.get("num_warps", 0), config.get("enable_fp_fusion", True),
     )  # fmt: skip
     r = dict(zip(_SIDE_OUTPUTS, outs[:6]))
@@ -201,7 +185,7 @@ def triton_quantize(
             tensor_scale=r["ts"].reshape(()),
             tensor_amax=g0,
             scale_target=float(scale_target),
-            counts=dict(zip(_STAT_NAMES, r["counts"].unbind())) if stats else {},
+            counts=dict(zip(STAT_NAMES, r["counts"].unbind())) if stats else {},
             shape=shape,
             padded_shape=torch.Size([rows_p, cols_p]) if two_d else padded,
             block_size=b,
@@ -219,8 +203,8 @@ def triton_quantize(
             scale_codes=t["scales"],
             tensor_scale=t["ts"].reshape(()),
             tensor_amax=g0,
-            scale_target=float(scale_target if transposed_scale_target is None else transposed_scale_target),
-            counts=dict(zip(_STAT_NAMES, t["counts"].unbind())) if stats else {},
+            scale_target=float(target_t),
+            counts=dict(zip(STAT_NAMES, t["counts"].unbind())) if stats else {},
             shape=torch.Size([cols, rows]),
             padded_shape=torch.Size([cols, rows_p]),
             block_size=b,
@@ -230,10 +214,12 @@ def triton_quantize(
             num_elements=math.prod(shape),
             scaled=t["scaled"] if scaled_dtype is not None else None,
         )
-    if _write_draws:
+    if write_draws:
         return (row_result, r["draws"] if rowwise else None), (col_result, t["draws"] if transposed else None)
     return row_result, col_result
 
+
+_DEFAULT_FIELDS = ("ue5m3", None, False, 448.0, "rne", "floor")
 
 # ------------------------------------------------------------------------------------ the op
 _SCALED_DTYPE_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2}
@@ -286,8 +272,8 @@ def _quantize_op(
     """One quantization launch as an op (``g`` None: an MX launch measures its own amax), so that
     torch.compile and FSDP2 see a node with a fake implementation rather than a graph break."""
     device = x2d.device
-    fmt = SCALE_FORMATS[scale_format]
-    is_mx = scale_format == "ue8m0"
+    row = SCALE_FORMAT_TABLE[scale_format]
+    fmt, is_mx = row.codes, row.power_of_two
     measure_amax = g is None
     outs = _launch_outputs(x2d, block_size, two_d, rowwise, transposed, scaled_dtype, write_draws, measure_amax)
     dummies = {"codes": torch.uint8, "scales": torch.uint8, "scaled": torch.float32, "draws": torch.int64,
@@ -316,7 +302,7 @@ def _quantize_op(
         SCALE_MANT=fmt.mantissa_bits,
         SCALE_MIN_NORMAL=fmt.min_normal,
         SCALE_SUB_STEP=fmt.min_subnormal,
-        ZERO_CODE_TO_ONE=scale_format != "e4m3",
+        ZERO_CODE_TO_ONE=row.zero_code_to_one,
         ROUNDING=rounding,
         TWO_D=two_d,
         ROWWISE=rowwise,
@@ -417,62 +403,32 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-def _check_args(
-    x, scale_format, block_size, two_d, scale_target, tensor_amax, rounding, mx_scale_mode,
-    rowwise, transposed, transposed_scale_target, scaled_dtype,
-) -> int:  # fmt: skip
-    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
-        raise ValueError(f"x must be a float32/bfloat16/float16 tensor, got {_describe(x)}")
-    if x.dim() == 0 or x.numel() == 0:
-        raise ValueError(f"x has shape {tuple(x.shape)}; need >= 1 dim and >= 1 element")
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"unknown scale_format {scale_format!r}; valid: {', '.join(SCALE_FORMATS)}")
-    block_size = DEFAULT_BLOCK_SIZE[scale_format] if block_size is None else block_size
-    if block_size not in SUPPORTED_BLOCK_SIZES or isinstance(block_size, bool):
+def _check_launch(
+    x, spec: BlockSpec, tensor_amax, rowwise: bool, transposed: bool, transposed_scale_target, scaled_dtype
+) -> float:
+    """The checks of :meth:`BlockSpec.check_input` and what only the kernel needs; returns the scale
+    target of the transposed side."""
+    spec.check_input(x, tensor_amax, stacklevel=5)
+    if spec.block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(
-            f"block_size {block_size!r} is not supported by the Triton kernels; valid: {SUPPORTED_BLOCK_SIZES} "
+            f"block_size {spec.block_size!r} is not supported by the Triton kernels; valid: {SUPPORTED_BLOCK_SIZES} "
             "(the PyTorch reference nemofp4.formats.quantize_blocks takes any even size)"
         )
-    if two_d and x.dim() != 2:
-        raise ValueError(f"two_d=True needs a 2-D tensor; x has shape {tuple(x.shape)}")
-    if transposed and (x.dim() != 2 or two_d):
+    if transposed and (x.dim() != 2 or spec.two_d):
         raise ValueError(
             f"also_transposed needs a 2-D x with 1-D blocks (16x16 tiles are their own transpose); "
-            f"got shape {tuple(x.shape)}, two_d={two_d}"
+            f"got shape {tuple(x.shape)}, two_d={spec.two_d}"
         )
     if not (rowwise or transposed):
         raise ValueError("nothing to do: rowwise=False and transposed=False")
-    for name, target in (
-        ("scale_target", scale_target),
-        ("transposed_scale_target", transposed_scale_target),
-    ):
-        if target is None and name == "transposed_scale_target":
-            continue
-        if (
-            isinstance(target, bool)
-            or not isinstance(target, (int, float))
-            or not (math.isfinite(target) and target > 0)
-        ):
-            raise ValueError(f"{name} must be a finite positive number, got {target!r}")
-    if rounding not in _ROUNDING_CODES:
-        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(_ROUNDING_CODES)}")
-    if mx_scale_mode not in _MX_SCALE_MODES:
-        raise ValueError(f"unknown mx_scale_mode {mx_scale_mode!r}; valid: {', '.join(_MX_SCALE_MODES)}")
-    if scaled_dtype not in (None, torch.float32, torch.bfloat16):
+    if scaled_dtype not in _SCALED_DTYPE_CODES:
         raise ValueError(f"scaled_dtype must be None, torch.float32 or torch.bfloat16, got {scaled_dtype}")
-    if not isinstance(tensor_amax, (type(None), torch.Tensor)):
-        if isinstance(tensor_amax, bool) or not isinstance(tensor_amax, (int, float)):
-            raise ValueError(
-                f"tensor_amax must be None, a number or a tensor, got {type(tensor_amax).__name__}"
-            )
-        if not (math.isfinite(tensor_amax) and tensor_amax >= 0):
-            raise ValueError(f"tensor_amax must be finite and >= 0, got {tensor_amax}")
-    elif isinstance(tensor_amax, torch.Tensor) and tensor_amax.numel() != 1:
-        raise ValueError(f"tensor_amax must have one element, got shape {tuple(tensor_amax.shape)}")
-    if scale_format == "ue8m0" and (scale_target != 448.0 or transposed_scale_target is not None):
-        warnings.warn("scale_target has no effect with scale_format='ue8m0' (no tensor scale)", stacklevel=4)
-    if scale_format == "ue8m0" and tensor_amax is not None:
-        warnings.warn("tensor_amax has no effect with scale_format='ue8m0' (no tensor scale)", stacklevel=4)
-    if scale_format != "ue8m0" and mx_scale_mode != "floor":
-        warnings.warn(f"mx_scale_mode has no effect with scale_format={scale_format!r}", stacklevel=4)
-    return block_size
+    if transposed_scale_target is None:
+        return spec.scale_target
+    target = transposed_scale_target
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not (math.isfinite(target) and target > 0):
+        raise ValueError(f"transposed_scale_target must be a finite positive number, got {target!r}")
+    if spec.format.power_of_two:
+        warnings.warn(f"scale_target has no effect with scale_format={spec.scale_format!r} (no tensor scale)",
+                      stacklevel=5)  # fmt: skip
+    return target

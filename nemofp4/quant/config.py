@@ -27,6 +27,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from nemofp4.formats import ROUNDING_MODES, SCALE_FORMAT_TABLE, BlockSpec
+
 __all__ = [
     "ELEMENT_FORMATS",
     "GEMM_MODES",
@@ -38,8 +40,7 @@ __all__ = [
 ]
 
 ELEMENT_FORMATS = ("e2m1",)
-SCALE_FORMATS = ("e4m3", "ue5m3", "ue5m3_cuda", "ue8m0")
-ROUNDING_MODES = ("rne", "sr8", "sr", "sr_exact")
+SCALE_FORMATS = tuple(SCALE_FORMAT_TABLE)
 GEMM_MODES = ("scaled", "decoded", "hardware")
 
 
@@ -54,56 +55,32 @@ class Role(str, enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class OperandQuant:
-    """Quantization of one GEMM operand: element and scale format, blocks, rounding, reference."""
+class OperandQuant(BlockSpec):
+    """Quantization of one GEMM operand: a :class:`~nemofp4.formats.BlockSpec` (scale format, blocks,
+    rounding, scale target, Hadamard transform: what the kernels read) plus what training adds, the
+    element format and the tensor reference's refresh interval."""
 
     element_format: str = "e2m1"
     """Element (payload) format; FP4 E2M1 is the only one the block quantizer implements."""
-    scale_format: str
-    """Block-scale format: 'e4m3' (NVFP4), 'ue5m3' (paper, max 61,440), 'ue5m3_cuda'
-    (CUDA encoding, max 114,688) or 'ue8m0' (OCP MX power-of-two scales, no tensor scale)."""
     block_size: int = 16
     """Elements per block along the reduction dimension (16 NVFP4/UE5M3, 32 MXFP4)."""
-    two_d: bool = False
-    """block_size x block_size tiles (weights only), so W and W^T quantize identically."""
-    rounding: str = "rne"
-    """'rne' (ties to even), 'sr' (TE's cvt.rs SR, 8 random bits), 'sr8' (the UE5M3 paper's
-    8-bit midpoint SR) or 'sr_exact' (53-bit SR); see :mod:`nemofp4.formats.minifloat`."""
     hadamard: bool = False
     """16x16 random Hadamard transform along the reduction dimension before quantizing.
     Only meaningful for wgrad operands, where it cancels in the product (H H^T = I)."""
-    scale_target: float = 448.0
-    """T: the block code a block whose amax equals the tensor reference is mapped to."""
     reference_interval: int = 0
     """0: current scaling, the reference is the amax of the tensor being quantized, at every
     quantization (Transformer Engine's NVFP4 semantics). D >= 1: sample-and-hold, the amax is
     sampled at the first use of a step and held until D steps have passed (refreshes at
     steps 1, D+1, 2D+1, ...); with gradient accumulation the first micro-batch samples it."""
 
-    def __post_init__(self) -> None:
-        errors = []
+    def _errors(self) -> list[str]:
+        errors = super()._errors()
         if self.element_format not in ELEMENT_FORMATS:
             errors.append(f"element_format={self.element_format!r} (valid: {ELEMENT_FORMATS})")
-        if self.scale_format not in SCALE_FORMATS:
-            errors.append(f"scale_format={self.scale_format!r} (valid: {SCALE_FORMATS})")
-        if self.rounding not in ROUNDING_MODES:
-            errors.append(f"rounding={self.rounding!r} (valid: {ROUNDING_MODES})")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            errors.append(f"block_size={self.block_size!r} (must be a positive int)")
-        elif self.hadamard and self.block_size % 16 != 0:
-            errors.append(f"block_size={self.block_size} with hadamard=True (must be a multiple of 16)")
-        if not self.scale_target > 0:
-            errors.append(f"scale_target={self.scale_target!r} (must be > 0)")
         interval = self.reference_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
             errors.append(f"reference_interval={interval!r} (0 = current scaling, or D >= 1)")
-        if errors:
-            raise ValueError("invalid OperandQuant: " + "; ".join(errors))
-
-    @property
-    def uses_tensor_reference(self) -> bool:
-        """UE8M0 (MX) scales are absolute powers of two: no tensor reference is involved."""
-        return self.scale_format != "ue8m0"
+        return errors
 
     def summary(self) -> str:
         """Short human-readable form for the per-layer table."""

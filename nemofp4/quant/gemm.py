@@ -100,14 +100,15 @@ def decoded_gemm(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
 
 
 def gemm(
-    a: GemmOperand, b: GemmOperand, *, mode: str, compute_dtype: torch.dtype, backend: str = "auto"
+    a: GemmOperand, b: GemmOperand, *, mode: str, compute_dtype: torch.dtype, backend: kernels.Backend | None = None
 ) -> torch.Tensor:
     """Dispatch on the recipe's GEMM mode; returns float32 ``[a.rows, b.rows]``.
 
     ``hardware`` is the UE5M3 paper's probe-matched model of a native FP4 GEMM (64-product
     groups, round-toward-zero accumulation, then the final snap to the 1/1024 lattice that its
     ``probe_matched_fp4_gemm`` applies with ``snap_to_1_over_1024=True``), from
-    :mod:`nemofp4.kernels`: a Triton kernel on CUDA, its PyTorch twin elsewhere.
+    :mod:`nemofp4.kernels`: a Triton kernel on CUDA, its PyTorch twin elsewhere (``backend``: the
+    module's resolved kernels; None: those of 'auto' for the operands' device).
     """
     if mode == "scaled":
         return scaled_gemm(a, b, compute_dtype)
@@ -115,7 +116,8 @@ def gemm(
         return decoded_gemm(a, b)
     if mode == "hardware":
         assert not a.transposed
-        return kernels.gemm_hardware(a.q, b.q, b_transposed=b.transposed, lattice_snap=True, backend=backend)
+        backend = backend or kernels.backend_for("auto", a.q.tensor_scale.device)
+        return backend.gemm_hardware(a.q, b.q, b_transposed=b.transposed, lattice_snap=True)
     raise ValueError(f"unknown gemm mode {mode!r}; valid modes are 'scaled', 'decoded' and 'hardware'")
 
 

@@ -22,9 +22,9 @@ Stochastic rounding draws from one generator per module, seeded from (seed, rank
 module index) by :func:`set_step`, so a resumed run reproduces the same random bits.
 
 The autograd Function never sees the module: it receives a frozen, hashable
-:class:`QuantCall` (the recipe's :class:`LinearQuantConfig`, backend, mode, dtype) and the
-module's :class:`QuantLinearState`, the one mutable object it updates (held references,
-the SR generator, the last statistics).
+:class:`QuantCall` (the recipe's :class:`LinearQuantConfig`, the kernel backend resolved for the
+input's device, mode, dtype) and the module's :class:`QuantLinearState`, the one mutable object it
+updates (held references, the SR generator, the last statistics).
 
 Tensor legend: T tokens (product of leading dims), K in-features, N out-features,
 Tp tokens padded to a multiple of 16.
@@ -76,8 +76,8 @@ class QuantCall:
     module's settings, so the autograd Function depends on values, not on a module it could mutate."""
 
     config: LinearQuantConfig
-    backend: str
-    """kernels backend: 'auto', 'triton', 'compiled' or 'eager'"""
+    backend: kernels.Backend
+    """the kernels backend the module's setting resolved to for the input's device"""
     training: bool
     """training mode: held references are sampled when due (eval only reads them)"""
     collect_stats: bool
@@ -92,17 +92,32 @@ class QuantLinearState:
     """The mutable quantization state of one QuantLinear, the only thing its autograd Function
     updates: the tensor references (:class:`ReferenceState`), the stochastic-rounding generator
     (reseeded from (seed, rank, step, module index) at every step), the last quantization
-    statistics, and a test hook (``capture``: a list collects every GEMM's operands and product)."""
+    statistics, the kernel backend (the setting, and what it resolved to per device), and the test
+    seam (``capture``: a list collects every GEMM's operands and product)."""
 
     def __init__(self, references: ReferenceState, index: int) -> None:
         self.references = references
         self.index = index
+        self.backend = "auto"
+        """The kernels setting ('auto', 'triton', 'compiled' or 'eager'), stored here only."""
+        self._resolved: dict[torch.device, kernels.Backend] = {}
         self.seed = 0
         self.rank = 0
         self.generator: torch.Generator | None = None
         self.generator_seed: int | None = None
         self.stats: dict[str, OperandStats] = {}
         self.capture: list | None = None
+
+    def set_backend(self, backend: str) -> None:
+        self.backend = kernels.check_backend(backend)
+        self._resolved = {}
+
+    def kernels_for(self, device: torch.device) -> kernels.Backend:
+        """The backend the setting resolves to on ``device``, resolved at the first call there."""
+        backend = self._resolved.get(device)
+        if backend is None:
+            backend = self._resolved[device] = kernels.backend_for(self.backend, device)
+        return backend
 
     def set_step(self, step: int, *, seed: int = 0, rank: int = 0) -> None:
         self.references.step = step
@@ -118,11 +133,12 @@ class QuantLinearState:
             self.generator.manual_seed(self.generator_seed)
         return self.generator
 
-    def record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None, *, backend: str) -> None:
+    def record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None, *, backend) -> None:
         # Keep only the block counts and rho (device scalars, read lazily), not the data.
         self.stats[role.value] = operand_stats(q, held_source, backend=backend)
 
     def capture_gemm(self, name, qa, qb, b_transposed, out) -> None:
+        """The test seam at each GEMM (tests set ``QuantLinear._capture = []``)."""
         if self.capture is not None:
             self.capture.append((name, qa, qb, b_transposed, out.detach().clone()))
 
@@ -145,7 +161,8 @@ class _Quantizer:
             return None
         ref = LinearQuantConfig.reference_of(role, op)
         if ref not in self.references:
-            self.references[ref] = self.state.references.get(ref, x, training=self.call.training)
+            self.references[ref] = self.state.references.get(ref, x, training=self.call.training,
+                                                             backend=self.call.backend)  # fmt: skip
         return self.references[ref]
 
     def held_source(self, role: Role, x):
@@ -157,15 +174,14 @@ class _Quantizer:
 
     def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> QuantizedBlocks:
         op: OperandQuant = self.config.operand(role)
-        q = kernels.quantize_operand(
+        q = self.call.backend.quantize(
             x,
             op,
             tensor_amax=self.reference(role, x),
             generator=self.generator if op.rounding != "rne" else None,
             two_d=two_d,
-            pack=pack or self.pack_all(x.device),
+            pack=pack or self.pack_all,
             stats=self.call.collect_stats,
-            backend=self.call.backend,
         )
         self.record(role, q, self.held_source(role, x))
         return q
@@ -175,17 +191,16 @@ class _Quantizer:
         op: OperandQuant = self.config.operand(role)
         if op.hadamard:  # its reference is the amax of the transformed tensor: made only if measured here
             def source():
-                return kernels.hadamard_transform(kernels.tokens_transposed(x_TD), backend=self.call.backend)
+                return self.call.backend.hadamard_transform(kernels.tokens_transposed(x_TD))
         else:
             source = x_TD
-        q = kernels.quantize_tokens_operand(
+        q = self.call.backend.quantize_tokens(
             x_TD,
             op,
             tensor_amax=self.reference(role, source),
             generator=self.generator if op.rounding != "rne" else None,
-            pack=pack or self.pack_all(x_TD.device),
+            pack=pack or self.pack_all,
             stats=self.call.collect_stats,
-            backend=self.call.backend,
         )
         self.record(role, q, self.held_source(role, source))
         return q
@@ -201,24 +216,24 @@ class _Quantizer:
         config = self.config
         amax = self.reference(Role.X, x_TK)
         assert amax is None or self.reference(Role.X_WGRAD, x_TK) is amax  # one shared 'x' reference
-        qx, qxt = kernels.quantize_operand_pair(
+        qx, qxt = self.call.backend.quantize_pair(
             x_TK,
             config.x,
             config.x_wgrad,
             tensor_amax=amax,
             generator=self.generator if config.x.rounding != "rne" else None,
-            pack_x=self.pack_all(x_TK.device),
+            pack_x=self.pack_all,
             pack_xt=True,
             stats=self.call.collect_stats,
-            backend=self.call.backend,
         )
         self.record(Role.X, qx, self.held_source(Role.X, x_TK))
         self.record(Role.X_WGRAD, qxt, self.held_source(Role.X_WGRAD, x_TK))
         return qx, qxt
 
-    def pack_all(self, device: torch.device) -> bool:
-        # The Triton hardware GEMM reads packed codes.
-        return self.config.gemm == "hardware" and kernels.resolve_backend(self.call.backend, device) == "triton"
+    @property
+    def pack_all(self) -> bool:
+        """Every operand packed: the backend's hardware GEMM reads packed codes (Triton's does)."""
+        return self.config.gemm == "hardware" and self.call.backend.reads_packed_codes
 
 
 class _QuantLinearFunction(torch.autograd.Function):
@@ -301,8 +316,8 @@ class _QuantLinearFunction(torch.autograd.Function):
 
 def _quant_linear(layer: QuantLinear, x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     """Freeze the layer's settings into a :class:`QuantCall` and run the autograd Function on values."""
-    call = QuantCall(config=layer.quant_config, backend=layer.quant_backend, training=layer.training,
-                     collect_stats=layer.collect_stats, compute_dtype=compute_dtype)  # fmt: skip
+    call = QuantCall(config=layer.quant_config, backend=layer.quant_state.kernels_for(x.device),
+                     training=layer.training, collect_stats=layer.collect_stats, compute_dtype=compute_dtype)  # fmt: skip
     return _QuantLinearFunction.apply(x, layer.weight, layer.bias, call, layer.quant_state)
 
 
@@ -360,7 +375,15 @@ class QuantLinear(nn.Linear):
         references = ReferenceState({ref: config.reference_interval(ref) for ref in config.reference_roles()})
         self.quant_state = QuantLinearState(references, index)
         self.collect_stats = True
-        self.quant_backend = "auto"  # kernels backend: 'auto', 'triton', 'compiled' or 'eager'
+
+    @property
+    def quant_backend(self) -> str:
+        """The kernels setting: 'auto', 'triton', 'compiled' or 'eager' (kept in :attr:`quant_state`)."""
+        return self.quant_state.backend
+
+    @quant_backend.setter
+    def quant_backend(self, backend: str) -> None:
+        self.quant_state.set_backend(backend)
 
     # ----------------------------------------------------------------- step, seeds, references
     def set_step(self, step: int, *, seed: int = 0, rank: int = 0) -> None:

@@ -69,34 +69,37 @@ class ReferenceState:
         self.step: int | None = None
         self.reduce_group: dist.ProcessGroup | None = None
         self.held_reduce_group: dist.ProcessGroup | None = None
-        self.backend = "auto"  # the kernels backend that measures amaxes
         self._warned_no_step = False
 
-    def measure(self, x: torch.Tensor | Callable[[], torch.Tensor], *, for_held: bool = False) -> torch.Tensor:
-        """Current amax of ``x`` as fp32 0-d, all-reduced (max) over ``reduce_group`` if set (and over
-        ``held_reduce_group`` when sampling a held reference). ``x`` may be a function that makes the
-        tensor (an operand the quantizer transforms in its own loop is made only when measured here)."""
-        value = kernels.amax(x() if callable(x) else x, backend=self.backend)  # Triton on CUDA, nemofp4.formats.amax otherwise
+    def measure(self, x: torch.Tensor | Callable[[], torch.Tensor], *, for_held: bool = False,
+                backend: kernels.Backend | None = None) -> torch.Tensor:  # fmt: skip
+        """Current amax of ``x`` as fp32 0-d (by ``backend``, the module's resolved kernels; None: the
+        kernels of "auto"), all-reduced (max) over ``reduce_group`` if set (and over ``held_reduce_group`` when
+        sampling a held reference). ``x`` may be a function that makes the tensor (an operand the
+        quantizer transforms in its own loop is made only when measured here)."""
+        x = x() if callable(x) else x
+        value = (backend or kernels.backend_for("auto", x.device)).amax(x)
         group = self.reduce_group if self.reduce_group is not None else (self.held_reduce_group if for_held else None)
         if group is not None:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return value
 
-    def get(self, name: str, x: torch.Tensor | Callable[[], torch.Tensor], *, training: bool) -> torch.Tensor | None:
+    def get(self, name: str, x: torch.Tensor | Callable[[], torch.Tensor], *, training: bool,
+            backend: kernels.Backend | None = None) -> torch.Tensor | None:  # fmt: skip
         """The reference to quantize ``x`` with (None: the quantizer measures it), refreshing the held
         value when it is due.
 
         Outside training (eval) a held value is used as is and never refreshed, so evaluation
         cannot change a training trajectory; an empty reference then falls back to the current
-        amax without storing it.
+        amax without storing it. ``backend`` measures the amaxes (see :meth:`measure`).
         """
         interval = self.intervals[name]
         if interval == 0:  # current scaling: the quantizer measures max |x| in its own pass
-            return None if self.reduce_group is None else self.measure(x)
+            return None if self.reduce_group is None else self.measure(x, backend=backend)
         held = self.held.get(name)
         if not training:
-            return held.amax if held is not None else self.measure(x)
+            return held.amax if held is not None else self.measure(x, backend=backend)
         if self.step is None:
             if not self._warned_no_step:
                 warnings.warn(
@@ -105,15 +108,19 @@ class ReferenceState:
                     stacklevel=2,
                 )
                 self._warned_no_step = True
-            return self.measure(x)
+            return self.measure(x, backend=backend)
         if held is None or self.step - held.refresh_step >= interval:
-            sampled = self.measure(x, for_held=True).detach().clone()
+            sampled = self.measure(x, for_held=True, backend=backend).detach().clone()
             kept = finite_sample_or_previous(sampled, held)
             if kept is None:
                 return sampled  # nothing held yet and the sample is not finite: store nothing, sample next step
             held = HeldReference(amax=kept, refresh_step=self.step)
             self.held[name] = held
         return held.amax
+
+    def __contains__(self, name: str) -> bool:
+        """Whether this module quantizes with the reference ``name`` at all (held or current)."""
+        return name in self.intervals
 
     def is_held(self, name: str) -> bool:
         """Whether ``name`` is a sample-and-hold reference of this module (current ones are not stored)."""

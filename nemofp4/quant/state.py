@@ -185,7 +185,6 @@ def set_quant_backend(model: nn.Module, backend: str) -> None:
     kernels.check_backend(backend)
     for _, module in quant_linears(model):
         module.quant_backend = backend
-        module.references.backend = backend
 
 
 def set_held_reference_reduce_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:

@@ -54,9 +54,14 @@ class OperandStats:
         return out
 
 
-def operand_stats(q: QuantizedBlocks, source: torch.Tensor | None = None, *, backend: str = "auto") -> OperandStats:
+def operand_stats(q: QuantizedBlocks, source: torch.Tensor | None = None, *,
+                  backend: kernels.Backend | None = None) -> OperandStats:  # fmt: skip
     """The statistics of ``q``. ``source``: the high-precision tensor ``q`` was quantized from, given
     only when its tensor reference was a held one (``q.tensor_amax``); its current amax is then
-    measured (one extra read of the operand, on the device) for rho."""
-    ratio = None if source is None else amax_ratio(kernels.amax(source.detach(), backend=backend), q.tensor_amax)
+    measured (one extra read of the operand, on the device, by ``backend``: the module's kernels,
+    None for those of 'auto') for rho."""
+    ratio = None
+    if source is not None:
+        backend = backend or kernels.backend_for("auto", source.device)
+        ratio = amax_ratio(backend.amax(source.detach()), q.tensor_amax)
     return OperandStats(q.without_data(), ratio)

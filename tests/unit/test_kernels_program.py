@@ -2,11 +2,14 @@
 reference quantize_blocks and the same program run eagerly: bitwise, for every scale format and
 rounding; and the backend setting that chooses the path."""
 
+import warnings
+
 import pytest
 import torch
 
 from nemofp4 import kernels
 from nemofp4.formats import quantize_blocks
+from nemofp4.kernels import backend as kernel_backends
 from nemofp4.kernels import program
 from nemofp4.kernels.program import cpu_compile_available, quantize_operand
 from nemofp4.quant import OperandQuant
@@ -164,15 +167,13 @@ def test_non_2d_input_is_refused_by_name():
 def test_backend_setting_picks_the_path(monkeypatch):
     calls = []
     real = program.quantize_operand
-    monkeypatch.setattr(
-        kernels, "program_quantize_operand", lambda *a, **k: calls.append(k["compiled"]) or real(*a, **k)
-    )
-    monkeypatch.setattr(kernels, "cpu_compile_available", lambda: True)
+    monkeypatch.setattr(program, "quantize_operand", lambda *a, **k: calls.append(k["compiled"]) or real(*a, **k))
+    monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: True)
     x = torch.randn(16, 32)
     for backend in ("auto", "compiled", "eager"):
         kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend=backend)
     assert calls == [True, True, False]
-    monkeypatch.setattr(kernels, "cpu_compile_available", lambda: False)
+    monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: False)
     assert kernels.resolve_backend("auto", "cpu") == "eager"
     assert kernels.resolve_backend("compiled", "cpu") == "eager"  # no compiler: same numerics, eagerly
     with pytest.raises(
@@ -206,10 +207,14 @@ def test_single_block_and_tiny_operands(shape, two_d):
 
 
 def test_a_failed_build_warns_falls_back_and_keeps_the_numerics(monkeypatch):
-    """A toolchain that cannot build the kernel must not stop training: the call warns, returns
-    the eager result from the same random draws, and later calls skip the compiled path."""
+    """A toolchain that cannot build the kernel must not stop training: the call warns naming the
+    spec, returns the eager result from the same random draws, and later calls of that spec skip the
+    compiled path; another spec still compiles (the fallback is not process-wide)."""
+    builds = []
 
     def broken(spec):
+        builds.append(spec)
+
         def build(*args):
             raise torch._dynamo.exc.BackendCompilerFailed(
                 "inductor", RuntimeError("no working C++ compiler"), None
@@ -218,23 +223,29 @@ def test_a_failed_build_warns_falls_back_and_keeps_the_numerics(monkeypatch):
         return build
 
     monkeypatch.setattr(program, "_compiled", broken)
-    monkeypatch.setattr(program, "_compile_failed", False)
+    monkeypatch.setattr(program, "_failed_builds", set())
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
     op = OperandQuant(scale_format="ue5m3", rounding="sr8")
-    with pytest.warns(UserWarning, match=r"(?s)could not build the CPU FP4 quantizer.*no working C"):
+    with pytest.warns(UserWarning, match=r"(?s)could not build the CPU FP4 quantizer for ue5m3 blocks of 16, sr8.*no working C"):
         fast = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True, compiled=True)
     eager = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True)
     assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
     assert torch.equal(fast.packed.codes, eager.packed.codes)
-    assert not program.cpu_compile_available()
-    assert kernels.resolve_backend("auto", "cpu") == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the spec runs eagerly without another attempt
+        quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True, compiled=True)
+    assert len(builds) == 1
+    with pytest.warns(UserWarning, match="for ue5m3 blocks of 16, rne"):  # another spec still tries to compile
+        quantize_operand(x, OperandQuant(scale_format="ue5m3"), compiled=True)
+    assert len(builds) == 2
+    assert program.cpu_compile_available() == program._compiler_on_path()
 
 
 def test_describe_names_the_path_the_backend_takes(monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_compile_available", lambda: True)
+    monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: True)
     assert "compiled torch program" in kernels.describe("cpu")
     assert "kernels=eager" in kernels.describe("cpu", "eager")
-    monkeypatch.setattr(kernels, "cpu_compile_available", lambda: False)
+    monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: False)
     assert "eager torch program (no Triton" in kernels.describe("cpu")
 
 
@@ -257,7 +268,10 @@ def test_set_quant_backend_reaches_every_linear_and_refuses_unknown_names():
     model = build_model(get_model_config("tiny"), device="meta")
     apply_recipe(model, get_recipe("ue5m3"), log=False)
     set_quant_backend(model, "eager")
-    assert {(m.quant_backend, m.references.backend) for _, m in quant_linears(model)} == {("eager", "eager")}
+    cpu = torch.device("cpu")
+    assert {(m.quant_backend, m.quant_state.kernels_for(cpu).name) for _, m in quant_linears(model)} == {("eager", "eager")}
+    set_quant_backend(model, "auto")  # stored once per module: a new setting replaces what it resolved to
+    assert {m.quant_state.kernels_for(cpu).name for _, m in quant_linears(model)} == {kernels.resolve_backend("auto", cpu)}
     with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):
         set_quant_backend(model, "reference")
 
