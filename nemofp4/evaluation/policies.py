@@ -14,15 +14,15 @@ calibrated      calibrated-frozen: each reference is the max over C calibration 
                 (each run alone, under ``current``) and is then frozen
 ==============  ==========================================================================
 
-The policies drive the quantizers through their held references (``QuantLinear.references``):
-a held value is what an FP4 linear in eval mode quantizes with, and an empty one falls back to
-the current amax. :class:`PolicyForward` saves every module's reference state on entry and
-restores it on exit, so evaluating never changes a model that goes on training.
+The policies drive the quantizers through their held references, with the quant-state API
+(:func:`nemofp4.quant.hold`, :func:`~nemofp4.quant.reset_references`): a held value is what an FP4
+linear in eval mode quantizes with, and an empty one falls back to the current amax.
+:class:`PolicyForward` takes a :func:`~nemofp4.quant.snapshot` of every module's reference state on
+entry and restores it on exit, so evaluating never changes a model that goes on training.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ from torch import nn
 
 from nemofp4.formats import amax as tensor_amax
 from nemofp4.models import NemotronHModel
-from nemofp4.quant import HeldReference, quant_linears
+from nemofp4.quant import hold, quant_linears, reset_references, restore, snapshot
 
 __all__ = ["POLICIES", "ActivationAmaxRecorder", "InferencePolicy", "PolicyForward", "unquantized_copy"]
 
@@ -101,7 +101,7 @@ class ActivationAmaxRecorder:
         handles = [
             module.register_forward_pre_hook(self._hook(fqn))
             for fqn, module in quant_linears(self.model)
-            if ACTIVATION_REFERENCE in module.references.intervals
+            if ACTIVATION_REFERENCE in module.references
         ]
         try:
             yield self
@@ -119,15 +119,12 @@ class ActivationAmaxRecorder:
 
 
 def _set_activation_references(model: nn.Module, amaxes: dict[str, torch.Tensor] | None) -> None:
-    """Hold ``amaxes`` (fqn -> fp32 0-d) as the activation references, or hold nothing (current
-    scaling). A held value is only read in eval mode when the reference's interval is nonzero,
-    so a current-scaling recipe (D = 0) gets interval 1 while a value is held."""
-    for fqn, module in quant_linears(model):
-        refs = module.references
-        refs.held = {}
-        if amaxes is not None and fqn in amaxes and ACTIVATION_REFERENCE in refs.intervals:
-            refs.held[ACTIVATION_REFERENCE] = HeldReference(amax=amaxes[fqn].clone(), refresh_step=0)
-            refs.intervals[ACTIVATION_REFERENCE] = max(1, refs.intervals[ACTIVATION_REFERENCE])
+    """Hold ``amaxes`` (fqn -> fp32 0-d) as the activation references and nothing else, or hold nothing
+    (current scaling). A held value is only read in eval mode when the reference's interval is
+    nonzero, so a current-scaling recipe (D = 0) gets interval 1 while a value is held (:func:`hold`)."""
+    reset_references(model)
+    if amaxes is not None:
+        hold(model, ACTIVATION_REFERENCE, amaxes)
 
 
 class PolicyForward:
@@ -159,10 +156,7 @@ class PolicyForward:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> PolicyForward:
-        self._saved = (
-            self.model.training,
-            {fqn: (dict(m.references.held), dict(m.references.intervals)) for fqn, m in quant_linears(self.model)},
-        )
+        self._saved = (self.model.training, snapshot(self.model))
         self.model.eval()
         self.calls = 0
         if self.policy.name == "unquantized":
@@ -176,8 +170,7 @@ class PolicyForward:
 
     def __exit__(self, *exc) -> None:
         training, saved = self._saved
-        for fqn, module in quant_linears(self.model):
-            module.references.held, module.references.intervals = copy.copy(saved[fqn][0]), saved[fqn][1]
+        restore(self.model, saved)
         self.model.train(training)
         self._plain = None
 

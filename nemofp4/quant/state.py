@@ -1,13 +1,27 @@
 """Model-level controls of the FP4 linears: the step, the tensor references, the statistics.
 
-The trainer calls :func:`set_step` once per optimizer step, before the forward pass, and
-saves the held references with each checkpoint as one :class:`QuantState` entry of its DCP
-state. Every name here is canonical (:func:`canonical_fqn`): the module path without the
-segments that activation checkpointing, ``torch.compile``, FSDP1 or DeepSpeed insert, so a
-checkpoint resumes whichever of them the new run turns on.
+The quant-state API: code outside this package (the trainer, evaluation) reads and changes the
+tensor references of a model only through these functions, never through a module's fields.
+
+* :func:`set_step` once per optimizer step, before the forward pass (refreshes, SR seeds);
+* :func:`snapshot` / :func:`restore`: every module's held references and refresh intervals, taken
+  and put back whole (evaluation leaves a model that goes on training as it found it);
+* :func:`hold` / :func:`override_interval` / :func:`reset_references`: hold given amaxes as a
+  reference, change how often one refreshes, empty them all (the inference policies);
+* :class:`QuantState`: the held references as one DCP ``Stateful`` (the ``"quant"`` entry of a
+  checkpoint), and the trainer's whole persistence of them: where they are saved (DCP when the
+  ranks agree on them, per rank otherwise) and how they come back on resume.
+
+Every name here is canonical (:func:`canonical_fqn`): the module path without the segments that
+activation checkpointing, ``torch.compile``, FSDP1 or DeepSpeed insert, so a checkpoint resumes
+whichever of them the new run turns on.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,17 +34,22 @@ from .reference import HeldReference
 
 __all__ = [
     "WRAPPER_SEGMENTS",
+    "QuantSnapshot",
     "QuantState",
     "canonical_fqn",
+    "hold",
     "load_reference_state_dict",
+    "override_interval",
     "quant_linears",
     "quant_stats",
     "reference_state_dict",
     "reset_references",
+    "restore",
     "set_amax_reduce_group",
     "set_quant_backend",
     "set_quant_stats",
     "set_step",
+    "snapshot",
 ]
 
 
@@ -122,14 +141,17 @@ def load_reference_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) 
 
 class QuantState:
     """The held tensor references of a model as one DCP ``Stateful`` (the trainer saves it as the
-    ``"quant"`` entry of its checkpoint state, beside ``"model"`` and ``"optim"``).
+    ``"quant"`` entry of its checkpoint state, beside ``"model"`` and ``"optim"``), and the rules of
+    their persistence around it.
 
     Why a Stateful and not persistent buffers: the model's own state dict stays the weights
     alone, so HF export, evaluation loading and ``strict`` loads see exactly the parameters of
     the unquantized architecture, whatever the recipe. Why DCP and not a per-rank file: with
     ``distributed.reduce_references`` every data-parallel rank holds the same references, so
     they are one replicated value, saved once and loaded by any number of ranks (resuming at
-    another world size keeps them).
+    another world size keeps them). ``replicated=False`` (ranks that hold their own references)
+    saves them per rank instead (:meth:`rank_entries`); ``restore=False`` starts them empty on
+    resume, as the UE5M3 paper's runs did (``precision.restore_references``).
 
     The key set is fixed by the model and recipe, which DCP's in-place loading needs: one
     ``'<fqn>.<ref>.amax'`` (fp32 0-d) and ``'<fqn>.<ref>.refresh_step'`` (int64 0-d) per
@@ -137,8 +159,13 @@ class QuantState:
     with refresh step 0 (steps are 1-based) and restored empty.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    DCP_KEY = "quant"
+    """The entry of the DCP state (and the prefix of its keys in the checkpoint)."""
+
+    def __init__(self, model: nn.Module, *, replicated: bool = True, restore: bool = True) -> None:
         self.model = model
+        self.replicated = replicated
+        self.restore = restore
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         held = reference_state_dict(self.model)
@@ -152,6 +179,89 @@ class QuantState:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         load_reference_state_dict(self.model, state)
+
+    # ------------------------------------------------------------------ persistence
+    def dcp_entries(self, *, for_load: bool = False) -> dict[str, QuantState]:
+        """``{"quant": self}`` for the DCP state when there are held references and the ranks agree
+        on them (when loading, whatever was saved: :meth:`select_for_load` drops what is not wanted)."""
+        if self.state_dict() and (for_load or self.replicated):
+            return {self.DCP_KEY: self}
+        return {}
+
+    def trainer_entries(self) -> dict[str, str]:
+        """What the trainer state records of them: where they were saved."""
+        return {"quant_state": "dcp" if self.replicated else "per_rank"}
+
+    def rank_entries(self) -> dict[str, Any]:
+        """What a rank saves of them on its own: its references, when the ranks do not agree on them."""
+        return {} if self.replicated else {"references": reference_state_dict(self.model)}
+
+    @staticmethod
+    def saved_in_dcp(trainer_state: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint keeps its held references in DCP (older ones, and runs whose ranks
+        hold their own references, save them per rank)."""
+        return trainer_state.get("quant_state") == "dcp"
+
+    def select_for_load(self, trainer_state: Mapping[str, Any], dcp_state: dict[str, Any]) -> None:
+        """Before DCP reads a checkpoint: drop the ``"quant"`` entry where the references are not
+        wanted (``restore=False``) or were not saved there (per rank, or an older checkpoint)."""
+        if not (self.restore and self.saved_in_dcp(trainer_state)):
+            dcp_state.pop(self.DCP_KEY, None)
+
+    def finish_load(self, trainer_state: Mapping[str, Any], rank_state: Mapping[str, Any]) -> None:
+        """After DCP read a checkpoint: empty the references (``restore=False``), or load the per-rank
+        ones (possibly under wrapper names: loaded by canonical name; a rank new to the run takes rank
+        0's); references saved in DCP are already in place."""
+        if not self.restore:
+            reset_references(self.model)
+        elif not self.saved_in_dcp(trainer_state):
+            load_reference_state_dict(self.model, rank_state.get("references", {}))
+
+
+# ------------------------------------------------------------------------------------ snapshots
+@dataclass(frozen=True)
+class QuantSnapshot:
+    """Every FP4 linear's held references and refresh intervals, by canonical fqn (:func:`snapshot`)."""
+
+    modules: dict[str, tuple[dict[str, HeldReference], dict[str, int]]]
+
+
+def snapshot(model: nn.Module) -> QuantSnapshot:
+    """The held references and refresh intervals of every FP4 linear of ``model``, to :func:`restore`."""
+    return QuantSnapshot({fqn: (dict(m.references.held), dict(m.references.intervals)) for fqn, m in quant_linears(model)})
+
+
+def restore(model: nn.Module, saved: QuantSnapshot) -> None:
+    """Put back what :func:`snapshot` took: every module's held references and intervals, whole."""
+    for fqn, module in quant_linears(model):
+        held, intervals = saved.modules[fqn]
+        module.references.held, module.references.intervals = dict(held), dict(intervals)
+
+
+def hold(model: nn.Module, reference: str, amaxes: Mapping[str, torch.Tensor]) -> None:
+    """Hold ``amaxes[fqn]`` (fp32 0-d, copied) as the reference ``reference`` of every FP4 linear named
+    in ``amaxes`` that quantizes with it, as if sampled before step 1 (refresh step 0). An FP4 linear
+    in eval mode then quantizes with it; one whose reference is current (interval 0) would not read a
+    held value, so its interval becomes 1 (:func:`override_interval`)."""
+    current = []
+    for fqn, module in quant_linears(model):
+        refs = module.references
+        if fqn in amaxes and reference in refs:
+            refs.held[reference] = HeldReference(amax=amaxes[fqn].clone(), refresh_step=0)
+            if not refs.is_held(reference):
+                current.append(fqn)
+    override_interval(model, reference, 1, only=current)
+
+
+def override_interval(model: nn.Module, reference: str, interval: int, *, only: Collection[str] | None = None) -> None:
+    """Set the refresh interval of ``reference`` (0: current scaling, D >= 1: sample-and-hold) in every
+    FP4 linear that quantizes with it, or in those named in ``only``. :func:`snapshot` first and
+    :func:`restore` after: a recipe's intervals are part of what a checkpoint resumes."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ValueError(f"interval={interval!r}: 0 (current scaling) or D >= 1")
+    for fqn, module in quant_linears(model):
+        if reference in module.references and (only is None or fqn in only):
+            module.references.intervals[reference] = interval
 
 
 def reset_references(model: nn.Module) -> None:

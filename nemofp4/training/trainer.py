@@ -28,10 +28,7 @@ from nemofp4.models import build_model, lm_loss, param_groups
 from nemofp4.quant import (
     QuantState,
     canonical_fqn,
-    load_reference_state_dict,
     quant_stats,
-    reference_state_dict,
-    reset_references,
     set_held_reference_reduce_group,
     set_quant_backend,
     set_quant_stats,
@@ -181,6 +178,9 @@ class Trainer:
         if self.world > 1 and dist_cfg.reduce_references:
             set_held_reference_reduce_group(model, dist.group.WORLD)
         self.model = model
+        # the held FP4 references: one replicated DCP entry when every rank holds the same ones
+        self.quant = QuantState(model, replicated=self.world == 1 or dist_cfg.reduce_references,
+                                restore=cfg.precision.restore_references)  # fmt: skip
         self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
         self.engine = None  # a DeepSpeed engine when distributed.backend=deepspeed_zero*
         if dist_cfg.backend.startswith("deepspeed"):
@@ -213,11 +213,6 @@ class Trainer:
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
         self.peak_flops = peak_tflops(cfg.logging) * 1e12
 
-    @property
-    def _references_replicated(self) -> bool:
-        """Whether every rank holds the same references (one process, or reduced at sampling)."""
-        return self.world == 1 or self.cfg.distributed.reduce_references
-
     def _dcp_state(self, *, for_load: bool = False) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -225,9 +220,7 @@ class Trainer:
         if self.engine is None:  # DeepSpeed writes model and optimizer in its own format
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-        quant = QuantState(self.model)
-        if quant.state_dict() and (for_load or self._references_replicated):  # one replicated entry
-            state["quant"] = quant
+        state.update(self.quant.dcp_entries(for_load=for_load))
         return state or None
 
     def _maybe_resume(self) -> None:
@@ -283,8 +276,8 @@ class Trainer:
         check_resume_config(trainer_state["config"], self.cfg, step=int(trainer_state["step"]),
                             saved_total=trainer_state.get("total_steps"), new_total=self.budget.total_steps,
                             where=f"checkpoint {folder}", log_notes=self.rank == 0)
-        if dcp_state is not None and not (self.cfg.precision.restore_references and _quant_state_in_dcp(trainer_state)):
-            dcp_state.pop("quant", None)  # restore_references=false, or an older checkpoint (per-rank references)
+        if dcp_state is not None:
+            self.quant.select_for_load(trainer_state, dcp_state)
 
     def _restore(self, state: dict[str, Any], rank_state: dict[str, Any], own: bool) -> None:
         self.step = state["step"]
@@ -292,13 +285,7 @@ class Trainer:
         self.skipped_steps = state["skipped_steps"]
         self.wandb_id = state.get("wandb_id")
         self.loader.load_state_dict(state["loader"])
-        if not self.cfg.precision.restore_references:
-            reset_references(self.model)
-        elif not _quant_state_in_dcp(state):
-            # references per rank (distributed.reduce_references=false, or an older checkpoint, possibly under
-            # wrapper names: loaded by canonical name); a rank new to the run takes rank 0's
-            load_reference_state_dict(self.model, rank_state.get("references", {}))
-        # else: DCP has restored them (QuantState), whatever the number of ranks that wrote them
+        self.quant.finish_load(state, rank_state)
         if own:
             set_rng_state(rank_state["rng"])
         else:
@@ -316,14 +303,11 @@ class Trainer:
             "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
             "world_size": self.world,
             "total_steps": self.budget.total_steps,
-            # held references: in the DCP state's "quant" entry (QuantState) when the ranks agree on them
-            "quant_state": "dcp" if self._references_replicated else "per_rank",
+            **self.quant.trainer_entries(),
         }
 
     def _rank_state(self) -> dict[str, Any]:
-        if self._references_replicated:
-            return {"rng": rng_state()}
-        return {"rng": rng_state(), "references": reference_state_dict(self.model)}  # reduce_references=false
+        return {"rng": rng_state(), **self.quant.rank_entries()}
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded FP32 weights on CPU (collective under FSDP2 / ZeRO-3)."""
@@ -558,12 +542,6 @@ class Trainer:
     def close(self) -> None:
         self.run_directory.close()
         destroy_distributed()
-
-
-def _quant_state_in_dcp(trainer_state: dict[str, Any]) -> bool:
-    """Whether a checkpoint keeps its held references in DCP (older ones, and runs whose ranks hold
-    their own references, save them per rank)."""
-    return trainer_state.get("quant_state") == "dcp"
 
 
 def train(cfg: JobConfig) -> dict[str, Any]:
