@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nemofp4.kernels import BACKENDS as KERNEL_BACKENDS
+
 from .policies import InferencePolicy
 
 __all__ = ["COMPUTE_DTYPES", "EvaluateConfig", "ExportConfig"]
@@ -51,6 +53,9 @@ class EvaluateConfig:
     """auto (CUDA when available) | cpu | cuda | cuda:N."""
     dtype: str = "auto"
     """Compute dtype: auto (the run's train.dtype on CUDA, float32 on CPU) | float32 | bfloat16."""
+    kernels: str = "auto"
+    """FP4 quantization kernels, as the trainer's train.kernels: auto | triton | compiled | eager
+    (the same numerics on every path; eager skips the compile of the first forward)."""
     out: str = ""
     """Results JSON path ('' prints only); a markdown table is written next to it (.md)."""
 
@@ -59,6 +64,8 @@ class EvaluateConfig:
             raise ValueError("checkpoint= is required: a run directory, step folder or transformers folder")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; valid: {COMPUTE_DTYPES}")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels={self.kernels!r}; valid: {', '.join(KERNEL_BACKENDS)}")
         for name in ("task_limit", "val_sequences", "seq_len", "batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")

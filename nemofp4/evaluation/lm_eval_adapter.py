@@ -49,6 +49,7 @@ class NemoFP4LM(LM):
         dtype: str = "auto",
         precision: str = "",
         tokenizer=None,
+        kernels: str = "auto",
         *,
         forward=None,
         **unused,
@@ -76,7 +77,7 @@ class NemoFP4LM(LM):
             raise ValueError("NemoFP4LM needs checkpoint=<run dir, step folder or HF folder> (or forward= and tokenizer=)")
         self._session = EvalSession.open(
             checkpoint, device=device, dtype=dtype, precision=precision,
-            tokenizer=tokenizer if isinstance(tokenizer, str) else "",
+            tokenizer=tokenizer if isinstance(tokenizer, str) else "", kernels=kernels,
         )  # fmt: skip
         self.tokenizer = self._session.tokenizer
         self._forward = self._session.policy_forward(

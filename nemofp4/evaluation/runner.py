@@ -24,6 +24,7 @@ from nemofp4.data import (
     load_tokenizer,
 )
 from nemofp4.models import NemotronHModel
+from nemofp4.quant import set_quant_backend
 
 from .checkpoint import is_hf_folder, load_checkpoint_model, load_hf_model, resolve_checkpoint, resolve_device
 from .config import EvaluateConfig
@@ -58,8 +59,10 @@ class EvalSession:
 
     @classmethod
     def open(
-        cls, checkpoint: str | Path, *, device: str = "auto", dtype: str = "auto", precision: str = "", tokenizer: str = ""
-    ) -> EvalSession:
+        cls, checkpoint: str | Path, *, device: str = "auto", dtype: str = "auto", precision: str = "", tokenizer: str = "",
+        kernels: str = "auto",
+    ) -> EvalSession:  # fmt: skip
+        """Load ``checkpoint`` on ``device``; its FP4 linears quantize with the ``kernels`` backend."""
         dev = resolve_device(device)
         if is_hf_folder(checkpoint):
             model = load_hf_model(checkpoint, device=dev, precision=precision or "bf16")
@@ -71,6 +74,7 @@ class EvalSession:
             source = str(resolve_checkpoint(checkpoint))
             tokenizer = tokenizer or job.data.tokenizer
             run_dtype = job.train.dtype
+        set_quant_backend(model, kernels)
         if dtype == "auto":
             dtype = run_dtype if dev.type == "cuda" else "float32"
         return cls(
@@ -150,7 +154,8 @@ class EvalSession:
 def evaluate(cfg: EvaluateConfig, session: EvalSession | None = None) -> dict[str, Any]:
     """Validation NLL and task accuracies of one checkpoint under one policy (see EvalSession)."""
     session = session or EvalSession.open(
-        cfg.checkpoint, device=cfg.device, dtype=cfg.dtype, precision=cfg.precision, tokenizer=cfg.tokenizer
+        cfg.checkpoint, device=cfg.device, dtype=cfg.dtype, precision=cfg.precision, tokenizer=cfg.tokenizer,
+        kernels=cfg.kernels,
     )
     policy = cfg.inference_policy()
     data = session.data_config(cfg.val_data)
