@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +25,6 @@ from nemofp4.data import build_train_loader, build_validation_batches, check_mod
 from nemofp4.models import build_model, lm_loss, param_groups
 from nemofp4.quant import (
     QuantState,
-    canonical_fqn,
     quant_stats,
     set_held_reference_reduce_group,
     set_quant_backend,
@@ -37,7 +34,7 @@ from nemofp4.quant import (
 from nemofp4.recipes import apply_recipe, recipe_from_config
 from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step_of
-from nemofp4.training.config import CHECKPOINT_STALL_S, JobConfig, compute_budget
+from nemofp4.training.config import JobConfig, compute_budget
 from nemofp4.training.console import memory_record, run_summary
 from nemofp4.training.dist_env import (
     destroy_distributed,
@@ -46,6 +43,7 @@ from nemofp4.training.dist_env import (
     local_device,
     require_process_group,
 )
+from nemofp4.training.faults import Faults
 from nemofp4.training.memory_plan import log_plan
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
@@ -208,6 +206,7 @@ class Trainer:
         self.wandb_id: str | None = None
         self.resumed_from: Path | None = None
         self._maybe_resume()
+        self.faults = Faults(cfg.debug, resumed=self.resumed_from is not None)  # the one seam of debug.*
         if self.rank == 0:
             (self.run_dir / RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
@@ -343,13 +342,9 @@ class Trainer:
                 from safetensors.torch import save_file
 
                 save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-            if self.cfg.debug.sigkill_during_checkpoint_step == self.step:
-                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die mid-write, like a node failure
-            if self.cfg.debug.stall_during_checkpoint_step == self.step and self.resumed_from is None:
-                time.sleep(CHECKPOINT_STALL_S)  # fault injection: a save that is still running when signalled
+            self.faults.during_checkpoint_write(self.step)
 
         self._log_published(self.ckpt.wait())  # one save in flight at most
-        hold = self.cfg.debug.hold_async_save_step == self.step and self.resumed_from is None
         folder = self.ckpt.save(
             self.step,
             dcp_state=self._dcp_state(),
@@ -357,7 +352,7 @@ class Trainer:
             rank_state=self._rank_state(),
             write_collective=(lambda f: deepspeed_engine.save(self.engine, f)) if self.engine else None,
             extra_files=extra_files,
-            hold_background_s=self.cfg.debug.hold_async_save_s if hold else 0.0,
+            hold_background_s=self.faults.async_save_hold_s(self.step),
         )
         if not self.ckpt.pending:
             self._log_published(folder)
@@ -396,10 +391,7 @@ class Trainer:
                 preempted = preemption.should_stop()
                 if interval_due or (preempted and cfg.checkpoint.save_final):
                     self.save_checkpoint()
-                if cfg.debug.sigkill_at_step == self.step:
-                    if interval_due:
-                        self.ckpt.wait()  # this step's checkpoint; one still in flight from before is not waited for
-                    os.kill(os.getpid(), signal.SIGKILL)
+                self.faults.after_step(self.step, wait_for_checkpoint=self.ckpt.wait if interval_due else None)
                 if preempted:
                     stop_reason = "preempted"
                     break
@@ -446,9 +438,7 @@ class Trainer:
     def _train_step(self, data_iter) -> None:
         cfg = self.cfg
         step = self.step
-        if cfg.debug.nan_at_step == step and cfg.debug.nan_param:
-            with torch.no_grad():
-                {canonical_fqn(n): p for n, p in self.model.named_parameters()}[cfg.debug.nan_param].fill_(float("nan"))
+        self.faults.before_step(self.model, step)
         set_step(self.model, step, seed=cfg.train.seed, rank=self.rank)
         stats_interval = cfg.logging.quant_stats_interval
         set_quant_stats(self.model, bool(stats_interval) and step % stats_interval == 0)  # only when logged
@@ -469,8 +459,7 @@ class Trainer:
             with self.autocast():
                 loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
                                head_tf32=cfg.train.head_tf32)
-            if cfg.debug.nan_loss_at_step == step:
-                loss = loss * float("nan")  # fault injection: one bad step, finite weights
+            loss = self.faults.loss(step, loss)
             if self.engine is not None:
                 self.engine.backward(loss)  # scales by 1/grad_accum itself
                 self.engine.step()  # clips and steps at the accumulation boundary
