@@ -200,18 +200,19 @@ def _block_scales(
 
 
 @triton.jit
+def _lane_bytes(w0, w1, w2, w3, lane):
+    """Byte ``lane % 4`` of word ``lane // 4`` of one Philox call (w0..w3 broadcast against ``lane``)."""
+    word = tl.where(lane < 8, tl.where(lane < 4, w0, w1), tl.where(lane < 12, w2, w3))
+    return (word >> ((lane & 3) * 8).to(tl.uint32)) & 255
+
+
+@triton.jit
 def _sr8_draws_along_cols(seed, row_counter_base, col0, BM: tl.constexpr, BK: tl.constexpr):
     """[BM, BK] bytes: 16 consecutive columns share one Philox call (4 words x 4 bytes).
     ``row_counter_base`` [BM] int64 is each row's first counter; ``col0`` the tile's first column."""
     counters = row_counter_base[:, None] + (col0 // 16 + tl.arange(0, BK // 16))[None, :]
     w0, w1, w2, w3 = tl.randint4x(seed, counters)
-    lane = tl.arange(0, 16)[None, None, :]
-    word = tl.where(
-        lane < 8,
-        tl.where(lane < 4, w0[:, :, None], w1[:, :, None]),
-        tl.where(lane < 12, w2[:, :, None], w3[:, :, None]),
-    )
-    byte = (word >> ((lane & 3) * 8).to(tl.uint32)) & 255
+    byte = _lane_bytes(w0[:, :, None], w1[:, :, None], w2[:, :, None], w3[:, :, None], tl.arange(0, 16)[None, None, :])
     return tl.reshape(byte, (BM, BK)).to(tl.int32)
 
 
@@ -220,13 +221,7 @@ def _sr8_draws_along_rows(seed, col_counter_base, row0, BM: tl.constexpr, BK: tl
     """[BM, BK] bytes for the transposed tensor: 16 consecutive rows of a column share a call."""
     counters = (row0 // 16 + tl.arange(0, BM // 16))[:, None] + col_counter_base[None, :]
     w0, w1, w2, w3 = tl.randint4x(seed, counters)
-    lane = tl.arange(0, 16)[None, :, None]
-    word = tl.where(
-        lane < 8,
-        tl.where(lane < 4, w0[:, None, :], w1[:, None, :]),
-        tl.where(lane < 12, w2[:, None, :], w3[:, None, :]),
-    )
-    byte = (word >> ((lane & 3) * 8).to(tl.uint32)) & 255
+    byte = _lane_bytes(w0[:, None, :], w1[:, None, :], w2[:, None, :], w3[:, None, :], tl.arange(0, 16)[None, :, None])
     return tl.reshape(byte, (BM, BK)).to(tl.int32)
 
 
@@ -259,192 +254,186 @@ def _count(flags, valid):
 
 
 @triton.jit
-def quantize_kernel(
-    x_ptr,
-    g_ptr,
-    seed_ptr,
-    amax_out_ptr,
-    codes_ptr,
-    scales_ptr,
-    scaled_ptr,
-    draws_ptr,
-    counts_ptr,
-    ts_ptr,
-    codes_t_ptr,
-    scales_t_ptr,
-    scaled_t_ptr,
-    draws_t_ptr,
-    counts_t_ptr,
-    ts_t_ptr,
-    rows,
-    cols,
-    stride_x,
-    rows_out,
-    cols_p,
-    rows_p,
-    numerator,
-    numerator_t,
-    BM: tl.constexpr,
-    BK: tl.constexpr,
-    BS: tl.constexpr,
-    IS_MX: tl.constexpr,
-    MX_CEIL: tl.constexpr,
-    SCALE_MAX: tl.constexpr,
-    SCALE_BIAS: tl.constexpr,
-    SCALE_MANT: tl.constexpr,
-    SCALE_MIN_NORMAL: tl.constexpr,
-    SCALE_SUB_STEP: tl.constexpr,
-    ZERO_CODE_TO_ONE: tl.constexpr,
-    ROUNDING: tl.constexpr,
-    TWO_D: tl.constexpr,
-    ROWWISE: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-    WRITE_SCALED: tl.constexpr,
-    WRITE_DRAWS: tl.constexpr,
-    STATS: tl.constexpr,
-    MEASURE_AMAX: tl.constexpr,
-):
-    """Row-wise outputs: codes [rows_out, cols_p/2], scales [rows_out, cols_p/BS] (2-D: [rows_p/BS,
-    cols_p/BS]), scaled [rows_out, cols_p]. Transposed outputs (x.T, blocks along the rows):
-    codes [cols, rows_p/2], scales [cols, rows_p/BS], scaled [cols, rows_p]."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    row0 = pid_m * BM
-    col0 = pid_k * BK
+def _side_tensor_scales(g_ptr, numerator, ts_ptr, IS_MX: tl.constexpr, ZERO_CODE_TO_ONE: tl.constexpr):
+    """(tensor_scale, code multiplier) of one side; the first program stores the tensor scale."""
+    tensor_scale = 1.0
+    code_multiplier = 1.0
+    if not IS_MX:
+        tensor_scale, code_multiplier = _global_scales(tl.load(g_ptr), numerator, ZERO_CODE_TO_ONE)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(ts_ptr, tensor_scale)
+    return tensor_scale, code_multiplier
+
+
+@triton.jit
+def _side_stats(counts_ptr, saturated, underflow, block_amax, y, block_ok, elem_ok):
+    """The four statistics counters of one side: saturated, underflowed and zero blocks, clipped elements."""
+    tl.atomic_add(counts_ptr + 0, _count(saturated, block_ok))
+    tl.atomic_add(counts_ptr + 1, _count(underflow, block_ok))
+    tl.atomic_add(counts_ptr + 2, _count(block_amax == 0.0, block_ok))
+    tl.atomic_add(counts_ptr + 3, _count(tl.abs(y) > 6.0, elem_ok))
+
+
+@triton.jit
+def _signed_value(mag, sign, scale_e):
+    """The scaled value: E2M1 value (sign applied) x its block scale (exact)."""
+    value = _e2m1_value(mag)
+    return tl.where(sign == 1, -value, value) * scale_e
+
+
+@triton.jit
+def _quantize_rows(
+    x, abits, seed_ptr, g_ptr, numerator, codes_ptr, scales_ptr, scaled_ptr, draws_ptr, counts_ptr, ts_ptr,
+    row0, col0, rows_out, cols_p,
+    BM: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, IS_MX: tl.constexpr, MX_CEIL: tl.constexpr,
+    SCALE_MAX: tl.constexpr, SCALE_BIAS: tl.constexpr, SCALE_MANT: tl.constexpr, SCALE_MIN_NORMAL: tl.constexpr,
+    SCALE_SUB_STEP: tl.constexpr, ZERO_CODE_TO_ONE: tl.constexpr, ROUNDING: tl.constexpr, TWO_D: tl.constexpr,
+    WRITE_SCALED: tl.constexpr, WRITE_DRAWS: tl.constexpr, STATS: tl.constexpr,
+):  # fmt: skip
+    """The row-wise side of a tile: blocks along the last dim (or BS x BS tiles with TWO_D). Writes codes
+    [rows_out, cols_p/2], scales [rows_out, cols_p/BS] (2-D: [rows_p/BS, cols_p/BS]), scaled [rows_out, cols_p]."""
     offs_m = row0 + tl.arange(0, BM)
-    offs_k = col0 + tl.arange(0, BK)
     m2 = offs_m[:, None]
+    k2 = col0 + tl.arange(0, BK)[None, :]
+    tensor_scale, code_multiplier = _side_tensor_scales(g_ptr, numerator, ts_ptr, IS_MX, ZERO_CODE_TO_ONE)
+    NB: tl.constexpr = BK // BS
+    if TWO_D:
+        tiles = tl.reshape(abits, (BM // BS, BS, NB, BS))
+        block_amax = tl.max(tl.max(tiles, axis=3), axis=1).to(tl.float32, bitcast=True)
+    else:
+        block_amax = tl.max(tl.reshape(abits, (BM, NB, BS)), axis=2).to(tl.float32, bitcast=True)
+    code, scale, encode, saturated, underflow = _block_scales(
+        block_amax, code_multiplier, tensor_scale, IS_MX, MX_CEIL,
+        SCALE_MAX, SCALE_BIAS, SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE,
+    )  # fmt: skip
+    if TWO_D:
+        enc_e = tl.reshape(tl.broadcast_to(encode[:, None, :, None], (BM // BS, BS, NB, BS)), (BM, BK))
+    else:
+        enc_e = tl.reshape(tl.broadcast_to(encode[:, :, None], (BM, NB, BS)), (BM, BK))
+    y = x * enc_e  # payload = e2m1(x * enc_b), reciprocal-then-multiply
+    draws = 0
+    if ROUNDING == ROUND_SR8 or ROUNDING == ROUND_SR:
+        row_base = offs_m.to(tl.int64) * ((cols_p + 15) // 16)
+        draws = _sr8_draws_along_cols(tl.load(seed_ptr), row_base, col0, BM, BK)
+    elif ROUNDING == ROUND_SR_EXACT:
+        draws = _sr53_draws(tl.load(seed_ptr), m2.to(tl.int64) * cols_p + k2)
+    mag, sign = _payload(y, draws, ROUNDING)
+    elem_ok = (m2 < rows_out) & (k2 < cols_p)
+    packed_lo, packed_hi = tl.split(tl.reshape(mag | (sign << 3), (BM, BK // 2, 2)))
+    offs_byte = col0 // 2 + tl.arange(0, BK // 2)[None, :]
+    tl.store(
+        codes_ptr + m2.to(tl.int64) * (cols_p // 2) + offs_byte,
+        (packed_lo | (packed_hi << 4)).to(tl.uint8),
+        mask=(m2 < rows_out) & (offs_byte < cols_p // 2),
+    )
+    offs_blk = col0 // BS + tl.arange(0, NB)[None, :]
+    if TWO_D:
+        offs_tile = row0 // BS + tl.arange(0, BM // BS)[:, None]
+        block_ok = (offs_tile < rows_out // BS) & (offs_blk < cols_p // BS)
+        tl.store(scales_ptr + offs_tile * (cols_p // BS) + offs_blk, code.to(tl.uint8), mask=block_ok)
+    else:
+        block_ok = (m2 < rows_out) & (offs_blk < cols_p // BS)
+        tl.store(scales_ptr + m2.to(tl.int64) * (cols_p // BS) + offs_blk, code.to(tl.uint8), mask=block_ok)
+    if WRITE_SCALED:
+        if TWO_D:
+            scale_e = tl.reshape(tl.broadcast_to(scale[:, None, :, None], (BM // BS, BS, NB, BS)), (BM, BK))
+        else:
+            scale_e = tl.reshape(tl.broadcast_to(scale[:, :, None], (BM, NB, BS)), (BM, BK))
+        value = _signed_value(mag, sign, scale_e)
+        tl.store(scaled_ptr + m2.to(tl.int64) * cols_p + k2, value.to(scaled_ptr.dtype.element_ty), mask=elem_ok)
+    if WRITE_DRAWS:
+        tl.store(draws_ptr + m2.to(tl.int64) * cols_p + k2, draws.to(tl.int64), mask=elem_ok)
+    if STATS:
+        _side_stats(counts_ptr, saturated, underflow, block_amax, y, block_ok, elem_ok)
+
+
+@triton.jit
+def _quantize_cols(
+    x, abits, seed_ptr, g_ptr, numerator, codes_ptr, scales_ptr, scaled_ptr, draws_ptr, counts_ptr, ts_ptr,
+    row0, col0, cols, rows_p,
+    BM: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, IS_MX: tl.constexpr, MX_CEIL: tl.constexpr,
+    SCALE_MAX: tl.constexpr, SCALE_BIAS: tl.constexpr, SCALE_MANT: tl.constexpr, SCALE_MIN_NORMAL: tl.constexpr,
+    SCALE_SUB_STEP: tl.constexpr, ZERO_CODE_TO_ONE: tl.constexpr, ROUNDING: tl.constexpr,
+    WRITE_SCALED: tl.constexpr, WRITE_DRAWS: tl.constexpr, STATS: tl.constexpr,
+):  # fmt: skip
+    """The transposed side of the same tile: x.T [cols, rows_p], blocks of BS consecutive rows, one per
+    column. Writes codes [cols, rows_p/2], scales [cols, rows_p/BS], scaled [cols, rows_p]."""
+    offs_k = col0 + tl.arange(0, BK)
+    m2 = row0 + tl.arange(0, BM)[:, None]
     k2 = offs_k[None, :]
+    tensor_scale, code_multiplier = _side_tensor_scales(g_ptr, numerator, ts_ptr, IS_MX, ZERO_CODE_TO_ONE)
+    MB: tl.constexpr = BM // BS
+    block_amax = tl.max(tl.reshape(abits, (MB, BS, BK)), axis=1).to(tl.float32, bitcast=True)
+    code, scale, encode, saturated, underflow = _block_scales(
+        block_amax, code_multiplier, tensor_scale, IS_MX, MX_CEIL,
+        SCALE_MAX, SCALE_BIAS, SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE,
+    )  # fmt: skip
+    y = x * tl.reshape(tl.broadcast_to(encode[:, None, :], (MB, BS, BK)), (BM, BK))
+    draws = 0
+    if ROUNDING == ROUND_SR8 or ROUNDING == ROUND_SR:
+        col_base = TRANSPOSED_STREAM + offs_k.to(tl.int64) * ((rows_p + 15) // 16)
+        draws = _sr8_draws_along_rows(tl.load(seed_ptr), col_base, row0, BM, BK)
+    elif ROUNDING == ROUND_SR_EXACT:
+        draws = _sr53_draws(tl.load(seed_ptr), TRANSPOSED_STREAM + k2.to(tl.int64) * rows_p + m2)
+    mag, sign = _payload(y, draws, ROUNDING)
+    # store transposed: [BK, BM] with pairs of consecutive rows packed into one byte
+    packed_lo, packed_hi = tl.split(tl.reshape(tl.trans(mag | (sign << 3)), (BK, BM // 2, 2)))
+    kt = offs_k[:, None]
+    offs_byte = row0 // 2 + tl.arange(0, BM // 2)[None, :]
+    tl.store(
+        codes_ptr + kt.to(tl.int64) * (rows_p // 2) + offs_byte,
+        (packed_lo | (packed_hi << 4)).to(tl.uint8),
+        mask=(kt < cols) & (offs_byte < rows_p // 2),
+    )
+    offs_blk = row0 // BS + tl.arange(0, MB)[:, None]
+    block_ok = (offs_blk < rows_p // BS) & (k2 < cols)
+    tl.store(scales_ptr + k2.to(tl.int64) * (rows_p // BS) + offs_blk, code.to(tl.uint8), mask=block_ok)
+    elem_ok = (m2 < rows_p) & (k2 < cols)
+    if WRITE_SCALED:
+        value = _signed_value(mag, sign, tl.reshape(tl.broadcast_to(scale[:, None, :], (MB, BS, BK)), (BM, BK)))
+        tl.store(scaled_ptr + k2.to(tl.int64) * rows_p + m2, value.to(scaled_ptr.dtype.element_ty), mask=elem_ok)
+    if WRITE_DRAWS:
+        tl.store(draws_ptr + k2.to(tl.int64) * rows_p + m2, draws.to(tl.int64), mask=elem_ok)
+    if STATS:
+        _side_stats(counts_ptr, saturated, underflow, block_amax, y, block_ok, elem_ok)
+
+
+@triton.jit
+def quantize_kernel(
+    x_ptr, g_ptr, seed_ptr, amax_out_ptr,
+    codes_ptr, scales_ptr, scaled_ptr, draws_ptr, counts_ptr, ts_ptr,
+    codes_t_ptr, scales_t_ptr, scaled_t_ptr, draws_t_ptr, counts_t_ptr, ts_t_ptr,
+    rows, cols, stride_x, rows_out, cols_p, rows_p, numerator, numerator_t,
+    BM: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, IS_MX: tl.constexpr, MX_CEIL: tl.constexpr,
+    SCALE_MAX: tl.constexpr, SCALE_BIAS: tl.constexpr, SCALE_MANT: tl.constexpr, SCALE_MIN_NORMAL: tl.constexpr,
+    SCALE_SUB_STEP: tl.constexpr, ZERO_CODE_TO_ONE: tl.constexpr, ROUNDING: tl.constexpr, TWO_D: tl.constexpr,
+    ROWWISE: tl.constexpr, TRANSPOSED: tl.constexpr, WRITE_SCALED: tl.constexpr, WRITE_DRAWS: tl.constexpr,
+    STATS: tl.constexpr, MEASURE_AMAX: tl.constexpr,
+):  # fmt: skip
+    """One [BM, BK] tile of x, read once: its row-wise quantization (:func:`_quantize_rows`) and/or
+    that of x.T (:func:`_quantize_cols`), and with MEASURE_AMAX its share of the MX tensor amax."""
+    row0 = tl.program_id(0) * BM
+    col0 = tl.program_id(1) * BK
+    m2 = (row0 + tl.arange(0, BM))[:, None]
+    k2 = (col0 + tl.arange(0, BK))[None, :]
     x = tl.load(x_ptr + m2.to(tl.int64) * stride_x + k2, mask=(m2 < rows) & (k2 < cols), other=0.0)
     x = x.to(tl.float32)
     # |x| as int32 bits: exact, order-preserving for non-negative floats, and NaN-propagating
     abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if MEASURE_AMAX:
         tl.atomic_max(amax_out_ptr, tl.max(tl.max(abits, axis=1), axis=0))
-
     if ROWWISE:
-        tensor_scale = 1.0
-        code_multiplier = 1.0
-        if not IS_MX:
-            tensor_scale, code_multiplier = _global_scales(tl.load(g_ptr), numerator, ZERO_CODE_TO_ONE)
-            if (pid_m == 0) & (pid_k == 0):
-                tl.store(ts_ptr, tensor_scale)
-        NB: tl.constexpr = BK // BS
-        if TWO_D:
-            tiles = tl.reshape(abits, (BM // BS, BS, NB, BS))
-            block_amax = tl.max(tl.max(tiles, axis=3), axis=1).to(tl.float32, bitcast=True)
-        else:
-            block_amax = tl.max(tl.reshape(abits, (BM, NB, BS)), axis=2).to(tl.float32, bitcast=True)
-        code, scale, encode, saturated, underflow = _block_scales(
-            block_amax, code_multiplier, tensor_scale, IS_MX, MX_CEIL,
-            SCALE_MAX, SCALE_BIAS, SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE,
+        _quantize_rows(
+            x, abits, seed_ptr, g_ptr, numerator, codes_ptr, scales_ptr, scaled_ptr, draws_ptr, counts_ptr, ts_ptr,
+            row0, col0, rows_out, cols_p, BM, BK, BS, IS_MX, MX_CEIL, SCALE_MAX, SCALE_BIAS, SCALE_MANT,
+            SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE, ROUNDING, TWO_D, WRITE_SCALED, WRITE_DRAWS, STATS,
         )  # fmt: skip
-        if TWO_D:
-            enc_e = tl.reshape(tl.broadcast_to(encode[:, None, :, None], (BM // BS, BS, NB, BS)), (BM, BK))
-        else:
-            enc_e = tl.reshape(tl.broadcast_to(encode[:, :, None], (BM, NB, BS)), (BM, BK))
-        y = x * enc_e  # payload = e2m1(x * enc_b), reciprocal-then-multiply
-        draws = 0
-        if ROUNDING == ROUND_SR8 or ROUNDING == ROUND_SR:
-            row_base = offs_m.to(tl.int64) * ((cols_p + 15) // 16)
-            draws = _sr8_draws_along_cols(tl.load(seed_ptr), row_base, col0, BM, BK)
-        elif ROUNDING == ROUND_SR_EXACT:
-            draws = _sr53_draws(tl.load(seed_ptr), m2.to(tl.int64) * cols_p + k2)
-        mag, sign = _payload(y, draws, ROUNDING)
-        elem_ok = (m2 < rows_out) & (k2 < cols_p)
-        packed_lo, packed_hi = tl.split(tl.reshape(mag | (sign << 3), (BM, BK // 2, 2)))
-        offs_byte = col0 // 2 + tl.arange(0, BK // 2)[None, :]
-        tl.store(
-            codes_ptr + m2.to(tl.int64) * (cols_p // 2) + offs_byte,
-            (packed_lo | (packed_hi << 4)).to(tl.uint8),
-            mask=(m2 < rows_out) & (offs_byte < cols_p // 2),
-        )
-        offs_blk = col0 // BS + tl.arange(0, NB)[None, :]
-        if TWO_D:
-            offs_tile = row0 // BS + tl.arange(0, BM // BS)[:, None]
-            block_ok = (offs_tile < rows_out // BS) & (offs_blk < cols_p // BS)
-            tl.store(scales_ptr + offs_tile * (cols_p // BS) + offs_blk, code.to(tl.uint8), mask=block_ok)
-        else:
-            block_ok = (m2 < rows_out) & (offs_blk < cols_p // BS)
-            tl.store(
-                scales_ptr + m2.to(tl.int64) * (cols_p // BS) + offs_blk, code.to(tl.uint8), mask=block_ok
-            )
-        if WRITE_SCALED:
-            if TWO_D:
-                scale_e = tl.reshape(
-                    tl.broadcast_to(scale[:, None, :, None], (BM // BS, BS, NB, BS)), (BM, BK)
-                )
-            else:
-                scale_e = tl.reshape(tl.broadcast_to(scale[:, :, None], (BM, NB, BS)), (BM, BK))
-            value = _e2m1_value(mag)
-            value = tl.where(sign == 1, -value, value) * scale_e
-            tl.store(
-                scaled_ptr + m2.to(tl.int64) * cols_p + k2,
-                value.to(scaled_ptr.dtype.element_ty),
-                mask=elem_ok,
-            )
-        if WRITE_DRAWS:
-            tl.store(draws_ptr + m2.to(tl.int64) * cols_p + k2, draws.to(tl.int64), mask=elem_ok)
-        if STATS:
-            tl.atomic_add(counts_ptr + 0, _count(saturated, block_ok))
-            tl.atomic_add(counts_ptr + 1, _count(underflow, block_ok))
-            tl.atomic_add(counts_ptr + 2, _count(block_amax == 0.0, block_ok))
-            tl.atomic_add(counts_ptr + 3, _count(tl.abs(y) > 6.0, elem_ok))
-
     if TRANSPOSED:
-        # x.T [cols, rows_p]: blocks of BS consecutive rows of this tile, one per column
-        tensor_scale_t = 1.0
-        code_multiplier_t = 1.0
-        if not IS_MX:
-            tensor_scale_t, code_multiplier_t = _global_scales(tl.load(g_ptr), numerator_t, ZERO_CODE_TO_ONE)
-            if (pid_m == 0) & (pid_k == 0):
-                tl.store(ts_t_ptr, tensor_scale_t)
-        MB: tl.constexpr = BM // BS
-        block_amax_t = tl.max(tl.reshape(abits, (MB, BS, BK)), axis=1).to(tl.float32, bitcast=True)
-        code_t, scale_t, encode_t, saturated_t, underflow_t = _block_scales(
-            block_amax_t, code_multiplier_t, tensor_scale_t, IS_MX, MX_CEIL,
-            SCALE_MAX, SCALE_BIAS, SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE,
+        _quantize_cols(
+            x, abits, seed_ptr, g_ptr, numerator_t, codes_t_ptr, scales_t_ptr, scaled_t_ptr, draws_t_ptr,
+            counts_t_ptr, ts_t_ptr, row0, col0, cols, rows_p, BM, BK, BS, IS_MX, MX_CEIL, SCALE_MAX, SCALE_BIAS,
+            SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE, ROUNDING, WRITE_SCALED, WRITE_DRAWS, STATS,
         )  # fmt: skip
-        y_t = x * tl.reshape(tl.broadcast_to(encode_t[:, None, :], (MB, BS, BK)), (BM, BK))
-        draws_t = 0
-        if ROUNDING == ROUND_SR8 or ROUNDING == ROUND_SR:
-            col_base = TRANSPOSED_STREAM + offs_k.to(tl.int64) * ((rows_p + 15) // 16)
-            draws_t = _sr8_draws_along_rows(tl.load(seed_ptr), col_base, row0, BM, BK)
-        elif ROUNDING == ROUND_SR_EXACT:
-            draws_t = _sr53_draws(tl.load(seed_ptr), TRANSPOSED_STREAM + k2.to(tl.int64) * rows_p + m2)
-        mag_t, sign_t = _payload(y_t, draws_t, ROUNDING)
-        # store transposed: [BK, BM] with pairs of consecutive rows packed into one byte
-        code4_t = tl.trans(mag_t | (sign_t << 3))
-        packed_lo_t, packed_hi_t = tl.split(tl.reshape(code4_t, (BK, BM // 2, 2)))
-        kt = offs_k[:, None]
-        offs_byte_t = row0 // 2 + tl.arange(0, BM // 2)[None, :]
-        tl.store(
-            codes_t_ptr + kt.to(tl.int64) * (rows_p // 2) + offs_byte_t,
-            (packed_lo_t | (packed_hi_t << 4)).to(tl.uint8),
-            mask=(kt < cols) & (offs_byte_t < rows_p // 2),
-        )
-        offs_blk_t = row0 // BS + tl.arange(0, MB)[:, None]
-        block_ok_t = (offs_blk_t < rows_p // BS) & (k2 < cols)
-        tl.store(
-            scales_t_ptr + k2.to(tl.int64) * (rows_p // BS) + offs_blk_t, code_t.to(tl.uint8), mask=block_ok_t
-        )
-        elem_ok_t = (m2 < rows_p) & (k2 < cols)
-        if WRITE_SCALED:
-            scale_te = tl.reshape(tl.broadcast_to(scale_t[:, None, :], (MB, BS, BK)), (BM, BK))
-            value_t = _e2m1_value(mag_t)
-            value_t = tl.where(sign_t == 1, -value_t, value_t) * scale_te
-            tl.store(
-                scaled_t_ptr + k2.to(tl.int64) * rows_p + m2,
-                value_t.to(scaled_t_ptr.dtype.element_ty),
-                mask=elem_ok_t,
-            )
-        if WRITE_DRAWS:
-            tl.store(draws_t_ptr + k2.to(tl.int64) * rows_p + m2, draws_t.to(tl.int64), mask=elem_ok_t)
-        if STATS:
-            tl.atomic_add(counts_t_ptr + 0, _count(saturated_t, block_ok_t))
-            tl.atomic_add(counts_t_ptr + 1, _count(underflow_t, block_ok_t))
-            tl.atomic_add(counts_t_ptr + 2, _count(block_amax_t == 0.0, block_ok_t))
-            tl.atomic_add(counts_t_ptr + 3, _count(tl.abs(y_t) > 6.0, elem_ok_t))
 
 
 @triton.jit
