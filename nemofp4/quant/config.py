@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
 from nemofp4.formats import ROUNDING_MODES, SCALE_FORMAT_TABLE, BlockSpec
 
@@ -105,6 +106,8 @@ class LinearQuantConfig:
     dy_dgrad: OperandQuant
     dy_wgrad: OperandQuant
     x_wgrad: OperandQuant
+    kind: ClassVar[str] = "fp4"
+    """What a precision recipe calls a linear of this config: an emulated FP4 linear."""
     gemm: str = "scaled"
     """'scaled': block-scaled operands (FP4 value x block scale, exact in BF16) multiplied
     with FP32 accumulation, tensor scales applied after the product (fast). 'decoded': fully

@@ -19,7 +19,7 @@ from .config import (
     recipe_knobs,
     register_recipe,
 )
-from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4, part_kind
+from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4, emulated_config, part_kind
 from .rules import LayerSpan, Rule, first_layers, last_layers, layer_indices
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Rule",
     "TransformerEngineNVFP4",
     "apply_recipe",
+    "emulated_config",
     "first_layers",
     "get_recipe",
     "last_layers",

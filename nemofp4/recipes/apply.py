@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from nemofp4.quant import FP32Linear, LinearQuantConfig, QuantLinear, TENVFP4Linear, transformer_engine_status
+from nemofp4.quant import FP32Linear, QuantLinear, TENVFP4Linear, transformer_engine_status
 
-from .recipe import HighPrecision, Recipe, TransformerEngineNVFP4, part_kind
+from .recipe import HighPrecision, Recipe
 
 __all__ = ["LayerRow", "LayerTable", "RecipeUnavailableError", "apply_recipe", "resolve_recipe"]
 
@@ -138,16 +138,16 @@ def apply_recipe(model: nn.Module, recipe: Recipe, *, log: bool = True) -> Layer
         else:
             part_name = recipe.rules[rule_index].part
             part = recipe.parts[part_name]
-        if isinstance(part, LinearQuantConfig):
+        if part.kind == "fp4":
             QuantLinear.from_linear(linear, part, index=fp4_index)
             fp4_index += 1
-        elif isinstance(part, TransformerEngineNVFP4):
+        elif part.kind == "te_nvfp4":
             _replace_child(modules, fqn, TENVFP4Linear.from_linear(linear, part))
-        elif part.compute == "fp32":
+        elif part.kind == "fp32":
             FP32Linear.from_linear(linear)
         rows.append(
             LayerRow(
-                fqn=fqn, layer=layer, block_type=block_type, part=part_name, kind=part_kind(part),
+                fqn=fqn, layer=layer, block_type=block_type, part=part_name, kind=part.kind,
                 rule=rule_index, detail=part.summary(),
             )  # fmt: skip
         )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from nemofp4.quant import LinearQuantConfig
 
 from .rules import Rule
 
-__all__ = ["HighPrecision", "Part", "Recipe", "TransformerEngineNVFP4", "part_kind"]
+__all__ = ["HighPrecision", "Part", "Recipe", "TransformerEngineNVFP4", "emulated_config", "part_kind"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,11 @@ class HighPrecision:
         if self.compute not in ("model", "fp32"):
             raise ValueError(f"HighPrecision.compute={self.compute!r}; valid values are 'model' and 'fp32'")
 
+    @property
+    def kind(self) -> str:
+        """'fp32' (float32 compute) or 'bf16' (the model dtype)."""
+        return "fp32" if self.compute == "fp32" else "bf16"
+
     def summary(self) -> str:
         return "fp32 compute" if self.compute == "fp32" else "model dtype (bf16 on GPU)"
 
@@ -40,6 +46,7 @@ class TransformerEngineNVFP4:
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
+    kind: ClassVar[str] = "te_nvfp4"
 
     def summary(self) -> str:
         flags = [
@@ -51,15 +58,24 @@ class TransformerEngineNVFP4:
 
 
 Part = LinearQuantConfig | HighPrecision | TransformerEngineNVFP4
+"""Every part has a ``kind``: 'fp4' (emulated), 'te_nvfp4' (native TE), 'fp32' or 'bf16' (model dtype)."""
 
 
 def part_kind(part: Part) -> str:
-    """'fp4' (emulated), 'te_nvfp4' (native TE), 'fp32' or 'bf16' (model dtype)."""
-    if isinstance(part, LinearQuantConfig):
-        return "fp4"
-    if isinstance(part, TransformerEngineNVFP4):
-        return "te_nvfp4"
-    return "fp32" if part.compute == "fp32" else "bf16"
+    """'fp4' (emulated), 'te_nvfp4' (native TE), 'fp32' or 'bf16' (model dtype): ``part.kind``."""
+    return part.kind
+
+
+def emulated_config(part: Part) -> LinearQuantConfig | None:
+    """The emulated FP4 config whose numerics and saves stand for ``part``: itself for an FP4 part,
+    the nvfp4 recipe's for Transformer Engine's NVFP4 (what it runs natively), None for BF16/FP32."""
+    if part.kind == "fp4":
+        return part
+    if part.kind == "te_nvfp4":
+        from .registry import NVFP4
+
+        return NVFP4().build().parts["fp4"]
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +96,7 @@ class Recipe:
 
     @property
     def needs_transformer_engine(self) -> bool:
-        return any(isinstance(p, TransformerEngineNVFP4) for p in self.parts.values())
+        return any(p.kind == "te_nvfp4" for p in self.parts.values())
 
     def describe(self) -> str:
         knobs = ", ".join(f"{k}={v}" for k, v in self.knobs.items())
