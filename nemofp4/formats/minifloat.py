@@ -47,7 +47,7 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 Rounding = Literal["rne", "sr8", "sr", "sr_exact"]
-ROUNDING_MODES: tuple[str, ...] = ("rne", "sr8", "sr", "sr_exact")
+ROUNDING_MODES: tuple[str, ...] = get_args(Rounding)
 BYTE_DRAW_ROUNDINGS: tuple[str, ...] = ("sr8", "sr")
 """Roundings that take one random byte per element (:func:`sr8_draws`)."""
 

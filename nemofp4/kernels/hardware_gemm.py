@@ -29,7 +29,7 @@ import os
 import numpy as np
 import torch
 
-from nemofp4.formats import SCALE_FORMATS, QuantizedBlocks, tensor_scale_product
+from nemofp4.formats import SCALE_FORMAT_TABLE, QuantizedBlocks, tensor_scale_product
 
 __all__ = [
     "GROUP_SIZE",
@@ -262,12 +262,13 @@ def _codes_of(q):
 
 
 def _operand_meta(prefix: str, scale_format: str, block_size: int, two_d: bool, transposed: bool) -> dict:
-    fmt = SCALE_FORMATS[scale_format]
+    row = SCALE_FORMAT_TABLE[scale_format]
+    fmt = row.codes
     return {
         f"{prefix}_BS": block_size,
         f"{prefix}_TWO_D": two_d,
         f"{prefix}_TRANSPOSED": transposed,
-        f"{prefix}_IS_MX": scale_format == "ue8m0",
+        f"{prefix}_IS_MX": row.power_of_two,
         f"{prefix}_BIAS": fmt.bias,
         f"{prefix}_MANT": fmt.mantissa_bits,
         f"{prefix}_SUB_STEP": fmt.min_subnormal,
