@@ -38,7 +38,7 @@ lint: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q $(PYTEST_ARGS)  # exit 5, no tests collected, fails too
 
 test-all: setup
 	$(PY) -m pytest -q -m ""

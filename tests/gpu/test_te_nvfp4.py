@@ -5,7 +5,7 @@ import torch
 
 from nemofp4.quant import TENVFP4Linear, set_step, transformer_engine_status
 from nemofp4.recipes import apply_recipe, get_recipe
-from tests.unit.test_quant_standin import StandInModel
+from tests.conftest import StandInModel
 
 TE_OK, TE_REASON = transformer_engine_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not TE_OK, reason=f"nvfp4_te unavailable: {TE_REASON}")]

@@ -3,51 +3,11 @@ and DeepSpeed ZeRO checkpoints that resume exactly."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from nemofp4.checkpointing import load_tensors
 from nemofp4.training.metrics import read_metrics
-from tests.held_references import held_references
-
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = [
-    "model=tiny", "data=tiny", "train.seq_len=64", "train.global_batch=4", "eval.num_sequences=8",
-    "eval.batch_size=4", "eval.interval=0", "logging.wandb=false", "logging.console=false", "logging.plots=false", "optim.lr=3e-3",
-]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(nproc: int, run_dir: Path, *overrides: str, expect_rc: int = 0) -> None:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "nemofp4.train"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", "-m", "nemofp4.train"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([*cmd, *SMALL, f"run_dir={run_dir}", *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    if proc.returncode != expect_rc:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
-
-
-def relative_gap(a: dict[int, float], b: dict[int, float], steps) -> float:
-    return max(abs(a[s] - b[s]) / abs(b[s]) for s in steps)
+from tests.conftest import held_references, launch, losses, relative_gap
 
 
 # One process takes the whole global batch of 4 in one micro-batch; two FSDP2 ranks take 2 each. The

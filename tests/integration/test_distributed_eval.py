@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from nemofp4.training.metrics import read_metrics
 from nemofp4.training.trainer import evaluate
-from tests.integration.test_distributed import _free_port, launch
+from tests.conftest import free_port as _free_port
+from tests.conftest import launch
 
 
 def _eval_records(run_dir):

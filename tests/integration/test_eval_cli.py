@@ -117,7 +117,7 @@ def test_lm_eval_model_name_loads_the_checkpoint(nvfp4_run, monkeypatch):
 
 
 def test_quant_plots_from_the_run(nvfp4_run, tmp_path):
-    from tests.unit.test_eval_quant_plot import plot_script
+    from tests.conftest import plot_script
 
     out = tmp_path / "plots"
     written = plot_script().main([str(nvfp4_run), "--checkpoint", str(nvfp4_run), "--out", str(out), "--sequences", "2"])

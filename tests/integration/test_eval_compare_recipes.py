@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.scripts import load_script
+from tests.conftest import load_script
 
 SMALL = ["train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "eval.num_sequences=8",
          "eval.batch_size=4", "eval.interval=2", "checkpoint.interval=0", "schedule.warmup_steps=2"]  # fmt: skip

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_distributed import ROOT, SMALL, _free_port, losses, relative_gap
+from tests.conftest import ROOT, SMALL, losses, relative_gap
+from tests.conftest import free_port as _free_port
 
 COMMON = [*SMALL, "precision=bf16", "train.max_steps=3", "train.global_batch=8", "checkpoint.interval=0",
           "checkpoint.save_final=false", "eval.num_sequences=0", "eval.at_start=false"]  # fmt: skip

@@ -1,31 +1,17 @@
 """nemofp4-preprocess end to end: formats, workers, shards, manifest, resume, reruns, bad input."""
 
-import gzip
 import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from nemofp4.data import IndexedDataset, PreprocessConfig, load_tokenizer, open_token_source, preprocess
-from nemofp4.data.paths import REPO_ROOT
-
-TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
-
-
-def shipped_chapters(count):
-    with gzip.open(REPO_ROOT / "data" / "corpus" / "austen_validation.jsonl.gz", "rt") as f:
-        return [json.loads(line)["text"][:3000] for line, _ in zip(f, range(count))]
+from nemofp4.data import IndexedDataset, PreprocessConfig, load_tokenizer, preprocess
+from tests.conftest import TOKENIZER, read_all, shipped_chapters
 
 
 def write_jsonl(path, texts):
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-
-
-def read_all(prefix):
-    source = open_token_source(prefix, verify="full")
-    return [source.get(d, 0, int(source.lengths_of(np.array([d]))[0])).tolist() for d in range(source.num_documents)]
 
 
 @pytest.fixture

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.held_references import held_references
-from tests.integration.test_distributed import launch, losses
+from tests.conftest import curve, held_references, launch, losses, train_here
 
 UE5M3 = ["precision=ue5m3", "checkpoint.keep_last_k=0"]
 
@@ -81,8 +80,6 @@ def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exac
     trainer state named no 'quant_state'. Such a checkpoint still resumes, with its references."""
     from nemofp4.quant import reference_state_dict
     from nemofp4.training.trainer import Trainer
-    from tests.integration.test_run_dirs import curve, train_here
-
     common = ["precision=ue5m3", "train.kernels=eager", "train.max_steps=3", "checkpoint.interval=2",
               "checkpoint.keep_last_k=0"]  # fmt: skip
     new_trainer_state, new_rank_state = Trainer._trainer_state, Trainer._rank_state

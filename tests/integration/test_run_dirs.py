@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,31 +17,14 @@ import torch
 from nemofp4.training.metrics import read_metrics
 from nemofp4.training.nonfinite import NonFiniteError
 from nemofp4.training.run_dir import LOCK_FILE, RunLockedError
-from tests.held_references import held_references
-
-ROOT = Path(__file__).resolve().parents[2]
-FAST = [
-    "model=tiny", "data=tiny", "train.seq_len=32", "train.global_batch=2", "train.micro_batch=2",
-    "eval.num_sequences=4", "eval.batch_size=4", "eval.interval=0", "eval.at_start=false", "logging.wandb=false",
-    "logging.console=false", "logging.plots=false", "optim.lr=3e-3", "precision=bf16", "train.kernels=reference",
-]  # fmt: skip
-
-
-def train_here(run_dir: Path, *overrides: str) -> dict:
-    from nemofp4.cli.train import compose_job_config
-    from nemofp4.training.trainer import train
-
-    return train(compose_job_config([*FAST, f"run_dir={run_dir}", *overrides]))
+from tests.conftest import FAST_IN_PROCESS as FAST
+from tests.conftest import ROOT, curve, held_references, train_here
 
 
 def run_cli(*args: str, multirun: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "nemofp4.train", *(["-m"] if multirun else []), *FAST, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
-def curve(run_dir: Path) -> dict[int, tuple[float, float]]:
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir, "train")}
 
 
 def test_resume_with_changed_recipe_model_or_seed_exits_nonzero_naming_the_keys(tmp_path):

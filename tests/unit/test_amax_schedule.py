@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
 from nemofp4.quant import (
@@ -21,11 +20,11 @@ from nemofp4.quant import (
     set_held_reference_reduce_group,
     set_step,
 )
-from nemofp4.recipes import apply_recipe, get_recipe
-from tests.unit.test_quant_standin import (
-    StandInModel,
-    one_thread,  # noqa: F401 (autouse fixture)
-)
+from nemofp4.recipes import get_recipe
+from tests.conftest import fresh_standin as _fresh
+from tests.conftest import train_standin as _train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _layer(recipe="ue5m3", **overrides) -> QuantLinear:
@@ -112,28 +111,6 @@ def test_training_without_set_step_warns_and_uses_current_scaling():
     assert layer.references.held == {}
     with pytest.raises(ValueError, match="1-based"):
         set_step(layer, 0)
-
-
-def _batch(step: int) -> torch.Tensor:
-    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
-
-
-def _train(model, optimizer, steps):
-    for step in steps:
-        set_step(model, step, seed=5, rank=0)
-        ids = _batch(step)
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-
-def _fresh(recipe="ue5m3"):
-    torch.manual_seed(0)
-    model = StandInModel("M-", d=32, vocab=64)
-    apply_recipe(model, get_recipe(recipe), log=False)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def test_resume_with_restored_references_continues_bitwise():

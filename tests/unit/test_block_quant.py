@@ -25,7 +25,7 @@ from nemofp4.formats import (
     quantize_blocks,
     unpack_fp4,
 )
-from tests.unit.test_formats import ue5m3_reference
+from tests.conftest import ue5m3_reference
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)

@@ -2,7 +2,7 @@
 
 import json
 
-from tests.scripts import load_script
+from tests.conftest import load_script
 
 
 def _script():

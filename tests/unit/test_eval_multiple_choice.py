@@ -159,7 +159,7 @@ def test_shipped_task_is_well_formed_and_rebuilds_byte_for_byte():
     items = load_task(TASK)
     assert len(items) == 120 and all(len(item.choices) == 4 for item in items)
     assert all(item.choices[item.label] not in item.choices[: item.label] for item in items)
-    from tests.scripts import load_script
+    from tests.conftest import load_script
 
     builder = load_script("data/tasks/build_austen_cloze.py")
     rebuilt = "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in builder.build())

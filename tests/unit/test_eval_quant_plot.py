@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.scripts import load_script
-
-
-def plot_script():
-    return load_script("scripts/plot_quant_stats.py")
+from tests.conftest import plot_script
 
 
 def test_block_fractions_average_over_layers_per_role():

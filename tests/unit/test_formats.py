@@ -23,6 +23,7 @@ from nemofp4.formats import (
     pack_fp4,
     unpack_fp4,
 )
+from tests.conftest import ue5m3_reference
 
 ML_DTYPES = {
     "e2m1": ml_dtypes.float4_e2m1fn,
@@ -212,25 +213,7 @@ def test_saturation_and_specials():
         UE5M3.round(torch.tensor([-1.0]))
 
 
-# --------------------------------------------------------------------------- UE5M3 float64 reference
-def ue5m3_reference(x: np.ndarray, max_finite: float) -> tuple[np.ndarray, np.ndarray]:
-    """Values and codes of RNE-rounding non-negative x to UE5M3, from the definition alone:
-    unsigned, 5 exponent bits (bias 15), 3 fraction bits, subnormals (quantum 2^-17),
-    saturating at ``max_finite``. Computed in float64, where every step here is exact."""
-    x = np.asarray(x, dtype=np.float64)
-    _, frexp_exp = np.frexp(np.where(x > 0, x, 1.0))
-    exponent = np.maximum(frexp_exp - 1, -14)  # floor(log2 x), clamped to the subnormal binade
-    quantum = np.exp2(exponent - 3.0)
-    value = np.minimum(np.rint(x / quantum) * quantum, max_finite)  # np.rint: ties to even
-    value = np.where(x >= max_finite, max_finite, value)
-    _, value_exp = np.frexp(np.where(value > 0, value, 1.0))
-    value_exponent = value_exp - 1
-    normal = value >= 2.0**-14
-    fraction = np.where(normal, value / np.exp2(value_exponent - 3.0) - 8, 0)
-    codes = np.where(normal, (value_exponent + 15) * 8 + fraction, value / 2.0**-17)
-    return value, codes.astype(np.uint8)
-
-
+# --------------------------------------------------------------------------- UE5M3 float64 reference (tests/conftest.py)
 @pytest.mark.parametrize("fmt", [UE5M3, UE5M3_CUDA], ids=lambda f: f.name)
 @pytest.mark.parametrize("source", ["all_bf16", "probe_f32"])
 def test_ue5m3_matches_float64_reference(fmt, source):

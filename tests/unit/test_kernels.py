@@ -4,46 +4,40 @@ random and edge-case inputs, the fused transposed quantization, the amax reducti
 rounding (exact 8-bit rule given the kernel's own draws, unbiasedness, determinism), the
 quant-operand adapter and the dispatch switch.
 
-TRITON_INTERPRET=1 must be set before triton is first imported in the process (it decides
-whether kernels compile or interpret). If something imported triton earlier without it, this
-module skips rather than run compiled kernels on CPU tensors; run it on its own then.
+tests/conftest.py turns the interpreter on for the whole session on a machine without CUDA,
+before any test module is imported; on a CUDA machine these tests skip (tests/gpu run the
+kernels compiled, in a session of their own).
 """
 
 from __future__ import annotations
 
-import os
+import math
 
-os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np
+import pytest
+import torch
 
-import math  # noqa: E402
+from nemofp4 import kernels
+from nemofp4.formats import E2M1, SCALE_FORMATS, amax, quantize_blocks, unpack_fp4
+from nemofp4.quant.config import OperandQuant
+from tests.conftest import TRITON_INTERPRETER, assert_interpreted, needs_triton_interpreter
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from nemofp4 import kernels  # noqa: E402
-from nemofp4.formats import E2M1, SCALE_FORMATS, amax, quantize_blocks, unpack_fp4  # noqa: E402
-from nemofp4.kernels import _quantize_kernels  # noqa: E402
-from nemofp4.kernels.quantize import (  # noqa: E402
-    triton_amax,
-    triton_quantize,
-    triton_quantize_blocks,
-    triton_quantize_with_draws,
-)
-from nemofp4.quant.config import OperandQuant  # noqa: E402
-
-if not isinstance(_quantize_kernels.quantize_kernel, InterpretedFunction):
-    pytest.skip(
-        "triton was imported before this module without TRITON_INTERPRET=1; run this file in its own process",
-        allow_module_level=True,
+if TRITON_INTERPRETER:
+    from nemofp4.kernels import _quantize_kernels
+    from nemofp4.kernels.quantize import (
+        triton_amax,
+        triton_quantize,
+        triton_quantize_blocks,
+        triton_quantize_with_draws,
     )
 
+    assert_interpreted(_quantize_kernels.quantize_kernel)
+
 # x * enc overflowing to inf (then saturating to +-6) is part of the reference's arithmetic too
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+pytestmark = [
+    needs_triton_interpreter,
+    pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning"),
+]
 
 FORMATS = ["e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"]
 FLT_MAX = np.float32(np.finfo(np.float32).max)

@@ -6,44 +6,32 @@ to the slow reference on random shapes.
 
 from __future__ import annotations
 
-import os
+import math
+from fractions import Fraction
 
-os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np
+import pytest
+import torch
 
-import math  # noqa: E402
-from fractions import Fraction  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from nemofp4 import kernels  # noqa: E402
-from nemofp4.formats import E2M1, SCALE_FORMATS, QuantizedBlocks, pack_fp4, quantize_blocks  # noqa: E402
-from nemofp4.kernels.hardware_gemm import (  # noqa: E402
+from nemofp4 import kernels
+from nemofp4.formats import E2M1, SCALE_FORMATS, QuantizedBlocks, pack_fp4, quantize_blocks
+from nemofp4.kernels.hardware_gemm import (
     hardware_gemm_reference,
     hardware_gemm_torch,
     round_exact_to_float32,
     rtz_add_f32,
     triton_hardware_gemm,
 )
+from tests.conftest import TRITON_INTERPRETER, assert_interpreted, needs_triton_interpreter
 
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _triton_interpreting() -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
+if TRITON_INTERPRETER:  # tests/conftest.py chose the interpreter for the session
+    from nemofp4.kernels import _gemm_kernels
 
-        from nemofp4.kernels import _gemm_kernels
-    except ImportError:
-        return False
-    return isinstance(_gemm_kernels.hardware_gemm_kernel, InterpretedFunction)
-
-
-needs_interpreter = pytest.mark.skipif(
-    not _triton_interpreting(),
-    reason="triton missing, or imported before this module without TRITON_INTERPRET=1",
-)
+    assert_interpreted(_gemm_kernels.hardware_gemm_kernel)
+needs_interpreter = needs_triton_interpreter
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +73,7 @@ def one_hot_operand(entries: dict[int, tuple[float, float]], k: int = 128) -> Qu
 
 def all_paths(a, b, **kw) -> list[torch.Tensor]:
     out = [hardware_gemm_reference(a, b, **kw), hardware_gemm_torch(a, b, **kw)]
-    if _triton_interpreting():
+    if TRITON_INTERPRETER:
         out.append(triton_hardware_gemm(a, b, **kw))
     return out
 

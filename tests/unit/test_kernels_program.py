@@ -13,8 +13,10 @@ from nemofp4.kernels import backend as kernel_backends
 from nemofp4.kernels import program
 from nemofp4.kernels.program import cpu_compile_available, quantize_operand
 from nemofp4.quant import OperandQuant
-from tests.unit.test_quant_blocks import CASES, _inputs
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+from tests.conftest import QUANT_CASES as CASES
+from tests.conftest import quant_inputs as _inputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 needs_compiler = pytest.mark.skipif(
     not cpu_compile_available(), reason="needs a C++ compiler for torch.compile"

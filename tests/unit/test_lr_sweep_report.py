@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.scripts import load_script
+from tests.conftest import load_script
 
 
 def _sweep():

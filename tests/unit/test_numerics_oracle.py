@@ -20,7 +20,9 @@ from nemofp4.kernels import cpu_compile_available
 from nemofp4.kernels.program import quantize_operand
 from nemofp4.quant import QuantLinear
 from nemofp4.recipes import get_recipe
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+from tests.conftest import TRITON_INTERPRETER, needs_triton_interpreter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 f32 = np.float32
 
@@ -121,8 +123,19 @@ def _enumerated_inputs(values: list[float]):
     return torch.from_numpy(x), r, block.shape[0]
 
 
+if TRITON_INTERPRETER:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _byte_of_copy(seed, row_counter_base, col0, BM: tl.constexpr, BK: tl.constexpr):
+        """In place of the kernel's Philox bytes: every element of row ``r * B + b`` draws ``r``
+        (the row's counter base is its index for 16 columns; ``seed`` carries B)."""
+        return tl.broadcast_to(((row_counter_base // seed) % 256)[:, None], (BM, BK)).to(tl.int32)
+
+
 @pytest.mark.parametrize("rounding,scale_format", [("sr", "e4m3"), ("sr8", "ue5m3")])
-@pytest.mark.parametrize("path", ["minifloat", "eager", "compiled"])
+@pytest.mark.parametrize("path", ["minifloat", "eager", "compiled", pytest.param("triton", marks=needs_triton_interpreter)])
 def test_rounding_probability_is_the_exact_count_over_all_random_bytes(rounding, scale_format, path, monkeypatch):
     if path == "compiled" and not cpu_compile_available():
         pytest.skip("needs a C++ compiler for torch.compile")
@@ -136,6 +149,15 @@ def test_rounding_probability_is_the_exact_count_over_all_random_bytes(rounding,
         from nemofp4.formats import E2M1
 
         out = E2M1.round(x, rounding=rounding)
+    elif path == "triton":  # the kernel's rounding rule, fed the bytes r = 0..255 instead of Philox's
+        from nemofp4.kernels import _quantize_kernels
+        from nemofp4.kernels.quantize import triton_quantize
+
+        monkeypatch.setattr(_quantize_kernels, "_sr8_draws_along_cols", _byte_of_copy)
+        q, _ = triton_quantize(x, scale_format=scale_format, block_size=16, tensor_amax=2688.0, rounding=rounding,
+                               seed=blocks, _config={"BM": 512, "BK": 16})  # fmt: skip
+        assert float(q.tensor_scale) == 1.0
+        out = q.dequantize()
     else:
         import nemofp4.kernels.program as program
 

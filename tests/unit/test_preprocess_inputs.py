@@ -6,7 +6,7 @@ import pytest
 
 from nemofp4.data import PreprocessConfig, load_tokenizer, preprocess
 from nemofp4.data.preprocessing import resolve_input_files
-from tests.integration.test_preprocess import TOKENIZER, read_all, shipped_chapters
+from tests.conftest import TOKENIZER, read_all, shipped_chapters
 
 
 def _run(tmp_path, input_path, name="out"):

@@ -1,38 +1,18 @@
 """The torch quantization program (nemofp4.kernels.program), run eagerly, against the reference
 quantize_blocks: bitwise."""
 
-import itertools
-
 import pytest
 import torch
 
 from nemofp4.formats import QuantizedBlocks, quantize_blocks
 from nemofp4.kernels.program import quantize_operand
 from nemofp4.quant import OperandQuant
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+from tests.conftest import QUANT_CASES as CASES
+from tests.conftest import quant_inputs as _inputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(0)
-    yield "gaussian, ragged", torch.randn(37, 70, generator=g)
-    yield "wide dynamic range", torch.randn(48, 48, generator=g) * torch.logspace(-8, 8, 48)
-    x = torch.randn(32, 64, generator=g)
-    x[3] = 0.0  # zero blocks
-    x[5, :16] = 1e-30  # scale underflow
-    x[7] = 1e30  # saturation against a small held reference
-    x[9, :8] = -0.0
-    yield "edge blocks", x
-    # Block maxima of 6 put these exactly on E2M1 midpoints and grid points (ties to even).
-    ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.99, 0.1, 2.0, 4.0, 3.0, 1.5, 0.5, 1.0])
-    yield "ties", torch.cat([ties, -ties]).repeat(32, 2)
-    yield "bf16 input", torch.randn(32, 48, generator=g).bfloat16()
-
-
-CASES = [
-    (fmt, 32 if fmt == "ue8m0" else 16, two_d, rounding, 448.0)
-    for fmt, two_d, rounding in itertools.product(["e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"], [False, True], ["rne", "sr8", "sr"])
-] + [("ue5m3", 16, False, "sr8", 2048.0), ("ue5m3", 32, True, "rne", 2048.0), ("e4m3", 32, False, "rne", 448.0),
-      ("e4m3", 16, False, "sr_exact", 448.0)]
 
 
 @pytest.mark.parametrize("fmt,block,two_d,rounding,target", CASES)

@@ -11,7 +11,8 @@ from nemofp4.formats import quantize_blocks, wgrad_hadamard_transform
 from nemofp4.quant import FP32Linear, GemmOperand, QuantLinear, reference_gemm
 from nemofp4.quant.linear import _mix_seed
 from nemofp4.recipes import get_recipe
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FP4_RECIPES = ["nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4"]
 

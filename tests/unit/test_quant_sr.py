@@ -7,7 +7,8 @@ from torch import nn
 from nemofp4.formats import quantize_blocks
 from nemofp4.quant import QuantLinear
 from nemofp4.recipes import get_recipe
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 T, K, N = 64, 32, 32
 

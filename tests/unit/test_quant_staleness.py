@@ -3,6 +3,7 @@ against hand computations on constructed tensors."""
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -10,7 +11,8 @@ from nemofp4.quant import QuantLinear, quant_stats, set_quant_backend, set_quant
 from nemofp4.quant.stats import amax_ratio
 from nemofp4.recipes import get_recipe
 from nemofp4.training.metrics import quant_role_summary
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Block amaxes of the 32 blocks of X (16 rows x 2 blocks of 16 along K = 32) at step 1: the held
 # reference A is their max, 2.0.

@@ -19,9 +19,10 @@ from nemofp4.quant import (
 )
 from nemofp4.quant.state import set_held_reference_reduce_group, set_quant_backend
 from nemofp4.training.parallel import apply_activation_checkpointing, apply_compile
-from tests.unit.test_amax_schedule import _fresh as _fresh_auto
-from tests.unit.test_amax_schedule import _train
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+from tests.conftest import fresh_standin as _fresh_auto
+from tests.conftest import train_standin as _train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fresh():

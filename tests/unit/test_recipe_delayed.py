@@ -8,7 +8,8 @@ from torch import nn
 
 from nemofp4.quant import QuantLinear, quant_stats, set_step
 from nemofp4.recipes import get_recipe, recipe_knobs
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 A = 2.0  # the amax held from step 1
 # Growth of each block's amax at step 2 (fp32-exact multiples of A); 100x is inside UE5M3's range

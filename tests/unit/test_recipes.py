@@ -25,10 +25,9 @@ from nemofp4.recipes import (
     recipe_from_config,
     recipe_knobs,
 )
-from tests.unit.test_quant_standin import (
-    StandInModel,
-    one_thread,  # noqa: F401 (autouse fixture)
-)
+from tests.conftest import StandInModel
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "precision"
 ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed"]
@@ -240,7 +239,7 @@ def test_nvfp4_te_without_te_is_a_clear_error_that_suggests_nvfp4():
 def test_compare_recipes_passes_a_precision_knob_only_to_recipes_that_have_it():
     from types import SimpleNamespace
 
-    from tests.scripts import load_script
+    from tests.conftest import load_script
 
     script = load_script("scripts/compare_recipes.py")
     args = SimpleNamespace(preset="tiny", steps=3, train_override=[

@@ -9,7 +9,8 @@ from nemofp4.kernels import cpu_compile_available
 from nemofp4.models import build_model, get_model_config
 from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
 from nemofp4.recipes import apply_recipe, get_recipe
-from tests.unit.test_quant_standin import one_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEPS, STATS_INTERVAL = 120, 50
 
