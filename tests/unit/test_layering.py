@@ -1,4 +1,4 @@
-"""The design's dependency rules (docs/design.md §3): lower layers never import higher ones.
+"""The dependency rules of docs/architecture.md §2: lower layers never import higher ones.
 
 Every package has a rule: the set of nemofp4 packages it may import. A new package without a
 rule fails the test, so the rules keep covering the whole tree.
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "nemofp4"
 
-# package -> the nemofp4 packages it may import (besides itself), as docs/design.md §3 states them:
+# package -> the nemofp4 packages it may import (besides itself), as docs/architecture.md §2 states them:
 # formats imports nothing of the project; kernels formats only; quant never recipes or training;
 # models and data never quant, recipes or training; evaluation never training (shared pieces such as
 # the LM loss and checkpoint reading live below both); only training and cli import everything.
@@ -60,6 +60,7 @@ def _project_imports(package: str):
 
 
 def test_every_package_has_a_rule():
+    assert (ROOT.parent / "docs" / "architecture.md").is_file(), "the rules cite docs/architecture.md"
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
     assert packages == set(ALLOWED), f"packages without a dependency rule: {sorted(packages - set(ALLOWED))}"
 
