@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 
 from nemofp4.checkpointing import (
@@ -45,6 +46,7 @@ from nemofp4.checkpointing import (
 )
 from nemofp4.data import DataConfig, load_tokenizer
 from nemofp4.data.paths import resolve_path
+from nemofp4.evaluation.run_config import run_config_from_yaml
 from nemofp4.models.nemotron_h import (
     INIT_ONLY_FIELDS,
     NemotronHConfig,
@@ -123,10 +125,6 @@ def resolve_source(init_from: str) -> InitSource:
         raise FileNotFoundError(
             f"train.init_from={init_from!r} is neither a transformers folder (no config.json) nor a nemofp4 run: {err}"
         ) from err
-    from omegaconf import OmegaConf
-
-    from nemofp4.evaluation.run_config import run_config_from_yaml
-
     trainer_state = load_tensors(step / TRAINER_STATE)
     if not isinstance(trainer_state, dict) or "config" not in trainer_state:
         raise ValueError(f"{step / TRAINER_STATE} has no 'config': not written by nemofp4's trainer")
