@@ -38,7 +38,7 @@ from .minifloat import (
     unpack_fp4,
 )
 from .operand import QuantizedBlocks, tensor_scale_product
-from .spec import SCALE_FORMAT_TABLE, SCALE_FORMATS, BlockSpec, ScaleFormat, scale_format_of
+from .spec import SCALE_FORMAT_TABLE, SCALE_FORMATS, BlockSpec, ScaleFormat
 
 __all__ = [
     "E2M1",
@@ -67,7 +67,6 @@ __all__ = [
     "pack_fp4",
     "quantize_blocks",
     "quantize_with_spec",
-    "scale_format_of",
     "sr8_bytes",
     "sr8_draws",
     "sr8_words",

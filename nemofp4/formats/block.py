@@ -50,7 +50,7 @@ import torch
 from .minifloat import E2M1, round_magnitude_to_index
 from .operand import QuantizedBlocks
 from .scaling import FLT_MAX, FP4_MAX, global_scales, mx_floor_exponent, scaled_target
-from .spec import SCALE_FORMATS, BlockSpec
+from .spec import DEFAULT_SCALE_TARGET, SCALE_FORMATS, STAT_NAMES, BlockSpec
 
 __all__ = ["SCALE_FORMATS", "QuantizedBlocks", "amax", "quantize_blocks", "quantize_with_spec"]
 
@@ -71,7 +71,7 @@ def quantize_blocks(
     scale_format: str = "ue5m3",
     block_size: int | None = None,
     two_d: bool = False,
-    scale_target: float = 448.0,
+    scale_target: float = DEFAULT_SCALE_TARGET,
     tensor_amax: torch.Tensor | float | None = None,
     rounding: str = "rne",
     generator: torch.Generator | None = None,
@@ -186,12 +186,8 @@ def quantize_with_spec(
     e2m1_codes |= negative.view(torch.uint8) << 3
     packed = e2m1_codes[..., 0::2] | (e2m1_codes[..., 1::2] << 4)
 
-    counts = {
-        "saturated_blocks": saturated.sum(),
-        "underflow_blocks": underflow.sum(),
-        "zero_blocks": (block_amax == 0).sum(),
-        "clipped_elements": _count_clipped(x_blocks, encode, clipped_blocks, two_d),
-    }
+    clipped = _count_clipped(x_blocks, encode, clipped_blocks, two_d)
+    counts = dict(zip(STAT_NAMES, (saturated.sum(), underflow.sum(), (block_amax == 0).sum(), clipped)))
     return QuantizedBlocks(
         codes=packed,
         scale_codes=scale_codes,

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .minifloat import E2M1, get_format
+from .minifloat import E2M1
 from .scaling import gemm_alpha, nvfp4_dequantize_scale
-from .spec import SCALE_FORMAT_TABLE
+from .spec import DEFAULT_SCALE_TARGET, SCALE_FORMAT_TABLE, SCALE_FORMATS
 
 __all__ = ["QuantizedBlocks", "e2m1_pair_table", "scale_code_table", "tensor_scale_product"]
 
@@ -40,7 +40,7 @@ def e2m1_pair_table(device: torch.device) -> torch.Tensor:
 @functools.lru_cache(maxsize=32)
 def scale_code_table(scale_format: str, device: torch.device) -> torch.Tensor:
     """float32 value of every scale code (NaN/Inf where the format has them)."""
-    fmt = get_format(scale_format)
+    fmt = SCALE_FORMATS[scale_format]
     return fmt.decode(torch.arange(fmt.num_codes, dtype=torch.uint8)).to(device)
 
 
@@ -64,7 +64,7 @@ class QuantizedBlocks:
     """float32 0-d decode multiplier applied after the block scales (1/G; 1.0 for ue8m0)."""
     tensor_amax: torch.Tensor
     """float32 0-d reference g that was used (given or measured)."""
-    scale_target: float = 448.0
+    scale_target: float = DEFAULT_SCALE_TARGET
     """T, the block-scale code the reference g maps to (the GEMM's tensor-scale product needs it)."""
     codes: torch.Tensor | None = None
     """uint8 [*padded_shape[:-1], padded_shape[-1] // 2], two E2M1 codes per byte, even element low."""
@@ -107,7 +107,7 @@ class QuantizedBlocks:
     # ----------------------------------------------------------------- values
     @property
     def scale_fmt(self):
-        return get_format(self.scale_format)
+        return SCALE_FORMATS[self.scale_format]
 
     def values(self) -> torch.Tensor:
         """Decoded E2M1 payloads, float32, padded shape (needs the packed form)."""

@@ -22,8 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from .minifloat import get_format
-from .spec import SCALE_FORMAT_TABLE
+from .spec import SCALE_FORMAT_TABLE, SCALE_FORMATS
 
 __all__ = [
     "E2M1_EMAX",
@@ -87,7 +86,7 @@ class ScaleGrid(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def scale_grid(scale_format: str) -> ScaleGrid:
-    fmt = get_format(scale_format)
+    fmt = SCALE_FORMATS[scale_format]
     return ScaleGrid(fmt.mantissa_bits, fmt.bias, fmt.min_normal, fmt.min_subnormal, fmt.max_finite)
 
 

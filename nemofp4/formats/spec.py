@@ -45,7 +45,6 @@ __all__ = [
     "STAT_NAMES",
     "BlockSpec",
     "ScaleFormat",
-    "scale_format_of",
 ]
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,14 +99,6 @@ SCALE_FORMAT_TABLE: dict[str, ScaleFormat] = {
 }  # fmt: skip
 SCALE_FORMATS: dict[str, FloatFormat] = {name: row.codes for name, row in SCALE_FORMAT_TABLE.items()}
 """Scale-format name -> its block-scale code format (``nemofp4.formats.SCALE_FORMATS``)."""
-
-
-def scale_format_of(name: str) -> ScaleFormat:
-    """The table row of ``name``; an unknown name is a ValueError listing the valid ones."""
-    row = SCALE_FORMAT_TABLE.get(name) if isinstance(name, str) else None
-    if row is None:
-        raise ValueError(f"unknown scale_format {name!r}; valid: {', '.join(SCALE_FORMAT_TABLE)}")
-    return row
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -108,37 +108,31 @@ def triton_quantize(
     x: torch.Tensor,
     spec: BlockSpec | None = None,
     *,
-    scale_format: str = "ue5m3",
-    block_size: int | None = None,
-    two_d: bool = False,
-    scale_target: float = 448.0,
     tensor_amax: torch.Tensor | float | None = None,
-    rounding: str = "rne",
     seed: int | torch.Tensor = 0,
     rowwise: bool = True,
     transposed: bool = False,
     transposed_scale_target: float | None = None,
-    mx_scale_mode: str = "floor",
     scaled_dtype: torch.dtype | None = None,
     stats: bool = True,
     _write_draws: bool = False,
     _config: dict | None = None,
+    **spec_fields,
 ) -> tuple[QuantizedBlocks | None, QuantizedBlocks | None]:
     """The full launch: ``(row-wise result or None, transposed result or None)``.
 
-    ``spec``, when given, is the quantization (its ``hadamard`` is the caller's) in place of the
-    keywords ``scale_format`` to ``mx_scale_mode``, which then must keep their defaults.
+    ``spec`` is the quantization (its ``hadamard`` is the caller's), or ``spec_fields`` are its
+    fields as keywords (:class:`~nemofp4.formats.BlockSpec`'s ``scale_format``, default 'ue5m3',
+    ``block_size``, ``two_d``, ``scale_target``, ``rounding``, ``mx_scale_mode``).
     ``scaled_dtype`` (float32 or bfloat16) also writes E2M1 value x block scale, padded, which
     is exact in either dtype: what a GEMM on block-scaled operands consumes directly.
     ``stats=False`` skips the four statistics counters (their atomics). ``_config`` overrides
     the tile sizes and launch options (``BM``, ``BK``, ``num_warps``; for benchmarks).
     """
     if spec is None:
-        spec = BlockSpec(scale_format=scale_format, block_size=block_size, two_d=two_d, rounding=rounding,
-                         scale_target=scale_target, mx_scale_mode=mx_scale_mode)  # fmt: skip
-    elif (scale_format, block_size, two_d, scale_target, rounding, mx_scale_mode) != _DEFAULT_FIELDS:
-        raise ValueError("triton_quantize takes the quantization as a spec or as keywords, not both")
-    write_draws, config = _write_draws, _config
+        spec = BlockSpec(**{"scale_format": "ue5m3", **spec_fields})
+    elif spec_fields:
+        raise ValueError(f"triton_quantize takes the quantization as a spec or as keywords, not both: {sorted(spec_fields)}")
     target_t = _check_launch(x, spec, tensor_amax, rowwise, transposed, transposed_scale_target, scaled_dtype)
     device = x.device
     is_mx = spec.format.power_of_two
@@ -163,11 +157,11 @@ def triton_quantize(
     else:
         g = _reference_tensor(tensor_amax, device)
     seed_t = _seed_tensor(seed, device, rounding)
-    config = config or _tile_config(b, two_d, transposed, interpreting(device))
+    config = _config or _tile_config(b, two_d, transposed, interpreting(device))
     outs = torch.ops.nemofp4.triton_quantize(
         x2d, g, seed_t, scale_format, b, two_d, _fp32(scale_target * 6.0), _fp32(target_t * 6.0),
         _ROUNDING_CODES[rounding], spec.mx_scale_mode == "ceil", rowwise, transposed,
-        _SCALED_DTYPE_CODES[scaled_dtype], write_draws, stats,
+        _SCALED_DTYPE_CODES[scaled_dtype], _write_draws, stats,
         config["BM"], config["BK"], config.get("num_warps", 0), config.get("enable_fp_fusion", True),
     )  # fmt: skip
     r = dict(zip(_SIDE_OUTPUTS, outs[:6]))
@@ -214,12 +208,10 @@ def triton_quantize(
             num_elements=math.prod(shape),
             scaled=t["scaled"] if scaled_dtype is not None else None,
         )
-    if write_draws:
+    if _write_draws:
         return (row_result, r["draws"] if rowwise else None), (col_result, t["draws"] if transposed else None)
     return row_result, col_result
 
-
-_DEFAULT_FIELDS = ("ue5m3", None, False, 448.0, "rne", "floor")
 
 # ------------------------------------------------------------------------------------ the op
 _SCALED_DTYPE_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2}

@@ -287,3 +287,38 @@ def test_compiled_hadamard_transform_is_bitwise_the_eager_one(shape):
     x = torch.randn(shape[1] + 3, shape[0], generator=torch.Generator().manual_seed(7)) * 100
     xt = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[0] % 16)).t()  # as QuantLinear calls it: [K, Tp], a view
     assert torch.equal(_bits(compiled_hadamard_transform(xt)), _bits(wgrad_hadamard_transform(xt)))
+
+
+@pytest.mark.parametrize("source", ["e4m3", "ue5m3", "ue8m0"])
+def test_a_new_scale_format_is_one_row_of_the_table(source, monkeypatch):
+    """A copy of a table row under a new name quantizes (reference and torch program), decodes and
+    scales a GEMM bit for bit as the original: no quantizer or GEMM branches on a format's name."""
+    import dataclasses
+
+    from nemofp4.formats import SCALE_FORMAT_TABLE, SCALE_FORMATS, tensor_scale_product
+
+    new = f"copy_of_{source}"
+    monkeypatch.setitem(SCALE_FORMAT_TABLE, new, dataclasses.replace(SCALE_FORMAT_TABLE[source], name=new))
+    monkeypatch.setitem(SCALE_FORMATS, new, SCALE_FORMATS[source])
+    if source in program._SCALE_GRIDS:  # built from the table at import, as a new row's would be
+        monkeypatch.setitem(program._SCALE_GRIDS, new, program._SCALE_GRIDS[source])
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(32, 64, generator=g) * torch.logspace(-6, 6, 64)
+    x[3] = 0.0
+    block = SCALE_FORMAT_TABLE[source].default_block_size
+    quantized = {}
+    for fmt in (source, new):
+        op = OperandQuant(scale_format=fmt, block_size=block, rounding="sr8")
+        quantized[fmt] = (
+            quantize_blocks(x, fmt, rounding="sr8", generator=torch.Generator().manual_seed(4)),
+            quantize_operand(x, op, generator=torch.Generator().manual_seed(4), pack=True),
+        )
+    for reference, copied in zip(quantized[source], quantized[new]):
+        assert copied.scale_format == new
+        assert torch.equal(copied.codes, reference.codes) and torch.equal(copied.scale_codes, reference.scale_codes)
+        assert torch.equal(_bits(copied.tensor_scale), _bits(reference.tensor_scale))
+        assert torch.equal(_bits(copied.dequantize()), _bits(reference.dequantize()))
+        assert {k: int(v) for k, v in copied.counts.items()} == {k: int(v) for k, v in reference.counts.items()}
+    a, b = quantized[source][0], quantized[new][0]
+    assert torch.equal(_bits(tensor_scale_product(b, b)), _bits(tensor_scale_product(a, a)))
+    assert torch.equal(_bits(tensor_scale_product(a, b)), _bits(tensor_scale_product(a, a)))  # one family
