@@ -133,7 +133,8 @@ class QuantLinearState:
             self.generator.manual_seed(self.generator_seed)
         return self.generator
 
-    def record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None, *, backend) -> None:
+    def record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None, *,
+               backend: kernels.Backend) -> None:  # fmt: skip
         # Keep only the block counts and rho (device scalars, read lazily), not the data.
         self.stats[role.value] = operand_stats(q, held_source, backend=backend)
 

@@ -71,14 +71,13 @@ class ReferenceState:
         self.held_reduce_group: dist.ProcessGroup | None = None
         self._warned_no_step = False
 
-    def measure(self, x: torch.Tensor | Callable[[], torch.Tensor], *, for_held: bool = False,
-                backend: kernels.Backend | None = None) -> torch.Tensor:  # fmt: skip
-        """Current amax of ``x`` as fp32 0-d (by ``backend``, the module's resolved kernels; None: the
-        kernels of "auto"), all-reduced (max) over ``reduce_group`` if set (and over ``held_reduce_group`` when
-        sampling a held reference). ``x`` may be a function that makes the tensor (an operand the
-        quantizer transforms in its own loop is made only when measured here)."""
-        x = x() if callable(x) else x
-        value = (backend or kernels.backend_for("auto", x.device)).amax(x)
+    def measure(self, x: torch.Tensor | Callable[[], torch.Tensor], *, backend: kernels.Backend,
+                for_held: bool = False) -> torch.Tensor:  # fmt: skip
+        """Current amax of ``x`` as fp32 0-d, by ``backend`` (the module's resolved kernels), all-reduced
+        (max) over ``reduce_group`` if set (and over ``held_reduce_group`` when sampling a held
+        reference). ``x`` may be a function that makes the tensor (an operand the quantizer transforms
+        in its own loop is made only when measured here)."""
+        value = backend.amax(x() if callable(x) else x)
         group = self.reduce_group if self.reduce_group is not None else (self.held_reduce_group if for_held else None)
         if group is not None:
             value = value.clone()
@@ -86,7 +85,7 @@ class ReferenceState:
         return value
 
     def get(self, name: str, x: torch.Tensor | Callable[[], torch.Tensor], *, training: bool,
-            backend: kernels.Backend | None = None) -> torch.Tensor | None:  # fmt: skip
+            backend: kernels.Backend) -> torch.Tensor | None:  # fmt: skip
         """The reference to quantize ``x`` with (None: the quantizer measures it), refreshing the held
         value when it is due.
 

@@ -4,6 +4,7 @@ The quant-state API: code outside this package (the trainer, evaluation) reads a
 tensor references of a model only through these functions, never through a module's fields.
 
 * :func:`set_step` once per optimizer step, before the forward pass (refreshes, SR seeds);
+* :func:`held_amaxes` / :func:`reference_state_dict`: the held references, read;
 * :func:`snapshot` / :func:`restore`: every module's held references and refresh intervals, taken
   and put back whole (evaluation leaves a model that goes on training as it found it);
 * :func:`hold` / :func:`override_interval` / :func:`reset_references`: hold given amaxes as a
@@ -37,6 +38,7 @@ __all__ = [
     "QuantSnapshot",
     "QuantState",
     "canonical_fqn",
+    "held_amaxes",
     "hold",
     "load_reference_state_dict",
     "override_interval",
@@ -88,6 +90,13 @@ def set_step(model: nn.Module, step: int, *, seed: int = 0, rank: int = 0) -> No
         raise ValueError(f"step must be a 1-based int >= 1, got {step!r}")
     for _, module in quant_linears(model):
         module.set_step(step, seed=seed, rank=rank)
+
+
+def held_amaxes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every held tensor reference's amax as ``'<fqn>.<ref>'`` -> fp32 0-d, on its device and not
+    copied (reading them costs no synchronization; checking them does), in module order."""
+    return {f"{fqn}.{ref}": held.amax for fqn, module in quant_linears(model)
+            for ref, held in sorted(module.references.held.items())}  # fmt: skip
 
 
 def reference_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

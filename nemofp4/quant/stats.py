@@ -54,14 +54,10 @@ class OperandStats:
         return out
 
 
-def operand_stats(q: QuantizedBlocks, source: torch.Tensor | None = None, *,
-                  backend: kernels.Backend | None = None) -> OperandStats:  # fmt: skip
+def operand_stats(q: QuantizedBlocks, source: torch.Tensor | None, *, backend: kernels.Backend) -> OperandStats:
     """The statistics of ``q``. ``source``: the high-precision tensor ``q`` was quantized from, given
     only when its tensor reference was a held one (``q.tensor_amax``); its current amax is then
-    measured (one extra read of the operand, on the device, by ``backend``: the module's kernels,
-    None for those of 'auto') for rho."""
-    ratio = None
-    if source is not None:
-        backend = backend or kernels.backend_for("auto", source.device)
-        ratio = amax_ratio(backend.amax(source.detach()), q.tensor_amax)
+    measured (one extra read of the operand, on the device, by ``backend``: the module's kernels)
+    for rho."""
+    ratio = None if source is None else amax_ratio(backend.amax(source.detach()), q.tensor_amax)
     return OperandStats(q.without_data(), ratio)

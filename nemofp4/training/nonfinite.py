@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nemofp4.quant import canonical_fqn, quant_linears
+from nemofp4.quant import canonical_fqn, held_amaxes
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -26,10 +26,9 @@ def first_nonfinite_parameter(model: nn.Module) -> str | None:
 
 def first_nonfinite_reference(model: nn.Module) -> str | None:
     """The first held FP4 tensor reference (amax) that is not finite, as '<fqn>.<ref> amax'."""
-    for fqn, module in quant_linears(model):
-        for ref, held in sorted(module.references.held.items()):
-            if not torch.isfinite(held.amax).all():
-                return f"{fqn}.{ref} amax"
+    for name, amax in held_amaxes(model).items():
+        if not torch.isfinite(amax).all():
+            return f"{name} amax"
     return None
 
 
