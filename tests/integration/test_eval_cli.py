@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemofp4.evaluation import EvaluateConfig, evaluate, load_checkpoint_model, resolve_checkpoint
+from nemofp4.evaluation import (
+    EvalSession,
+    EvaluateConfig,
+    evaluate,
+    load_checkpoint_model,
+    resolve_checkpoint,
+)
 from nemofp4.quant import quant_linears
 from nemofp4.training.metrics import read_metrics
 
@@ -91,6 +97,18 @@ def test_policies_through_the_python_api(nvfp4_run):
     assert calibrated["val_loss"] != current["val_loss"]
     assert unquantized["val_loss"] != current["val_loss"]
     assert evaluate(EvaluateConfig(val_data="none", **base)).keys().isdisjoint({"val_loss"})
+
+
+def test_the_kernels_knob_reaches_every_fp4_linear_and_keeps_the_numerics(nvfp4_run):
+    """kernels=eager (as train.kernels): every FP4 linear of the loaded model quantizes with it, and the
+    validation NLL is the trainer's, which ran eagerly too (the CLI test above holds the compiled path)."""
+    cfg = EvaluateConfig(checkpoint=str(nvfp4_run), policy="current", device="cpu", kernels="eager")
+    session = EvalSession.open(cfg.checkpoint, device=cfg.device, kernels=cfg.kernels)
+    assert {m.quant_backend for _, m in quant_linears(session.model)} == {"eager"}
+    trainer_final = [r for r in read_metrics(nvfp4_run, "eval") if r["step"] == 3][0]
+    assert evaluate(cfg, session)["val_loss"] == trainer_final["val_loss"]
+    with pytest.raises(ValueError, match="kernels='gpu'; valid: auto, triton, compiled, eager"):
+        EvaluateConfig(checkpoint=str(nvfp4_run), kernels="gpu")
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):

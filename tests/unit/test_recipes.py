@@ -11,13 +11,16 @@ from omegaconf.errors import ValidationError
 from torch import nn
 
 from nemofp4.models import build_model, get_model_config
-from nemofp4.quant import FP32Linear, QuantLinear, set_step, transformer_engine_status
+from nemofp4.quant import FP32Linear, LinearQuantConfig, QuantLinear, set_step, transformer_engine_status
 from nemofp4.recipes import (
+    HighPrecision,
     LayerSpan,
     PrecisionConfig,
     RecipeUnavailableError,
     Rule,
+    TransformerEngineNVFP4,
     apply_recipe,
+    emulated_config,
     get_recipe,
     last_layers,
     list_recipes,
@@ -111,6 +114,25 @@ def test_recipe_settings_match_the_fact_sheet():
     assert ablation.x.scale_format == "e4m3" and not ablation.x_wgrad.hadamard
     mx = get_recipe("mxfp4").parts["fp4"]
     assert mx.x.scale_format == "ue8m0" and mx.x.block_size == 32 and not mx.w.two_d
+
+
+def test_every_part_names_its_kind_and_the_emulated_config_that_stands_for_it():
+    """A part's ``kind`` is what apply_recipe, the layer table and the memory plan dispatch on (no
+    isinstance ladder): each part type has one kind, and TE's native NVFP4 stands for the emulated
+    nvfp4 recipe's FP4 config (what the plan and the saves are computed with)."""
+    nvfp4_fp4 = get_recipe("nvfp4").parts["fp4"]
+    seen = set()
+    for name in ALL:
+        for part in get_recipe(name).parts.values():
+            if isinstance(part, LinearQuantConfig):
+                assert (part.kind, emulated_config(part)) == ("fp4", part)
+            elif isinstance(part, TransformerEngineNVFP4):
+                assert (part.kind, emulated_config(part)) == ("te_nvfp4", nvfp4_fp4)
+            else:
+                assert isinstance(part, HighPrecision)
+                assert (part.kind, emulated_config(part)) == ("fp32" if part.compute == "fp32" else "bf16", None)
+            seen.add(part.kind)
+    assert seen == {"fp4", "te_nvfp4", "fp32", "bf16"}
 
 
 def test_apply_swaps_classes_in_place_on_meta_and_keeps_the_parameters():
