@@ -2,8 +2,8 @@
 same device (quantization, amax, the hardware GEMM model), stochastic rounding's rule and
 statistics, the quant-operand adapter, and that the dispatchers pick Triton on CUDA.
 
-Run in a pytest process of its own (``scripts/gpu_check.sh`` does): the interpreter tests in
-tests/unit set TRITON_INTERPRET=1 for their process, which would make these run interpreted.
+They need the kernels compiled, so they skip in a process with TRITON_INTERPRET set (tests/conftest.py
+sets it only where there is no CUDA device; ``scripts/gpu_check.sh`` unsets it).
 """
 
 from __future__ import annotations
