@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nemofp4.training.metrics import read_metrics
-from tests.scripts import load_script
+from tests.conftest import load_script
 
 transformers = pytest.importorskip("transformers")
 
