@@ -484,7 +484,7 @@ class Trainer:
             first_batch = first_batch or (input_ids, labels)
             with self.autocast():
                 loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
-                               head_tf32=cfg.train.head_tf32)
+                               head_precision=cfg.model.head_precision)
             if cfg.debug.nan_loss_at_step == step:
                 loss = loss * float("nan")  # fault injection: one bad step, finite weights
             if self.engine is not None:
