@@ -497,10 +497,52 @@ def test_presubmit_check_passes_and_says_what_the_job_runs(tmp_path, capsys, cap
         assert launch(config) == []
     summary = caplog.text
     assert "2 node(s) x 1 process(es) = 2 rank(s) (CPU only, gloo)" in summary
-    assert "trains ue5m3 with fsdp: 60 steps of 8 x 256 tokens (micro batch 2 x 2 rank(s) x 2 accumulation)" in summary
+    assert ("trains ue5m3 with fsdp (HSDP: 2 replicas x 1 shard(s)): 60 steps of 8 x 256 tokens (micro batch 2 x "
+            "2 rank(s) x 2 accumulation)") in summary
     assert f"run dir {tmp_path / 'run'}" in summary
     assert capsys.readouterr().out.startswith("#!/bin/bash\n")
     assert (tmp_path / "runs" / "slurm" / "logs").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("slurm", "overrides", "expected"),
+    [
+        ({"nodes": 2, "procs_per_node": 2}, [], 2),  # 2 nodes: shard within a node, replicate across
+        ({"nodes": 1, "procs_per_node": 4}, [], 1),  # one node: plain FSDP
+        ({"nodes": 2, "procs_per_node": 2}, ["distributed.replicate_degree=1"], 1),  # the user's choice stands
+        ({"nodes": 2, "procs_per_node": 2}, ["++distributed.replicate_degree=4"], 4),
+    ],
+)  # fmt: skip
+def test_multi_node_fsdp_defaults_to_hsdp_in_the_script_and_the_composed_config(tmp_path, capsys, slurm, overrides,
+                                                                                  expected):
+    """The rendered script carries distributed.replicate_degree=<nodes> unless the user set one, and the
+    trainer's config composed from the script's own arguments has it."""
+    from nemofp4.cli.train import compose_job_config
+
+    config = _shape_config(tmp_path, ["distributed=fsdp", "train.global_batch=8", "train.micro_batch=2", *overrides],
+                           **slurm)  # fmt: skip
+    config.dry_run = True
+    launch(config)
+    script = capsys.readouterr().out
+    arguments = [a for a in _array(script, "train_cmd") if "=" in a and not a.startswith(("--", "run_dir="))]
+    carried = [a for a in arguments if "replicate_degree" in a]
+    assert carried == ([] if expected == 1 and not overrides else [*overrides] if overrides
+                       else [f"distributed.replicate_degree={expected}"])  # fmt: skip
+    job = compose_job_config([a.strip("'") for a in arguments])
+    assert job.distributed.replicate_degree == expected
+
+
+def test_hsdp_default_needs_fsdp_and_a_divisor(tmp_path, capsys):
+    config = _shape_config(tmp_path, ["distributed=fsdp", "train.micro_batch=1", "distributed.replicate_degree=3"],
+                           nodes=2, procs_per_node=2)  # fmt: skip
+    with pytest.raises(ValueError, match="replicate_degree=3 does not divide the 4 ranks"):
+        launch(config)
+    from nemofp4.cli.launch import with_hsdp_default
+    from nemofp4.cli.train import compose_job_config
+
+    job = compose_job_config(["distributed=none"])
+    unchanged = _shape_config(tmp_path, ["distributed=none"])
+    assert with_hsdp_default(unchanged, job) == (unchanged, job)  # no FSDP, no replicas
 
 
 def test_multirun_is_refused_with_the_sweep_command(tmp_path):
