@@ -193,7 +193,8 @@ class Trainer:
                 bf16=cfg.train.dtype == "bfloat16" and self.device.type == "cuda",
             )
             self.engine = deepspeed_engine.initialize(model, self.optimizer, ds_config)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint,
+                                      group_timeout_s=cfg.distributed.startup_timeout_s)
         if cfg.checkpoint.async_save and self.engine is not None and self.rank == 0:
             log.warning("checkpoint.async_save=true has no effect with distributed.backend=%s: DeepSpeed writes "
                         "its checkpoints synchronously", dist_cfg.backend)
@@ -556,6 +557,7 @@ class Trainer:
         )
 
     def close(self) -> None:
+        self.ckpt.close()
         self.run_directory.close()
         destroy_distributed()
 
