@@ -122,6 +122,11 @@ class DebugConfig:
     while training goes on, so a test can kill the job with a save in flight or check that the saved
     state is the step's. Only in a run that did not resume, so a resumed job gets past it."""
     hold_async_save_s: float = CHECKPOINT_STALL_S
+    stall_after_step: int = 0
+    """Stall rank `stall_rank` for `stall_s` right after this step (a hung rank: the others wait in their
+    next collective until distributed.collective_timeout_s ends them). Only in a run that did not resume."""
+    stall_rank: int = 1
+    stall_s: float = CHECKPOINT_STALL_S
     nan_at_step: int = 0
     """Before this step, fill `nan_param` with NaN."""
     nan_param: str = ""

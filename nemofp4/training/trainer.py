@@ -13,6 +13,8 @@ import logging
 import math
 import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -43,11 +45,13 @@ from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step
 from nemofp4.training.config import CHECKPOINT_STALL_S, JobConfig, compute_budget
 from nemofp4.training.console import memory_record, run_summary
 from nemofp4.training.dist_env import (
+    collective_timeout,
     destroy_distributed,
     detect_dist_env,
     init_distributed,
     local_device,
     require_process_group,
+    set_collective_timeout,
 )
 from nemofp4.training.memory_plan import log_plan
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
@@ -67,6 +71,7 @@ from nemofp4.training.run_identity import check_resume_config, validate_accept_l
 from nemofp4.training.schedule import lr_multiplier
 
 log = logging.getLogger("nemofp4")
+COLLECTIVE_TIMEOUT_EXIT_CODE = 1
 
 
 def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self._started = time.perf_counter()
         self.cfg = cfg
-        self.env = init_distributed(detect_dist_env())
+        # the long timeout until the first step is done (index build, first checkpoint load, compilation)
+        self.env = init_distributed(detect_dist_env(), timeout_s=cfg.distributed.startup_timeout_s)
         self.rank, self.world = self.env.rank, self.env.world_size
         self.device = local_device(self.env)
         self.run_dir = Path(cfg.run_dir)
@@ -203,6 +209,7 @@ class Trainer:
             self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         else:
             self.autocast = contextlib.nullcontext
+        self._steady = False  # past the first step: the short collective timeout applies
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
@@ -387,6 +394,46 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
+        """Train to the budget (or until preempted); returns a summary. A collective that times out
+        ends this process at once, after one message naming the rank and the operation, as NCCL's
+        error handling ends it on GPUs: the launcher then stops the other ranks."""
+        try:
+            return self._run()
+        except RuntimeError as err:
+            operation = collective_timeout(err) if self.world > 1 else None
+            if operation is None:
+                raise
+            self._exit_after_collective_timeout(operation, err)
+
+    def _exit_after_collective_timeout(self, operation: str, err: BaseException) -> None:
+        timeout = self.cfg.distributed.collective_timeout_s if self._steady else self.cfg.distributed.startup_timeout_s
+        name = "distributed.collective_timeout_s" if self._steady else "distributed.startup_timeout_s"
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        log.error("rank %d of %d: %s timed out after %g s (%s) at step %d: a rank it waits for is stuck or gone; "
+                  "this process exits now [%s]", self.rank, self.world, operation, timeout, name, self.step,
+                  first_line)  # fmt: skip
+        for handler in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(OSError, ValueError):
+                handler.flush()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        # no clean-up: the group is broken, and a background save's thread may wait in it for its own timeout
+        os._exit(COLLECTIVE_TIMEOUT_EXIT_CODE)
+
+    def _shorten_timeouts(self) -> None:
+        """After the first step: every collective of the training loop waits at most
+        distributed.collective_timeout_s (the async saves' own group keeps the start-up timeout)."""
+        self._steady = True
+        if self.world == 1:
+            return
+        timeout = self.cfg.distributed.collective_timeout_s
+        set_collective_timeout(timeout, keep=[self.ckpt.save_group])
+        if self.rank == 0:
+            log.info("collective timeout: %g s from now on (distributed.collective_timeout_s; start-up and the first "
+                     "step had %g s)", timeout, self.cfg.distributed.startup_timeout_s)  # fmt: skip
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         total = self.budget.total_steps
         first_step = self.step
@@ -406,6 +453,13 @@ class Trainer:
             while self.step < total:
                 self.step += 1
                 self._train_step(data_iter)
+                if not self._steady:
+                    self._shorten_timeouts()
+                if cfg.debug.stall_after_step == self.step and cfg.debug.stall_rank == self.rank and \
+                        self.resumed_from is None:
+                    log.warning("debug.stall_after_step=%d: rank %d stalls for %g s", self.step, self.rank,
+                                cfg.debug.stall_s)  # fmt: skip
+                    time.sleep(cfg.debug.stall_s)  # fault injection: a hung rank
                 self._log_published(self.ckpt.poll())  # publish a finished async save at once
                 interval_due = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
                 if cfg.eval.interval and self.step % cfg.eval.interval == 0 and self.step < total and self.val_batches:
@@ -427,6 +481,8 @@ class Trainer:
                     self.resumed_from is not None and step_of(self.resumed_from) == self.step  # a finished run, rerun
                 )
                 if cfg.checkpoint.save_final and (not already_saved or cfg.checkpoint.export_safetensors):
+                    if cfg.checkpoint.export_safetensors and self.world > 1:  # rank 0 writes the full weights alone
+                        set_collective_timeout(cfg.distributed.startup_timeout_s)
                     self.save_checkpoint(final=True)
             self._log_published(self.ckpt.wait())
             # the loggers (wandb's service process too) finish before the requeue, after which Slurm
