@@ -415,12 +415,13 @@ def collective_timeout(error: BaseException) -> str | None:
     if not isinstance(error, RuntimeError) or not _TIMEOUT_RE.search(str(error)):
         return None
     frames = traceback.extract_tb(error.__traceback__)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../nemofp4
     c10d = [f for f in frames if f.filename.endswith(os.path.join("distributed", "distributed_c10d.py"))]
-    ours = [f for f in frames if f"{os.sep}nemofp4{os.sep}" in f.filename]
+    ours = [f for f in frames if os.path.abspath(f.filename).startswith(package + os.sep)]
     operation = c10d[-1].name if c10d else "a collective"
     if ours:
         where = ours[-1]
-        path = where.filename[where.filename.rindex(f"{os.sep}nemofp4{os.sep}") + 1:]
+        path = os.path.relpath(os.path.abspath(where.filename), os.path.dirname(package)).replace(os.sep, "/")
         operation += f" ({path}:{where.name})"
     return operation
 
