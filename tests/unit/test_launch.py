@@ -293,6 +293,52 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
     assert f"training step exited with status {step_status}" in output
 
 
+REQUEUE_SRUN = """#!/bin/bash
+while [[ $# -gt 0 && $1 == --* ]]; do shift; done
+"$@"
+status=$?
+echo srun-returned >> "$FAKE_DIR/order"
+exit $status
+"""
+REQUEUE_TASK = """#!/bin/bash
+# a preempted trainer: checkpointed, leaves the request (unless told not to), exits 0
+if [[ -n "$WRITE_REQUEST" ]]; then echo "job $SLURM_JOB_ID; it resumes from /ckpt/step-7" > "$NEMOFP4_REQUEUE_REQUEST"; fi
+exit 0
+"""
+REQUEUE_SCONTROL = """#!/bin/bash
+if [[ $1 == requeue ]]; then echo "requeue $2" >> "$FAKE_DIR/order"; exit "$REQUEUE_RC"; fi
+printf "gpu-007\\ngpu-008\\n"
+"""
+
+
+@pytest.mark.parametrize(("write_request", "requeue_rc", "status"), [(True, 0, 0), (True, 1, 143), (False, 0, 0)],
+                         ids=["requeued", "requeue-fails", "stale-request-ignored"])  # fmt: skip
+def test_script_requeues_after_the_step_returns_when_the_trainer_asks(tmp_path, write_request, requeue_rc, status):
+    """The trainer only leaves a request file; the batch script calls `scontrol requeue` after srun has
+    returned (so no process of the step is signalled by it), once, and never for a stale request."""
+    bin_dir, environ = _fake_cluster(tmp_path)
+    _executable(bin_dir / "srun", REQUEUE_SRUN)
+    _executable(bin_dir / "torchrun", REQUEUE_TASK)
+    _executable(bin_dir / "scontrol", REQUEUE_SCONTROL)
+    environ.update(REQUEUE_RC=str(requeue_rc), WRITE_REQUEST="1" if write_request else "")
+    config = _config(tmp_path, nodes=2, gpus_per_node=4)
+    script_path = tmp_path / "job.sbatch"
+    script_path.write_text(render_sbatch_script(config))
+    run_dir = tmp_path / "runs" / "nemofp4-tiny_ue5m3"
+    run_dir.mkdir(parents=True)
+    (run_dir / ".requeue-request").write_text("job 1; an earlier run's\n")  # stale: removed before the step
+    result = subprocess.run(["bash", str(script_path)], cwd=tmp_path, env=environ, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == status, result.stdout + result.stderr
+    order = (tmp_path / "order").read_text().splitlines()
+    assert order == (["srun-returned", "requeue 12345"] if write_request else ["srun-returned"])
+    assert not (run_dir / ".requeue-request").exists()
+    if write_request and requeue_rc == 0:
+        assert "requeued SLURM job 12345; it resumes from /ckpt/step-7" in result.stdout
+    elif write_request:
+        assert "scontrol requeue 12345 failed" in result.stdout
+
+
 # ---------------------------------------------------------------------------------------------- submit / app
 
 
