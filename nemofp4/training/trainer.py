@@ -163,8 +163,7 @@ class Trainer:
         self.recipe = recipe_from_config(cfg.precision)
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
         set_quant_backend(model, cfg.train.kernels)
-        if self.rank == 0:
-            log_plan(cfg, world_size=self.world, device=self.device, log=log)
+        plan = self._log_plan_in_background()
         if self.rank == 0 and self.layer_table.count("fp4"):
             log.info("%s", kernels.describe(self.device, cfg.train.kernels))
         dist_cfg = cfg.distributed
@@ -220,6 +219,18 @@ class Trainer:
             (self.run_dir / RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
         self.peak_flops = peak_tflops(cfg.logging) * 1e12
+        if plan is not None:
+            plan.join()  # logged before training starts; the build above normally outlasts it
+
+    def _log_plan_in_background(self) -> threading.Thread | None:
+        """Rank 0 logs the memory plan (seconds of meta-device tracing at 8B) in a thread, while every
+        rank builds, shards and loads: the others never wait for it in a collective."""
+        if self.rank != 0:
+            return None
+        thread = threading.Thread(target=log_plan, args=(self.cfg,), name="nemofp4-memory-plan", daemon=True,
+                                  kwargs={"world_size": self.world, "device": self.device, "log": log})  # fmt: skip
+        thread.start()
+        return thread
 
     @property
     def _references_replicated(self) -> bool:
