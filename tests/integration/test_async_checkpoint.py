@@ -44,7 +44,13 @@ def _full(state) -> dict[str, torch.Tensor]:
 
 def _rank_main(rank: int, folder: str) -> None:
     import nemofp4.training.checkpoint as ckpt_mod
-    from nemofp4.training.checkpoint import MARKER, CheckpointConfig, CheckpointError, CheckpointManager, is_complete
+    from nemofp4.training.checkpoint import (
+        MARKER,
+        CheckpointConfig,
+        CheckpointError,
+        CheckpointManager,
+        is_complete,
+    )
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
     out: dict = {}
