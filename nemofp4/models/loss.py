@@ -48,11 +48,11 @@ def check_head_precision(precision: str, *, what: str = "head_precision") -> str
 
 @contextlib.contextmanager
 def _head_matmuls(device: torch.device, precision: str):
-    """Autocast off (the head's arithmetic is ``precision``'s whatever the body runs in); TF32 only
-    when asked for."""
+    """Autocast off (the head's arithmetic is ``precision``'s whatever the body runs in); CUDA's FP32
+    matmuls in TF32 only for tf32, strict IEEE FP32 for fp32 whatever the process-wide setting."""
     previous = torch.backends.cuda.matmul.fp32_precision
-    if precision == "tf32":
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    if precision in ("fp32", "tf32"):
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if precision == "tf32" else "ieee"
     try:
         with torch.autocast(device.type, enabled=False):
             yield
