@@ -78,6 +78,33 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
+_fused_bf16_addmm: bool | None = None
+"""Whether CUDA's ``addmm`` takes an FP32 accumulator with BF16 operands (``out_dtype``); probed at first use."""
+
+
+def _add_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into the FP32 accumulator ``acc``, for two operands from :func:`_operand`. A BF16 pair
+    accumulates in place with ``addmm(out_dtype=float32)`` where this torch's CUDA GEMM takes an FP32
+    ``self``; elsewhere the chunk's FP32 product is added, one ``acc``-sized FP32 transient (2 GiB for the
+    8B head's weight gradient) and one more pass over it."""
+    global _fused_bf16_addmm
+    if a.dtype != torch.bfloat16:
+        acc.addmm_(a, b)
+        return
+    if _fused_bf16_addmm is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _fused_bf16_addmm = True
+            return
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # an older CUDA kernel wants self in the operands' dtype: checked before it runs
+            if _fused_bf16_addmm:
+                raise
+            _fused_bf16_addmm = False
+    acc += _mm(a, b)
+
+
 def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None,
                   precision: str) -> torch.Tensor:
     """FP32 logits of one chunk; ``weight_VD`` is already the head's operand (:func:`_operand`)."""
@@ -134,11 +161,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 if need_h:
                     grad_h_TD[rows] = _mm(grad_op_CV, w_VD)
                 if need_w:
-                    if grad_op_CV.dtype == torch.float32:
-                        grad_w_VD.addmm_(grad_op_CV.t(), h_CD)
-                    else:  # BF16 on CUDA: the chunk's FP32 product added to the FP32 sum (one V x D transient;
-                        # torch has no addmm_ of BF16 operands into an FP32 accumulator)
-                        grad_w_VD += _mm(grad_op_CV.t(), h_CD)
+                    _add_mm_(grad_w_VD, grad_op_CV.t(), h_CD)
                 del grad_CV, grad_op_CV
         grad_h = grad_h_TD.to(h_TD.dtype) if need_h else None
         grad_w = grad_w_VD.to(weight_VD.dtype) if need_w else None
