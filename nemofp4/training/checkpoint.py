@@ -489,7 +489,7 @@ class CheckpointManager:
             old = None
             if final.exists():  # the same step saved again: keep the old folder until the new one is in place
                 old = self.root / f"{_OLD_PREFIX}{step}"
-                shutil.rmtree(old, ignore_errors=True)
+                self._discard(old)  # a leftover of an earlier failure: moved aside, deleted in the background
                 os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(self.root)
