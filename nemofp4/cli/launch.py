@@ -654,8 +654,8 @@ def _sets_replicate_degree(overrides: list[str]) -> bool:
 
 def with_hsdp_default(config: LaunchConfig, job: JobConfig) -> tuple[LaunchConfig, JobConfig]:
     """On more than one node under FSDP2, shard within a node and replicate across nodes (HSDP,
-    ``distributed.replicate_degree=<nodes>``) unless the overrides or the experiment choose a
-    replicate degree: each block's all-gathers and reduce-scatters then stay on the node's own links
+    ``distributed.replicate_degree=<nodes>``) unless the overrides set a replicate degree (1 included)
+    or the experiment sets one above 1: each block's all-gathers and reduce-scatters then stay on the node's own links
     and only one all-reduce of each rank's gradient shard per step crosses the network. Returns the
     config with the override added and the trainer's config as the job will compose it."""
     nodes = config.slurm.nodes
