@@ -10,11 +10,15 @@ operator creates until it is freed.
     python scripts/bench_lm_head.py --tokens 1024 --width 1024 --vocab 32768
 
 ``--tiny-step`` instead measures the head's share of the tiny model's training step for each head
-precision (``model.head_precision``, and the tiny preset's unchunked FP32 head): the full step
-(forward, backward, AdamW) and the head and loss alone (forward and backward on the step's final
-hidden states), interleaved over the variants, ``--repeats`` rounds, medians. It also prints the head's share of the step's
-FLOPs at the tiny and 8B shapes (formula: ``NemotronHConfig.flops_per_token`` plus the chunked
-loss's recomputed logits).
+precision (``model.head_precision``, and the tiny preset's unchunked FP32 head): each step (forward,
+backward, AdamW) is cut at the final hidden states, so the head and loss (forward and backward) are
+timed inside the same step as the whole; the variants are interleaved, ``--repeats`` rounds, medians;
+the share is the median over rounds of head / step, and the head's time is also given relative to the
+tiny preset's unchunked FP32 head of the same round (what every run had before ``model.head_precision``).
+On CPU this measures the program, not the arithmetic's speed: TF32 does not exist there (tf32 runs the
+FP32 head), and bf16 runs as FP32 GEMMs of BF16-rounded operands (CPU BF16 matmul is ~200x slower).
+It also prints the head's share of the step's FLOPs at the tiny and 8B shapes (formula:
+``NemotronHConfig.flops_per_token`` plus the chunked loss's recomputed logits).
 
     python scripts/bench_lm_head.py --tiny-step --repeats 9
 """
@@ -64,7 +68,7 @@ def head_flops_share(model_cfg, seq_len: int, chunked: bool = True) -> tuple[flo
 
 def tiny_step(repeats: int, chunk_tokens: int) -> None:
     from nemofp4.cli.train import compose_job_config
-    from nemofp4.models import build_model, get_model_config, lm_loss
+    from nemofp4.models import build_model, get_model_config
     from nemofp4.models.loss import HEAD_PRECISIONS
     from nemofp4.recipes import apply_recipe, recipe_from_config
     from nemofp4.training.parallel import parallelize
@@ -85,43 +89,49 @@ def tiny_step(repeats: int, chunk_tokens: int) -> None:
     variants = [("fp32, unchunked (the tiny preset)", 0, "fp32"),
                 *((f"{p}, chunks of {chunk_tokens}", chunk_tokens, p) for p in HEAD_PRECISIONS)]  # fmt: skip
 
-    def step(chunk: int, precision: str) -> float:
+    def head_loss(h: torch.Tensor, chunk: int, precision: str) -> torch.Tensor:
+        """What lm_loss runs after the final norm: the head module and the full FP32 logits' loss, or the
+        head's chunked loss in the given precision."""
+        if chunk == 0 and precision == "fp32":
+            logits = model.lm_head(h)
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return model.lm_head.chunked_cross_entropy(h, labels, chunk_tokens=chunk or labels.numel(),
+                                                   precision=precision)  # fmt: skip
+
+    def step(chunk: int, precision: str) -> tuple[float, float]:
+        """One training step cut at the final hidden states, so the head is timed inside it: (step s,
+        head + loss forward and backward s)."""
         start = time.perf_counter()
-        loss = lm_loss(model, ids, labels, head_chunk_tokens=chunk, head_precision=precision)
-        loss.backward()
+        hidden = model(ids, return_hidden=True)
+        h = hidden.detach().requires_grad_()
+        head_start = time.perf_counter()
+        head_loss(h, chunk, precision).backward()
+        head_s = time.perf_counter() - head_start
+        hidden.backward(h.grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
-
-    with torch.no_grad():
-        hidden = model(ids, return_hidden=True)
-
-    def head(chunk: int, precision: str) -> float:
-        h = hidden.detach().requires_grad_()
-        start = time.perf_counter()
-        if chunk:
-            model.lm_head.chunked_cross_entropy(h, labels, chunk_tokens=chunk, precision=precision).backward()
-        else:  # what the unchunked lm_loss runs after the final norm
-            _plain(h, model.lm_head.weight, labels).backward()
-        elapsed = time.perf_counter() - start
-        model.lm_head.weight.grad = None
-        return elapsed
+        return time.perf_counter() - start, head_s
 
     times = {row: {"step": [], "head": []} for row, _, _ in variants}
     for _, chunk, precision in variants:  # warm-up
-        step(chunk, precision), head(chunk, precision)
+        step(chunk, precision)
     for _ in range(repeats):
         for row, chunk, precision in variants:
-            times[row]["step"].append(step(chunk, precision))
-            times[row]["head"].append(head(chunk, precision))
+            step_s, head_s = step(chunk, precision)
+            times[row]["step"].append(step_s)
+            times[row]["head"].append(head_s)
     print(f"tiny model ({cfg.model.hidden_size} wide, vocab {cfg.model.vocab_size}), {batch} x {seq} tokens, CPU "
           f"({torch.get_num_threads()} threads), {repeats} interleaved rounds")
-    print("| head | step s (median) | head + loss s (median) | head share of the step (median of rounds) |")
-    print("|---|---|---|---|")
+    print("| head | step s (median) | head + loss s (median) | head share of the step (median of rounds) "
+          "| head + loss / the tiny preset's (median of rounds) |")
+    print("|---|---|---|---|---|")
+    before = times[variants[0][0]]["head"]  # what every run had before model.head_precision
     for row, _, _ in variants:
         step_s, head_s = times[row]["step"], times[row]["head"]
         share = statistics.median(h / t for h, t in zip(head_s, step_s))
-        print(f"| {row} | {statistics.median(step_s):.3f} | {statistics.median(head_s):.3f} | {share:.1%} |")
+        ratio = statistics.median(h / b for h, b in zip(head_s, before))
+        print(f"| {row} | {statistics.median(step_s):.3f} | {statistics.median(head_s):.3f} | {share:.1%} "
+              f"| {ratio:.2f} |")
     for name, seq_len in (("tiny", seq), ("nemotron_h_8b_paper", 8192)):
         model_cfg = cfg.model if name == "tiny" else get_model_config(name)
         per_token, share = head_flops_share(model_cfg, seq_len)
