@@ -22,6 +22,7 @@ or the submitted job ids; messages go to standard error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -57,6 +58,7 @@ LAUNCH_CONFIG = CONFIG_DIR / "launch.yaml"
 PRIMARY_CONFIG_NAME = "nemofp4_launch"
 DEFAULT_TEMPLATE = REPO_ROOT / "slurm" / "nemofp4.sbatch.tmpl"
 TRAIN_MODULE = "nemofp4.train"
+REPLICATE_DEGREE_KEY = "distributed.replicate_degree"
 
 # Every job also exports OMP_NUM_THREADS: the CPUs of one task divided among its processes (PyTorch
 # would otherwise start one thread per core of the node in every process).
@@ -378,6 +380,10 @@ def check_job_shape(config: LaunchConfig, job: JobConfig) -> None:
             f"{shape} but distributed.backend=none; add 'distributed=fsdp' to train_overrides "
             "(or set slurm.procs_per_node / slurm.nodes to 1)"
         )
+    replicate = job.distributed.replicate_degree
+    if replicate > 1 and world % replicate:
+        raise ValueError(f"{shape}: distributed.replicate_degree={replicate} does not divide the {world} ranks; "
+                         f"use a divisor such as the node count {config.slurm.nodes}")
     if config.slurm.gpus_per_node == 0 and job.distributed.backend.startswith("deepspeed"):
         raise ValueError(f"distributed.backend={job.distributed.backend} needs GPUs; CPU nodes train with fsdp or none")
     workdir = _workdir(config)
@@ -400,6 +406,13 @@ def check_job_shape(config: LaunchConfig, job: JobConfig) -> None:
             )
 
 
+def _layout(job: JobConfig, world: int) -> str:
+    backend, replicate = job.distributed.backend, job.distributed.replicate_degree
+    if backend == "fsdp" and replicate > 1:
+        return f"fsdp (HSDP: {replicate} replicas x {world // replicate} shard(s))"
+    return backend
+
+
 def describe_job(config: LaunchConfig, job: JobConfig | None) -> list[str]:
     """What the job will run, in a few lines for the submitting user (standard error)."""
     slurm = config.slurm
@@ -415,7 +428,7 @@ def describe_job(config: LaunchConfig, job: JobConfig | None) -> list[str]:
 
         budget = compute_budget(job.train, world)
         lines.append(
-            f"trains {job.precision.name} with {job.distributed.backend}: {budget.total_steps} steps of "
+            f"trains {job.precision.name} with {_layout(job, world)}: {budget.total_steps} steps of "
             f"{job.train.global_batch} x {job.train.seq_len} tokens (micro batch {job.train.micro_batch} x "
             f"{world} rank(s) x {budget.grad_accum} accumulation)"
         )
@@ -635,10 +648,42 @@ def submit(config: LaunchConfig, script: str) -> list[str]:
     return job_ids
 
 
+def _sets_replicate_degree(overrides: list[str]) -> bool:
+    return any(o.lstrip("+~").split("=", 1)[0].strip() == REPLICATE_DEGREE_KEY for o in overrides)
+
+
+def with_hsdp_default(config: LaunchConfig, job: JobConfig) -> tuple[LaunchConfig, JobConfig]:
+    """On more than one node under FSDP2, shard within a node and replicate across nodes (HSDP,
+    ``distributed.replicate_degree=<nodes>``) unless the overrides set a replicate degree (1 included)
+    or the experiment sets one above 1: each block's all-gathers and reduce-scatters then stay on the node's own links
+    and only one all-reduce of each rank's gradient shard per step crosses the network. Returns the
+    config with the override added and the trainer's config as the job will compose it."""
+    nodes = config.slurm.nodes
+    if (nodes == 1 or job.distributed.backend != "fsdp" or job.distributed.replicate_degree != 1
+            or _sets_replicate_degree(config.train_overrides)):
+        return config, job
+    override = f"{REPLICATE_DEGREE_KEY}={nodes}"
+    logger.info("HSDP across nodes: %s (parameters sharded over each node's %d process(es), gradients all-reduced "
+                "across the %d nodes); set %s in train_overrides to choose another layout", override,
+                procs_per_node(config.slurm), nodes, REPLICATE_DEGREE_KEY)  # fmt: skip
+    config = dataclasses.replace(config, train_overrides=[*config.train_overrides, override])
+    job = dataclasses.replace(job, distributed=dataclasses.replace(job.distributed, replicate_degree=nodes))
+    return config, job
+
+
 def launch(config: LaunchConfig) -> list[str]:
     """Render; print (dry run) or submit. Returns the submitted job ids (none for a dry run)."""
+    validate(config)
+    job = None
+    if config.check_train_config:
+        job = check_train_config(config, run_dir_expression(config))
+        config, job = with_hsdp_default(config, job)
+    elif config.slurm.nodes > 1 and not _sets_replicate_degree(config.train_overrides):
+        logger.warning("check_train_config=false: the launcher cannot tell the backend, so it leaves %s as the "
+                       "config has it (1: FSDP over all %d ranks); add %s=%d to train_overrides for HSDP across "
+                       "nodes", REPLICATE_DEGREE_KEY, world_size(config.slurm), REPLICATE_DEGREE_KEY,
+                       config.slurm.nodes)  # fmt: skip
     script = render_sbatch_script(config)
-    job = check_train_config(config, run_dir_expression(config)) if config.check_train_config else None
     log_folder(config).mkdir(parents=True, exist_ok=True)  # also for a dry run: `sbatch job.sbatch` needs it
     for line in describe_job(config, job):
         logger.info("%s", line)

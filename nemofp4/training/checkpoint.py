@@ -3,18 +3,24 @@
 The folder layout, finding and safe reading live in `nemofp4.checkpointing` (shared with evaluation).
 Every rank writes into `.tmp-step-<N>/`; after a barrier rank 0 writes the marker and renames the
 folder, so a crash at any point leaves either the previous checkpoint or the new one, never a
-half-written folder that looks complete. An async save stages the state to CPU memory, writes it from
-a background thread over a gloo group of its own (never the training loop's group: two threads'
-collectives on one group cross), and is published by `poll()` at the first step boundary at which
-every rank's write has finished. Loading verifies sizes (and checksums unless disabled)
-before any tensor is touched, so a damaged checkpoint is reported by name, and `resume=auto` falls
-back to the previous complete one. Retention ranks checkpoints by save order, never by step number.
+half-written folder that looks complete. An async save stages the state into host buffers that are
+allocated at the first save and reused by every later one (pinned on CUDA: DCP's ``DefaultStager``),
+writes it from a background thread over a gloo group of its own (never the training loop's group: two
+threads' collectives on one group cross), and is published by `poll()` at the first step boundary at
+which every rank's write has finished. Each rank checksums the files it wrote itself (it knows their
+names from its writer: no rank walks the folder but rank 0, for the files no other rank owns), in the
+background for an async save. Publication is then one small gather, rank 0's marker and renames and a
+barrier; deleting pruned or replaced folders (rename first, then delete in a background thread on rank
+0) holds nobody. Loading verifies sizes (and checksums unless disabled) before any tensor is touched,
+so a damaged checkpoint is reported by name, and `resume=auto` falls back to the previous complete
+one. Retention ranks checkpoints by save order, never by step number.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -22,8 +28,9 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from nemofp4.checkpointing import (
     LATEST,
@@ -69,6 +77,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _OLD_PREFIX = ".old-step-"
+_DISCARD_PREFIX = ".deleting-"
+"""A folder renamed for deletion (a pruned or replaced checkpoint, a leftover): gone from every listing
+at once, deleted in the background; a process killed meanwhile leaves it for the next start."""
+_DCP_METADATA = ".metadata"
+_DEFAULT_GROUP_TIMEOUT_S = 1800.0
 
 
 @dataclass(kw_only=True)
@@ -134,20 +147,36 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _files_owned_by(folder: Path, rank: int, world: int) -> list[Path]:
-    """Files this rank describes in the marker: its own DCP shard and RNG file; rank 0 the rest."""
-    owned = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        name = path.name
-        if name.startswith("__") and name.endswith(".distcp"):
-            owner = int(name[2:].split("_")[0]) % world
-        elif path.parent.name == "rank" and name.startswith("rank-"):
-            owner = int(name[5:-3]) % world
-        else:
-            owner = 0
-        if owner == rank:
-            owned.append(path)
-    return owned
+def _owner_of(relative: str, world: int) -> int:
+    """The rank that describes a file in the marker: its writer for DCP shards and rank files, else 0."""
+    name = relative.rsplit("/", 1)[-1]
+    if name.startswith("__") and name.endswith(".distcp"):
+        return int(name[2:].split("_")[0]) % world
+    if relative.startswith("rank/rank-") and name.endswith(".pt"):
+        return int(name[5:-3]) % world
+    return 0
+
+
+def _files_owned_by(folder: Path, rank: int, world: int, written: list[str]) -> list[Path]:
+    """Files this rank describes in the marker: the ones it wrote itself (its rank file and its DCP
+    shards, named by its writer); rank 0 also every file no other rank owns (trainer state, DCP
+    metadata, extra files, DeepSpeed's), the only rank that lists the folder."""
+    own = {f"rank/rank-{rank:05d}.pt", *written}
+    if rank == 0:
+        own |= {str(p.relative_to(folder)) for p in folder.rglob("*")
+                if p.is_file() and _owner_of(str(p.relative_to(folder)), world) == 0}  # fmt: skip
+    return [folder / name for name in sorted(own) if (folder / name).is_file()]
+
+
+def _file_entries(folder: Path, rank: int, world: int, written: list[str], checksums: bool) -> dict[str, dict]:
+    """This rank's part of the marker's file table: size, and CRC32 when checksums are on."""
+    files = {}
+    for path in _files_owned_by(folder, rank, world, written):
+        entry: dict[str, int] = {"bytes": path.stat().st_size}
+        if checksums:
+            entry["crc32"] = crc32(path)
+        files[str(path.relative_to(folder))] = entry
+    return files
 
 
 def _save_durable(obj: Any, path: Path) -> None:
@@ -177,7 +206,8 @@ def _any_rank(*flags: bool) -> list[bool]:
 
 @dataclass(kw_only=True)
 class _PendingSave:
-    """An async save in flight: every rank's file state is in `tmp`; DCP writes the rest."""
+    """An async save in flight: every rank's file state is in `tmp`; DCP writes the rest, then this
+    rank checksums its files (``future``'s result: its part of the marker's file table)."""
 
     step: int
     future: Future
@@ -185,17 +215,22 @@ class _PendingSave:
     final: Path
 
 
-class _HeldWriter(FileSystemWriter):
-    """Fault injection: a file system that stalls `hold_s` before writing (in the save's thread), so a
-    test can kill or keep training while an async save is in flight."""
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file-system writer that remembers the files it wrote (relative names), so the rank can
+    describe them in the marker without listing the folder; ``hold_s`` stalls before writing (fault
+    injection: a test kills the job or keeps training while an async save is in flight)."""
 
-    def __init__(self, path: Path, hold_s: float):
+    def __init__(self, path: Path, hold_s: float = 0.0):
         super().__init__(str(path))
         self._hold_s = hold_s
+        self.written: list[str] = []
 
     def write_data(self, plan, planner):
-        time.sleep(self._hold_s)
-        return super().write_data(plan, planner)
+        if self._hold_s > 0:
+            time.sleep(self._hold_s)
+        future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.wait()})
+        return future
 
 
 def _is_disk_full(err: BaseException) -> bool:
@@ -213,18 +248,63 @@ def _is_disk_full(err: BaseException) -> bool:
 class CheckpointManager:
     """Saves and finds checkpoints of one run; every rank constructs one."""
 
-    def __init__(self, root: Path, cfg: CheckpointConfig):
+    def __init__(self, root: Path, cfg: CheckpointConfig, *, group_timeout_s: float = _DEFAULT_GROUP_TIMEOUT_S):
         self.root = Path(root)
         self.cfg = cfg
         self._pending: _PendingSave | None = None
         self._save_group: dist.ProcessGroup | None = None
         """Async saves' own group, always gloo: DCP's collectives run in the save's thread while the
-        training loop uses the default group (NCCL on GPUs, where DCP needs a CPU-capable group)."""
+        training loop uses the default group (NCCL on GPUs, where DCP needs a CPU-capable group). Its
+        timeout (``group_timeout_s``, the start-up one) covers one rank's write finishing long after
+        another's without failing the save; the training thread never waits in it."""
         if cfg.async_save and dist.is_available() and dist.is_initialized():
-            self._save_group = dist.new_group(backend="gloo")  # collective: every rank constructs a manager
+            # collective: every rank constructs a manager
+            self._save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=group_timeout_s))
+        self._stager: DefaultStager | None = None  # async saves' host buffers, made at the first one
+        self._checksummer: ThreadPoolExecutor | None = None  # async saves' checksums, after DCP's write
+        self._janitor: ThreadPoolExecutor | None = None  # rank 0's deletions
+        self._discarded = itertools.count()
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         _barrier()
+
+    @property
+    def save_group(self) -> dist.ProcessGroup | None:
+        """The gloo group of async saves' background writes (None without async saves or a process group)."""
+        return self._save_group
+
+    def close(self) -> None:
+        """Release the staging buffers and let rank 0's background deletions finish."""
+        for executor in (self._checksummer, self._janitor):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._checksummer = self._janitor = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _discard(self, path: Path) -> None:
+        """Rank 0: take ``path`` out of every listing at once (rename) and delete it in the background."""
+        if not path.exists():
+            return
+        hidden = self.root / f"{_DISCARD_PREFIX}{path.name.lstrip('.')}-{os.getpid()}-{next(self._discarded)}"
+        try:
+            os.replace(path, hidden)
+        except OSError as err:
+            log.warning("could not move %s aside for deletion (%s); deleting it in place", path, err)
+            hidden = path
+        if self._janitor is None:
+            self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-delete")
+        self._janitor.submit(shutil.rmtree, hidden, ignore_errors=True)
+
+    def _staging(self) -> DefaultStager:
+        """Host buffers for async saves, allocated at the first save and reused (DCP caches one per
+        source storage); pinned, and filled with non-blocking copies, on CUDA."""
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))  # fmt: skip
+        return self._stager
 
     @property
     def pending(self) -> bool:
@@ -247,17 +327,24 @@ class CheckpointManager:
             p
             for p in self.root.iterdir()
             if p.is_dir()
-            and (p.name.startswith((TMP_PREFIX, _OLD_PREFIX)) or (p.name.startswith(STEP_PREFIX) and not is_complete(p)))
+            and (p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))
+                 or (p.name.startswith(STEP_PREFIX) and not is_complete(p)))
         )
 
     def remove_incomplete(self) -> list[Path]:
-        """Delete what interrupted saves left behind (rank 0, at start, under the run lock)."""
+        """Delete what interrupted saves and deletions left behind (rank 0, at start, under the run lock;
+        moved aside at once, deleted in the background)."""
         removed = []
         if _rank() == 0:
             for path in self.incomplete():
                 if path.name.startswith(STEP_PREFIX):
                     continue  # a step folder without marker is never ours to half-write; leave it for a human
-                shutil.rmtree(path, ignore_errors=True)
+                if path.name.startswith(_DISCARD_PREFIX):
+                    if self._janitor is None:
+                        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-delete")
+                    self._janitor.submit(shutil.rmtree, path, ignore_errors=True)
+                else:
+                    self._discard(path)
                 removed.append(path)
             if removed:
                 log.info("removed %d unfinished checkpoint folder(s): %s", len(removed), ", ".join(p.name for p in removed))
@@ -293,8 +380,7 @@ class CheckpointManager:
         rank = _rank()
         try:
             if rank == 0:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
+                self._discard(tmp)  # a leftover of an earlier failure
                 (tmp / "rank").mkdir(parents=True)
             _barrier()
             _save_durable(rank_state, tmp / "rank" / f"rank-{rank:05d}.pt")
@@ -305,26 +391,41 @@ class CheckpointManager:
             if write_collective is not None:
                 write_collective(tmp)
             if dcp_state is not None and self.cfg.async_save:
-                writer = _HeldWriter(tmp, hold_background_s) if hold_background_s > 0 else FileSystemWriter(str(tmp))
+                writer = _RecordingWriter(tmp, hold_s=hold_background_s)
                 if self._save_group is None:  # one process: DCP warns from the save's thread, out of a context's reach
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning,
                                             module=r"torch\.distributed\.checkpoint")
                 with _single_process_quiet():
-                    future = dcp.async_save(dcp_state, storage_writer=writer, process_group=self._save_group,
-                                            no_dist=self._save_group is None)
+                    written = dcp.async_save(dcp_state, storage_writer=writer, process_group=self._save_group,
+                                             async_stager=self._staging(), no_dist=self._save_group is None)
+                if self._checksummer is None:
+                    self._checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-crc")
+                future = self._checksummer.submit(self._entries_after, written, tmp, writer)
                 self._pending = _PendingSave(step=step, future=future, tmp=tmp, final=final)
                 return final
+            writer = _RecordingWriter(tmp)
             if dcp_state is not None:
                 with _single_process_quiet():
-                    dcp.save(dcp_state, checkpoint_id=str(tmp))
-            self._finalize(step, tmp, final)
+                    dcp.save(dcp_state, storage_writer=writer)
+            if write_collective is not None:
+                _barrier()  # every rank's DeepSpeed files are complete before rank 0 lists and checksums them
+            self._finalize(step, tmp, final, self._entries(tmp, writer.written))
         except (Exception, CheckpointException) as err:
             raise self._write_failed(tmp, err) from err
         return final
 
+    def _entries(self, tmp: Path, written: list[str]) -> dict[str, dict]:
+        return _file_entries(tmp, _rank(), _world(), written, self.cfg.verify_checksums)
+
+    def _entries_after(self, written: Future, tmp: Path, writer: _RecordingWriter) -> dict[str, dict]:
+        """In the background: once DCP's write is done (its error, if any, is this future's), this rank's
+        part of the marker's file table."""
+        written.result()
+        return self._entries(tmp, writer.written)
+
     def _write_failed(self, tmp: Path, err: BaseException) -> CheckpointError:
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._discard(tmp)
         previous = self.latest()
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         if _is_disk_full(err):
@@ -365,20 +466,15 @@ class CheckpointManager:
             cause = CheckpointError(f"the background write of step {pending.step} failed: {summary}")
             raise self._write_failed(pending.tmp, cause) from (error or cause)
         try:
-            self._finalize(pending.step, pending.tmp, pending.final)
+            self._finalize(pending.step, pending.tmp, pending.final, pending.future.result())
         except (Exception, CheckpointException) as err:
             raise self._write_failed(pending.tmp, err) from err
         return pending.final
 
-    def _finalize(self, step: int, tmp: Path, final: Path) -> None:
+    def _finalize(self, step: int, tmp: Path, final: Path, files: dict[str, dict]) -> None:
+        """Every rank's files are written and described (``files``: this rank's part of the table):
+        gather the table, rank 0 writes the marker and publishes, and retention discards the oldest."""
         rank, world = _rank(), _world()
-        _barrier()
-        files = {}
-        for path in _files_owned_by(tmp, rank, world):
-            entry = {"bytes": path.stat().st_size}
-            if self.cfg.verify_checksums:
-                entry["crc32"] = crc32(path)
-            files[str(path.relative_to(tmp))] = entry
         if world > 1:
             gathered: list[dict] = [None] * world  # type: ignore[list-item]
             dist.all_gather_object(gathered, files)
@@ -393,24 +489,25 @@ class CheckpointManager:
             old = None
             if final.exists():  # the same step saved again: keep the old folder until the new one is in place
                 old = self.root / f"{_OLD_PREFIX}{step}"
-                shutil.rmtree(old, ignore_errors=True)
+                self._discard(old)  # a leftover of an earlier failure: moved aside, deleted in the background
                 os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(self.root)
             _atomic_write_text(self.root / LATEST, final.name + "\n")
             if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+                self._discard(old)
             self._prune(final)
             log.info("checkpoint saved: %s", final)
         _barrier()
 
     def _prune(self, newest: Path) -> None:
-        """Keep the newest keep_last_k checkpoints by save order; the one just written always stays."""
+        """Keep the newest keep_last_k checkpoints by save order; the one just written always stays.
+        The others leave every listing now and are deleted in the background."""
         if self.cfg.keep_last_k == 0:
             return
         complete = [p for p in self.complete_checkpoints() if p != newest] + [newest]
         for old in complete[: -self.cfg.keep_last_k]:
-            shutil.rmtree(old, ignore_errors=True)
+            self._discard(old)
 
     # ----------------------------------------------------------------------------- loading
     def verify(self, folder: Path) -> None:

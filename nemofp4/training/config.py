@@ -57,8 +57,8 @@ class TrainConfig:
     gradient never exist at once (the 8B presets: 1024); 0: the full logits at once. Chunks compute
     the head's products in FP32 in every recipe."""
     head_tf32: bool = False
-    """With head_chunk_tokens: let CUDA run the head's FP32 matmuls on TF32 tensor cores (faster,
-    10-bit mantissa products). Off: the paper's true FP32 head."""
+    """The older spelling of ``model.head_precision=tf32`` (TF32 tensor cores for the head's FP32
+    matmuls on CUDA): true turns the default ``fp32`` head into ``tf32``; with ``bf16`` it is an error."""
     kernels: str = "auto"
     """FP4 quantization kernels (nemofp4.kernels): 'auto' (fused Triton kernels on CUDA when
     importable; on CPU the torch program compiled by torch.compile when a C++ compiler is present;
@@ -127,6 +127,11 @@ class DebugConfig:
     while training goes on, so a test can kill the job with a save in flight or check that the saved
     state is the step's. Only in a run that did not resume, so a resumed job gets past it."""
     hold_async_save_s: float = CHECKPOINT_STALL_S
+    stall_after_step: int = 0
+    """Stall rank `stall_rank` for `stall_s` right after this step (a hung rank: the others wait in their
+    next collective until distributed.collective_timeout_s ends them). Only in a run that did not resume."""
+    stall_rank: int = 1
+    stall_s: float = CHECKPOINT_STALL_S
     nan_at_step: int = 0
     """Before this step, fill `nan_param` with NaN."""
     nan_param: str = ""
@@ -212,6 +217,11 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         self.precision = precision_config(self.precision)
+        if self.train.head_tf32:  # the older spelling of model.head_precision=tf32
+            if self.model.head_precision == "bf16":
+                raise ValueError("train.head_tf32=true asks for a TF32 head but model.head_precision=bf16; set one of "
+                                 "them (train.head_tf32 is the older spelling of model.head_precision=tf32)")
+            self.model = self.model.replace(head_precision="tf32")
 
 
 def job_config_from_yaml(text: str) -> JobConfig:

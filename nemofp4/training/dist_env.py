@@ -11,6 +11,13 @@ Two launch styles must both work (torchtitan issue #1749, Megatron's ``_slurm_ut
 
 With neither, the process is a single-process run. ``init_distributed`` then turns a ``DistEnv`` into an
 initialized default process group (NCCL on GPUs, gloo on CPU).
+
+Two timeouts: start-up (the rendezvous, rank 0 building the sample index, the first checkpoint load, the
+first step's compilation) may legitimately keep ranks apart for many minutes, so the group starts with a
+long one; once training runs, a collective that waits minutes means a rank is stuck or gone, and every
+second of waiting is every GPU's, so ``set_collective_timeout`` shortens it for every group (TorchTitan
+uses 300 s and then 100 s; Megatron 10 minutes throughout). A gloo collective that times out raises in
+the waiting rank (``collective_timeout`` names the operation); NCCL's error handling aborts the process.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+import traceback
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -38,6 +46,10 @@ DEFAULT_MASTER_PORT = 29500
 # and below Linux's default ephemeral range (32768-60999), so an outgoing connection rarely holds one.
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 10000
+DEFAULT_STARTUP_TIMEOUT_S = 1800.0
+"""Collective timeout from the rendezvous to the end of the first step (``distributed.startup_timeout_s``)."""
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+"""Collective timeout once the first step is done (``distributed.collective_timeout_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,7 +327,8 @@ def require_process_group(backend: str, env: DistEnv) -> None:
         )
 
 
-def init_distributed(env: DistEnv, *, backend: str | None = None, timeout_s: int = 1800) -> DistEnv:
+def init_distributed(env: DistEnv, *, backend: str | None = None,
+                     timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> DistEnv:
     """Initialize the default process group described by ``env`` (idempotent) and return ``env``.
 
     Picks NCCL when CUDA is available and gloo otherwise, and binds the CUDA device (from the local
@@ -371,6 +384,46 @@ def init_distributed(env: DistEnv, *, backend: str | None = None, timeout_s: int
 
 def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def set_collective_timeout(timeout_s: float, *, keep: Iterable[dist.ProcessGroup | None] = ()) -> int:
+    """Give every process group of this process (the default group and all groups made after it, such as
+    the device mesh's) the timeout ``timeout_s`` for the collectives issued from now on, except the groups
+    in ``keep``; returns how many groups changed. Collective in spirit (call it on every rank at the same
+    point, e.g. right after a step) but it communicates nothing."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world  # what TorchTitan uses, too
+
+    kept = {id(group) for group in keep if group is not None}
+    changed = 0
+    for group in list(_world.pg_map):
+        if id(group) not in kept:
+            _set_pg_timeout(timedelta(seconds=timeout_s), group)
+            changed += 1
+    return changed
+
+
+_TIMEOUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def collective_timeout(error: BaseException) -> str | None:
+    """If ``error`` is a collective's timeout (gloo raises one in the waiting thread), the operation and
+    where it was issued, e.g. ``all_reduce (nemofp4/training/preemption.py:should_stop)``; else None."""
+    if not isinstance(error, RuntimeError) or not _TIMEOUT_RE.search(str(error)):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../nemofp4
+    c10d = [f for f in frames if f.filename.endswith(os.path.join("distributed", "distributed_c10d.py"))]
+    ours = [f for f in frames if os.path.abspath(f.filename).startswith(package + os.sep)]
+    operation = c10d[-1].name if c10d else "a collective"
+    if ours:
+        where = ours[-1]
+        path = os.path.relpath(os.path.abspath(where.filename), os.path.dirname(package)).replace(os.sep, "/")
+        operation += f" ({path}:{where.name})"
+    return operation
 
 
 def destroy_distributed() -> None:

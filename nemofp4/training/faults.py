@@ -1,6 +1,6 @@
 """Fault injection for the tests of resume and of the non-finite policy: the ``debug`` config, in one place.
 
-The trainer reaches every injected fault through one seam, its :class:`Faults` object, at five named
+The trainer reaches every injected fault through one seam, its :class:`Faults` object, at six named
 points of a run; with every ``debug`` field at its default (0 or empty) each point does nothing, so
 production code has no test branches of its own:
 
@@ -9,11 +9,14 @@ production code has no test branches of its own:
 * :meth:`Faults.during_checkpoint_write`: SIGKILL in the middle of a checkpoint write, or a stall
   there (a slow file system) in a run that did not resume;
 * :meth:`Faults.async_save_hold_s`: how long a background checkpoint write is held back;
+* :meth:`Faults.stall`: one rank sleeps after ``debug.stall_after_step`` (a hung rank) in a run that
+  did not resume;
 * :meth:`Faults.after_step`: SIGKILL right after a step (and its checkpoint), like a node failure.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -26,6 +29,8 @@ from nemofp4.quant import canonical_fqn
 from nemofp4.training.config import CHECKPOINT_STALL_S, DebugConfig
 
 __all__ = ["Faults"]
+
+log = logging.getLogger(__name__)
 
 
 class Faults:
@@ -55,6 +60,11 @@ class Faults:
     def async_save_hold_s(self, step: int) -> float:
         hold = self.debug.hold_async_save_step == step and not self.resumed
         return self.debug.hold_async_save_s if hold else 0.0
+
+    def stall(self, step: int, rank: int) -> None:
+        if self.debug.stall_after_step == step and self.debug.stall_rank == rank and not self.resumed:
+            log.warning("debug.stall_after_step=%d: rank %d stalls for %g s", step, rank, self.debug.stall_s)
+            time.sleep(self.debug.stall_s)
 
     def after_step(self, step: int, *, wait_for_checkpoint: Callable[[], object] | None = None) -> None:
         """``wait_for_checkpoint``: this step's checkpoint is being written; the kill waits for it (one

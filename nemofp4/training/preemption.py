@@ -11,10 +11,16 @@ all-reduce MAX of the flag, so every rank stops after the same step and enters t
 collectives together (Megatron's ``--exit-signal-handler`` and ``--exit-duration-in-mins`` agree the
 same way). After the checkpoint is complete, ``requeue_and_exit_code()`` puts the job back in the
 queue and tells the trainer which status to exit with; the requeued job keeps its SLURM_JOB_ID, hence
-its run directory, and resumes from the latest checkpoint with the same wandb run. Everything that
-talks to other processes (wandb, the metrics files) must be finished before the requeue: Slurm then
-sends SIGTERM to every process of the step. After a successful requeue ``close()`` leaves a handler
-that ignores further stop signals, so the run ends with status 0 whatever Slurm sends next.
+its run directory, and resumes from the latest checkpoint with the same wandb run.
+
+Under the launcher's batch script (``NEMOFP4_REQUEUE_REQUEST`` names a file) rank 0 only leaves that
+request file, and the batch script calls ``scontrol requeue`` after ``srun`` has returned: the requeue
+then signals no process of the step, so no torchrun agent is killed in its exit barrier (where it dies
+with a ``DistNetworkError`` traceback). Elsewhere (the submitit launcher of Hydra sweeps, a hand-written
+script) rank 0 calls ``scontrol requeue`` itself; everything that talks to other processes (wandb, the
+metrics files) must then be finished before it, since Slurm sends SIGTERM to every process of the step,
+and after a successful requeue ``close()`` leaves a handler that ignores further stop signals, so the run
+ends with status 0 whatever Slurm sends next.
 
 A rank blocked in a collective (a peer died or never arrives) cannot run a Python signal handler: the
 interpreter runs handlers only between bytecodes of the main thread. A watchdog thread therefore
@@ -50,6 +56,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -73,6 +80,9 @@ NOT_REQUEUED_EXIT_CODE = 143
 REQUEUED_EXIT_CODE = 0
 # Below Slurm's default KillWait (30 s), so a stuck rank exits on its own and says where it was.
 DEFAULT_EXIT_GRACE_S = 25.0
+# Set by the launcher's batch script: where rank 0 asks for the requeue, which the script performs
+# after srun returns (slurm/nemofp4.sbatch.tmpl).
+REQUEUE_REQUEST_ENV = "NEMOFP4_REQUEUE_REQUEST"
 
 
 @dataclass(kw_only=True)
@@ -111,7 +121,9 @@ class PreemptionHandler:
             SIGSTOP cannot be caught and are rejected.
         not_requeued_exit_code: status ``requeue_and_exit_code`` returns when no requeue happened.
         scontrol: the ``scontrol`` executable (a name looked up on PATH, or a path).
-        environ: where SLURM_JOB_ID is read from (the process environment by default).
+        environ: where SLURM_JOB_ID and ``NEMOFP4_REQUEUE_REQUEST`` are read from (the process
+            environment by default). With the latter set, a requeue writes that request file for the
+            batch script instead of calling ``scontrol``.
         exit_grace_s: seconds between SIGTERM/SIGINT and the watchdog's hard exit; 0: no watchdog.
         install: install the handlers now; otherwise call ``install()`` or use ``with``.
 
@@ -342,6 +354,10 @@ class PreemptionHandler:
         if not job_id:
             logger.info("not under SLURM (SLURM_JOB_ID unset): nothing to requeue")
             return False
+        resumes_from = checkpoint or "the latest checkpoint in its run dir"
+        request = self.environ.get(REQUEUE_REQUEST_ENV)
+        if request:
+            return self._request_requeue(Path(request), job_id, resumes_from)
         executable = shutil.which(self.scontrol, path=self.environ.get("PATH"))
         if executable is None:
             logger.warning("cannot requeue job %s: %r not found on PATH", job_id, self.scontrol)
@@ -359,9 +375,21 @@ class PreemptionHandler:
                 "scontrol requeue %s failed (status %d): %s", job_id, result.returncode, result.stderr.strip()
             )
             return False
-        logger.info(
-            "requeued SLURM job %s; it resumes from %s", job_id, checkpoint or "the latest checkpoint in its run dir"
-        )
+        logger.info("requeued SLURM job %s; it resumes from %s", job_id, resumes_from)
+        return True
+
+    @staticmethod
+    def _request_requeue(path: Path, job_id: str, resumes_from: object) -> bool:
+        """Leave the request for the batch script (atomically: it reads a complete file or none)."""
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(f"job {job_id}; it resumes from {resumes_from}\n")
+            os.replace(tmp, path)
+        except OSError as error:
+            logger.warning("cannot leave the requeue request %s for the batch script: %s", path, error)
+            return False
+        logger.info("asked the batch script to requeue SLURM job %s once the step has ended (%s); it resumes from %s",
+                    job_id, path, resumes_from)  # fmt: skip
         return True
 
 

@@ -88,14 +88,19 @@ class ConfigChange(NamedTuple):
 
 def _with_schema_defaults(saved: Any, schema: type) -> Any:
     """The saved config over the current schema's defaults, so a field added to the schema after the
-    checkpoint was written compares as its default rather than as a change (when the saved config
-    still fits the schema; otherwise the raw saved config)."""
+    checkpoint was written compares as its default rather than as a change, and normalized as the
+    trainer normalizes a config (the dataclasses' ``__post_init__``: an old spelling such as
+    ``train.head_tf32=true`` compares as what it means today, ``model.head_precision=tf32``). Falls back
+    to the merge without normalizing, then to the raw saved config, when the saved config no longer fits."""
     try:
         text = saved if isinstance(saved, str) else OmegaConf.to_yaml(OmegaConf.structured(saved))
         merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text))
-        return OmegaConf.to_container(merged, resolve=True)
     except Exception:  # omegaconf raises several types for a config that no longer fits
         return saved
+    try:
+        return OmegaConf.to_container(OmegaConf.structured(OmegaConf.to_object(merged)), resolve=True)
+    except Exception:  # a value today's validation rejects: compare it as saved
+        return OmegaConf.to_container(merged, resolve=True)
 
 
 def config_changes(saved: Any, current: Any) -> list[ConfigChange]:

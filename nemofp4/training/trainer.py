@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,11 +40,13 @@ from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step
 from nemofp4.training.config import JobConfig, compute_budget
 from nemofp4.training.console import memory_record, run_summary
 from nemofp4.training.dist_env import (
+    collective_timeout,
     destroy_distributed,
     detect_dist_env,
     init_distributed,
     local_device,
     require_process_group,
+    set_collective_timeout,
 )
 from nemofp4.training.faults import Faults
 from nemofp4.training.init_from import initialize_from, starts_fresh, write_record
@@ -63,6 +68,7 @@ from nemofp4.training.run_identity import check_resume_config, validate_accept_l
 from nemofp4.training.schedule import lr_multiplier
 
 log = logging.getLogger("nemofp4")
+COLLECTIVE_TIMEOUT_EXIT_CODE = 1
 
 
 def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
@@ -106,7 +112,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self._started = time.perf_counter()
         self.cfg = cfg
-        self.env = init_distributed(detect_dist_env())
+        # the long timeout until the first step is done (index build, first checkpoint load, compilation)
+        self.env = init_distributed(detect_dist_env(), timeout_s=cfg.distributed.startup_timeout_s)
         self.rank, self.world = self.env.rank, self.env.world_size
         self.device = local_device(self.env)
         self.run_dir = Path(cfg.run_dir)
@@ -153,8 +160,7 @@ class Trainer:
         self.recipe = recipe_from_config(cfg.precision)
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
         set_quant_backend(model, cfg.train.kernels)
-        if self.rank == 0:
-            log_plan(cfg, world_size=self.world, device=self.device, log=log)
+        plan = self._log_plan_in_background()
         if self.rank == 0 and self.layer_table.count("fp4"):
             log.info("%s", kernels.describe(self.device, cfg.train.kernels))
         dist_cfg = cfg.distributed
@@ -197,7 +203,8 @@ class Trainer:
                 bf16=cfg.train.dtype == "bfloat16" and self.device.type == "cuda",
             )
             self.engine = deepspeed_engine.initialize(model, self.optimizer, ds_config)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint,
+                                      group_timeout_s=cfg.distributed.startup_timeout_s)
         if cfg.checkpoint.async_save and self.engine is not None and self.rank == 0:
             log.warning("checkpoint.async_save=true has no effect with distributed.backend=%s: DeepSpeed writes "
                         "its checkpoints synchronously", dist_cfg.backend)
@@ -206,6 +213,7 @@ class Trainer:
             self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         else:
             self.autocast = contextlib.nullcontext
+        self._steady = False  # past the first step: the short collective timeout applies
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
@@ -219,6 +227,18 @@ class Trainer:
                 write_record(self.run_dir, self.init_record)
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
         self.peak_flops = peak_tflops(cfg.logging) * 1e12
+        if plan is not None:
+            plan.join()  # logged before training starts; the build above normally outlasts it
+
+    def _log_plan_in_background(self) -> threading.Thread | None:
+        """Rank 0 logs the memory plan (seconds of meta-device tracing at 8B) in a thread, while every
+        rank builds, shards and loads: the others never wait for it in a collective."""
+        if self.rank != 0:
+            return None
+        thread = threading.Thread(target=log_plan, args=(self.cfg,), name="nemofp4-memory-plan", daemon=True,
+                                  kwargs={"world_size": self.world, "device": self.device, "log": log})  # fmt: skip
+        thread.start()
+        return thread
 
     def _dcp_state(self, *, for_load: bool = False) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -375,6 +395,46 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
+        """Train to the budget (or until preempted); returns a summary. A collective that times out
+        ends this process at once, after one message naming the rank and the operation, as NCCL's
+        error handling ends it on GPUs: the launcher then stops the other ranks."""
+        try:
+            return self._run()
+        except RuntimeError as err:
+            operation = collective_timeout(err) if self.world > 1 else None
+            if operation is None:
+                raise
+            self._exit_after_collective_timeout(operation, err)
+
+    def _exit_after_collective_timeout(self, operation: str, err: BaseException) -> None:
+        timeout = self.cfg.distributed.collective_timeout_s if self._steady else self.cfg.distributed.startup_timeout_s
+        name = "distributed.collective_timeout_s" if self._steady else "distributed.startup_timeout_s"
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        log.error("rank %d of %d: %s timed out after %g s (%s) at step %d: a rank it waits for is stuck or gone; "
+                  "this process exits now [%s]", self.rank, self.world, operation, timeout, name, self.step,
+                  first_line)  # fmt: skip
+        for handler in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(OSError, ValueError):
+                handler.flush()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        # no clean-up: the group is broken, and a background save's thread may wait in it for its own timeout
+        os._exit(COLLECTIVE_TIMEOUT_EXIT_CODE)
+
+    def _shorten_timeouts(self) -> None:
+        """After the first step: every collective of the training loop waits at most
+        distributed.collective_timeout_s (the async saves' own group keeps the start-up timeout)."""
+        self._steady = True
+        if self.world == 1:
+            return
+        timeout = self.cfg.distributed.collective_timeout_s
+        set_collective_timeout(timeout, keep=[self.ckpt.save_group])
+        if self.rank == 0:
+            log.info("collective timeout: %g s from now on (distributed.collective_timeout_s; start-up and the first "
+                     "step had %g s)", timeout, self.cfg.distributed.startup_timeout_s)  # fmt: skip
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         total = self.budget.total_steps
         first_step = self.step
@@ -394,6 +454,9 @@ class Trainer:
             while self.step < total:
                 self.step += 1
                 self._train_step(data_iter)
+                if not self._steady:
+                    self._shorten_timeouts()
+                self.faults.stall(self.step, self.rank)
                 self._log_published(self.ckpt.poll())  # publish a finished async save at once
                 interval_due = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
                 if cfg.eval.interval and self.step % cfg.eval.interval == 0 and self.step < total and self.val_batches:
@@ -412,6 +475,8 @@ class Trainer:
                     self.resumed_from is not None and step_of(self.resumed_from) == self.step  # a finished run, rerun
                 )
                 if cfg.checkpoint.save_final and (not already_saved or cfg.checkpoint.export_safetensors):
+                    if cfg.checkpoint.export_safetensors and self.world > 1:  # rank 0 writes the full weights alone
+                        set_collective_timeout(cfg.distributed.startup_timeout_s)
                     self.save_checkpoint(final=True)
             self._log_published(self.ckpt.wait())
             # the loggers (wandb's service process too) finish before the requeue, after which Slurm
@@ -468,7 +533,7 @@ class Trainer:
             first_batch = first_batch or (input_ids, labels)
             with self.autocast():
                 loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
-                               head_tf32=cfg.train.head_tf32)
+                               head_precision=cfg.model.head_precision)
             loss = self.faults.loss(step, loss)
             if self.engine is not None:
                 self.engine.backward(loss)  # scales by 1/grad_accum itself
@@ -539,6 +604,7 @@ class Trainer:
         )
 
     def close(self) -> None:
+        self.ckpt.close()
         self.run_directory.close()
         destroy_distributed()
 

@@ -44,7 +44,13 @@ def _full(state) -> dict[str, torch.Tensor]:
 
 def _rank_main(rank: int, folder: str) -> None:
     import nemofp4.training.checkpoint as ckpt_mod
-    from nemofp4.training.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, is_complete
+    from nemofp4.training.checkpoint import (
+        MARKER,
+        CheckpointConfig,
+        CheckpointError,
+        CheckpointManager,
+        is_complete,
+    )
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
     out: dict = {}
@@ -75,12 +81,28 @@ def _rank_main(rank: int, folder: str) -> None:
         out["published"] = str(published)
         out["complete_at_publish"] = is_complete(final)
         out["latest"] = (root / "latest").read_text().strip()
+        # the marker describes every file of the folder and nothing else, each once, though only rank 0
+        # lists the folder (the others name what their writer wrote)
+        on_disk = sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file() and p.name != MARKER)
+        out["marker_exact"] = sorted(json.loads((final / MARKER).read_text())["files"]) == on_disk
+        staging = mgr._stager._state_dict_stager._cached_storage_mapping
+        buffers = {id(v) for v in staging.values()}
 
         # 2. publication is never later than the first boundary after every write finished
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        at_step_2 = _full(state())
         mgr.save(2, dcp_state=state(), trainer_state={"step": 2}, rank_state={"rank": torch.tensor(rank)})
         mgr._pending.future.exception()  # this rank's write is done
         dist.barrier()  # ... and every other rank's
         out["next_poll"] = str(mgr.poll())
+        # the second save staged into the first one's host buffers: no new allocation
+        out["buffers_reused"] = len(buffers) > 0 and {id(v) for v in staging.values()} == buffers
+        _, fresh = _model_and_state()
+        restored = fresh()
+        mgr.load(root / "step-2", dcp_state=restored)
+        out["step_2_exact"] = all(torch.equal(at_step_2[k], v) for k, v in _full(restored).items())
 
         # 3. the held save holds step 1's weights, not the ones changed while it was written
         _, fresh = _model_and_state()
@@ -91,19 +113,20 @@ def _rank_main(rank: int, folder: str) -> None:
         out["staged_exact"] = all(torch.equal(saved[k], v) for k, v in _full(restored).items())
 
         # 4. a failed background write (rank 1's disk fills up) fails on every rank, naming the step
-        class FullDisk(ckpt_mod.FileSystemWriter):
+        class FullDisk(ckpt_mod._RecordingWriter):
             def write_data(self, plan, planner):
                 if dist.get_rank() == 1:
                     raise OSError(errno.ENOSPC, "No space left on device")
                 return super().write_data(plan, planner)
 
-        ckpt_mod.FileSystemWriter = FullDisk
+        ckpt_mod._RecordingWriter = FullDisk
         mgr.save(3, dcp_state=state(), trainer_state={"step": 3}, rank_state={"rank": torch.tensor(rank)})
         try:
             mgr.wait()
             out["error"] = None
         except CheckpointError as err:
             out["error"] = str(err)
+        mgr.close()  # rank 0's deletion of the failed folder (moved aside at once) has finished
         dist.barrier()
         out["after_failure"] = sorted(p.name for p in root.iterdir())
         out["pending_after_failure"] = mgr.pending
@@ -131,6 +154,13 @@ def test_async_save_runs_beside_training_collectives_and_publishes_when_written(
 def test_async_save_is_published_at_the_first_boundary_after_every_write_finished(two_ranks):
     for out in two_ranks:
         assert out["next_poll"].endswith("step-2")
+
+
+def test_async_saves_reuse_their_host_buffers_and_describe_every_file(two_ranks):
+    for out in two_ranks:
+        assert out["buffers_reused"], "the second save allocated new host buffers"
+        assert out["step_2_exact"], "the reused buffers did not hold the second save's state"
+        assert out["marker_exact"], "the marker does not describe exactly the folder's files"
 
 
 def test_async_save_holds_the_state_of_its_step(two_ranks):

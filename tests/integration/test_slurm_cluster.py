@@ -4,8 +4,9 @@ Every job is the launcher's own rendered script (the documented `nemofp4-launch 
 command) submitted with plain `sbatch`, training the tiny ue5m3 model with FSDP2 on 2 nodes x 1
 process (torchrun's c10d rendezvous across n1/n2, gloo):
 
-* USR1 mid-run -> checkpoint at the step boundary -> `scontrol requeue` -> the requeued job resumes,
-  and all 60 losses (across the D=50 reference refresh) equal an uninterrupted job's;
+* USR1 mid-run -> checkpoint at the step boundary -> the trainer's requeue request -> the batch script's
+  `scontrol requeue` after srun returned -> the requeued job resumes, and all 60 losses (across the D=50
+  reference refresh) equal an uninterrupted job's;
 * `scancel` while a checkpoint is being written: the previous checkpoint survives, the stuck ranks
   exit on their own, and a resubmission of the same script continues from it to the same losses;
 * a two-recipe `hydra/launcher=slurm` sweep: two jobs, two run directories, both complete.
@@ -183,7 +184,10 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_trains_the_same_losses(w
     assert "restart count: 0;" in text and "restart count: 1;" in text, text
     assert "received SIGUSR1: forwarding to the training step" in text
     assert "received SIGUSR1: stopping after this step" in text
+    # the trainer asked; the batch script requeued after the step had ended (nothing of the step signalled)
+    assert f"asked the batch script to requeue SLURM job {job_id} once the step has ended" in text
     assert f"requeued SLURM job {job_id}; it resumes from {run_dir}/checkpoints/step-{stopped_at}" in text
+    assert text.index("training step exited with status 0") < text.index(f"requeued SLURM job {job_id}")
     assert f"preempted at step {stopped_at} by SIGUSR1; checkpoint {run_dir}/checkpoints/step-{stopped_at}" in text
     assert f"resumed from {run_dir}/checkpoints/step-{stopped_at} at step {stopped_at}" in text
     # the preempted run exits 0 and nothing dies with a traceback, whatever Slurm sent after the requeue

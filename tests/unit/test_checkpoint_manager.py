@@ -103,6 +103,7 @@ def test_same_step_save_replaces_the_folder_only_once_the_new_one_is_complete(tm
     _save(mgr, 5, 2.0)
     w, _, _ = _load(mgr, tmp_path / "step-5")
     assert torch.equal(w, torch.full((64,), 2.0))
+    mgr.close()  # the replaced folder is deleted in the background
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-5"]
 
 
@@ -170,6 +171,10 @@ def test_leftover_temporary_folders_are_removed_at_start(tmp_path):
     (tmp_path / ".tmp-step-2" / "rank").mkdir(parents=True)
     (tmp_path / ".tmp-step-2" / "rank" / "rank-00000.pt").write_bytes(b"partial")
     (tmp_path / ".old-step-1").mkdir()
-    removed = CheckpointManager(tmp_path, CheckpointConfig()).remove_incomplete()
+    restarted = CheckpointManager(tmp_path, CheckpointConfig())
+    removed = restarted.remove_incomplete()
     assert sorted(p.name for p in removed) == [".old-step-1", ".tmp-step-2"]
+    # moved aside at once (deleted in the background): a save of step 2 may start at once
+    assert not (tmp_path / ".tmp-step-2").exists() and not (tmp_path / ".old-step-1").exists()
+    restarted.close()  # waits for the deletions
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]

@@ -293,6 +293,52 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
     assert f"training step exited with status {step_status}" in output
 
 
+REQUEUE_SRUN = """#!/bin/bash
+while [[ $# -gt 0 && $1 == --* ]]; do shift; done
+"$@"
+status=$?
+echo srun-returned >> "$FAKE_DIR/order"
+exit $status
+"""
+REQUEUE_TASK = """#!/bin/bash
+# a preempted trainer: checkpointed, leaves the request (unless told not to), exits 0
+if [[ -n "$WRITE_REQUEST" ]]; then echo "job $SLURM_JOB_ID; it resumes from /ckpt/step-7" > "$NEMOFP4_REQUEUE_REQUEST"; fi
+exit 0
+"""
+REQUEUE_SCONTROL = """#!/bin/bash
+if [[ $1 == requeue ]]; then echo "requeue $2" >> "$FAKE_DIR/order"; exit "$REQUEUE_RC"; fi
+printf "gpu-007\\ngpu-008\\n"
+"""
+
+
+@pytest.mark.parametrize(("write_request", "requeue_rc", "status"), [(True, 0, 0), (True, 1, 143), (False, 0, 0)],
+                         ids=["requeued", "requeue-fails", "stale-request-ignored"])  # fmt: skip
+def test_script_requeues_after_the_step_returns_when_the_trainer_asks(tmp_path, write_request, requeue_rc, status):
+    """The trainer only leaves a request file; the batch script calls `scontrol requeue` after srun has
+    returned (so no process of the step is signalled by it), once, and never for a stale request."""
+    bin_dir, environ = _fake_cluster(tmp_path)
+    _executable(bin_dir / "srun", REQUEUE_SRUN)
+    _executable(bin_dir / "torchrun", REQUEUE_TASK)
+    _executable(bin_dir / "scontrol", REQUEUE_SCONTROL)
+    environ.update(REQUEUE_RC=str(requeue_rc), WRITE_REQUEST="1" if write_request else "")
+    config = _config(tmp_path, nodes=2, gpus_per_node=4)
+    script_path = tmp_path / "job.sbatch"
+    script_path.write_text(render_sbatch_script(config))
+    run_dir = tmp_path / "runs" / "nemofp4-tiny_ue5m3"
+    run_dir.mkdir(parents=True)
+    (run_dir / ".requeue-request").write_text("job 1; an earlier run's\n")  # stale: removed before the step
+    result = subprocess.run(["bash", str(script_path)], cwd=tmp_path, env=environ, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == status, result.stdout + result.stderr
+    order = (tmp_path / "order").read_text().splitlines()
+    assert order == (["srun-returned", "requeue 12345"] if write_request else ["srun-returned"])
+    assert not (run_dir / ".requeue-request").exists()
+    if write_request and requeue_rc == 0:
+        assert "requeued SLURM job 12345; it resumes from /ckpt/step-7" in result.stdout
+    elif write_request:
+        assert "scontrol requeue 12345 failed" in result.stdout
+
+
 # ---------------------------------------------------------------------------------------------- submit / app
 
 
@@ -497,10 +543,52 @@ def test_presubmit_check_passes_and_says_what_the_job_runs(tmp_path, capsys, cap
         assert launch(config) == []
     summary = caplog.text
     assert "2 node(s) x 1 process(es) = 2 rank(s) (CPU only, gloo)" in summary
-    assert "trains ue5m3 with fsdp: 60 steps of 8 x 256 tokens (micro batch 2 x 2 rank(s) x 2 accumulation)" in summary
+    assert ("trains ue5m3 with fsdp (HSDP: 2 replicas x 1 shard(s)): 60 steps of 8 x 256 tokens (micro batch 2 x "
+            "2 rank(s) x 2 accumulation)") in summary
     assert f"run dir {tmp_path / 'run'}" in summary
     assert capsys.readouterr().out.startswith("#!/bin/bash\n")
     assert (tmp_path / "runs" / "slurm" / "logs").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("slurm", "overrides", "expected"),
+    [
+        ({"nodes": 2, "procs_per_node": 2}, [], 2),  # 2 nodes: shard within a node, replicate across
+        ({"nodes": 1, "procs_per_node": 4}, [], 1),  # one node: plain FSDP
+        ({"nodes": 2, "procs_per_node": 2}, ["distributed.replicate_degree=1"], 1),  # the user's choice stands
+        ({"nodes": 2, "procs_per_node": 2}, ["++distributed.replicate_degree=4"], 4),
+    ],
+)  # fmt: skip
+def test_multi_node_fsdp_defaults_to_hsdp_in_the_script_and_the_composed_config(tmp_path, capsys, slurm, overrides,
+                                                                                  expected):
+    """The rendered script carries distributed.replicate_degree=<nodes> unless the user set one, and the
+    trainer's config composed from the script's own arguments has it."""
+    from nemofp4.cli.train import compose_job_config
+
+    config = _shape_config(tmp_path, ["distributed=fsdp", "train.global_batch=8", "train.micro_batch=2", *overrides],
+                           **slurm)  # fmt: skip
+    config.dry_run = True
+    launch(config)
+    script = capsys.readouterr().out
+    arguments = [a for a in _array(script, "train_cmd") if "=" in a and not a.startswith(("--", "run_dir="))]
+    carried = [a for a in arguments if "replicate_degree" in a]
+    assert carried == ([] if expected == 1 and not overrides else [*overrides] if overrides
+                       else [f"distributed.replicate_degree={expected}"])  # fmt: skip
+    job = compose_job_config([a.strip("'") for a in arguments])
+    assert job.distributed.replicate_degree == expected
+
+
+def test_hsdp_default_needs_fsdp_and_a_divisor(tmp_path, capsys):
+    config = _shape_config(tmp_path, ["distributed=fsdp", "train.micro_batch=1", "distributed.replicate_degree=3"],
+                           nodes=2, procs_per_node=2)  # fmt: skip
+    with pytest.raises(ValueError, match="replicate_degree=3 does not divide the 4 ranks"):
+        launch(config)
+    from nemofp4.cli.launch import with_hsdp_default
+    from nemofp4.cli.train import compose_job_config
+
+    job = compose_job_config(["distributed=none"])
+    unchanged = _shape_config(tmp_path, ["distributed=none"])
+    assert with_hsdp_default(unchanged, job) == (unchanged, job)  # no FSDP, no replicas
 
 
 def test_multirun_is_refused_with_the_sweep_command(tmp_path):

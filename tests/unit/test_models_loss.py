@@ -141,3 +141,107 @@ def test_lm_loss_with_head_chunks_needs_the_head_method():
     with pytest.raises(ValueError, match="head_chunk_tokens=8 needs a model whose lm_head"):
         lm_loss(torch.nn.Linear(4, 4), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
                 head_chunk_tokens=8)
+
+
+# ---------------------------------------------------------------------------------------------- head precision
+def _bf16_reference(h, w, labels):
+    """float64 loss and gradients of the head with BF16 GEMM operands: h and W rounded to BF16 for the
+    logits, and the logits' gradient (softmax - onehot, over the counted tokens) rounded to BF16 for the
+    two backward GEMMs, every product and sum in float64."""
+    bf = lambda t: t.detach().to(torch.bfloat16).double()  # noqa: E731
+    h_TD, w_VD, labels_T = bf(h.reshape(-1, h.shape[-1])), bf(w), labels.reshape(-1)
+    logits = h_TD @ w_VD.t()
+    valid = labels_T != -100
+    loss = F.cross_entropy(logits, labels_T)
+    grad = (torch.softmax(logits, -1) - F.one_hot(labels_T.clamp(min=0), w.shape[0]).double()) * valid[:, None]
+    grad_bf16 = (grad / valid.sum()).float().to(torch.bfloat16).double()
+    return loss, (grad_bf16 @ w_VD).reshape(h.shape), grad_bf16.t() @ h_TD, (grad / valid.sum()).float().double()
+
+
+@pytest.mark.parametrize("chunk_tokens", [8, 4096])
+def test_bf16_head_is_bf16_gemms_with_fp32_accumulation(chunk_tokens):
+    """The bf16 head equals, to FP32 accumulation error, a float64 head whose GEMM operands are BF16 (h
+    and W for the logits, the logits' gradient for both backward GEMMs). The tolerances fail an FP32
+    head (its loss is 1e-4 away) and a backward that keeps the logits' gradient in FP32 (2e-3 away)."""
+    h, w, _, labels = _problem(tokens=64, width=48, vocab=1000)
+    ref_loss, ref_gh, ref_gw, grad_fp32 = _bf16_reference(h, w, labels)
+    loss = chunked_cross_entropy(h, w, labels, chunk_tokens=chunk_tokens, precision="bf16")
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    assert loss.dtype == torch.float32 and gh.dtype == h.dtype and gw.dtype == w.dtype
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 * ref_loss.item()
+    assert _rel(gh, ref_gh) <= 5e-4 and _rel(gw, ref_gw) <= 5e-4
+    # the same tolerances catch what a wrong implementation would do
+    fp32_loss = chunked_cross_entropy(h, w, labels, chunk_tokens=chunk_tokens)
+    assert abs(fp32_loss.item() - ref_loss.item()) > 1e-5 * ref_loss.item()
+    bf = lambda t: t.detach().to(torch.bfloat16).double()  # noqa: E731
+    unrounded_gh = (grad_fp32 @ bf(w)).reshape(h.shape)
+    assert _rel(unrounded_gh, ref_gh) > 1e-3
+
+
+def test_tf32_head_on_cpu_is_the_fp32_head_and_is_scoped():
+    """CPU matmuls have no TF32 mode: a tf32 head computes what the fp32 head does, bit for bit, and CUDA's
+    matmul precision is set only inside the head (what a CPU test can check; the TF32 products
+    themselves need a GPU)."""
+    h, w, _, labels = _problem()
+    before = torch.backends.cuda.matmul.fp32_precision
+    loss = chunked_cross_entropy(h, w, labels, chunk_tokens=8, precision="tf32")
+    grads = torch.autograd.grad(loss, [h, w])
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    want = chunked_cross_entropy(h, w, labels, chunk_tokens=8)
+    assert loss.item() == want.item()
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(want, [h, w])))
+
+
+def test_head_precision_is_checked_by_name():
+    h, w, _, labels = _problem()
+    with pytest.raises(ValueError, match=r"precision='fp16'; valid: fp32, tf32, bf16"):
+        chunked_cross_entropy(h, w, labels, precision="fp16")
+    with pytest.raises(ValueError, match="allow_tf32=True asks for a TF32 head but precision='bf16'"):
+        chunked_cross_entropy(h, w, labels, precision="bf16", allow_tf32=True)
+    from nemofp4.models import get_model_config
+
+    with pytest.raises(ValueError, match="head_precision='half' must be one of fp32, tf32, bf16"):
+        get_model_config("tiny", head_precision="half")
+
+
+def _tiny_model_grads(precisions, *, chunk=32):
+    from nemofp4.cli.train import compose_job_config
+    from nemofp4.models import build_model, lm_loss
+    from nemofp4.recipes import apply_recipe, recipe_from_config
+    from nemofp4.training.parallel import parallelize
+
+    cfg = compose_job_config(["precision=bf16"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device="meta")
+    apply_recipe(model, recipe_from_config(cfg.precision), log=False)
+    model = parallelize(model, cfg.distributed, device_type="cpu")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, dims=1)
+    out = {}
+    for precision, chunk_tokens in precisions:
+        model.zero_grad(set_to_none=True)
+        loss = lm_loss(model, ids, labels, head_chunk_tokens=chunk_tokens, head_precision=precision)
+        loss.backward()
+        out[precision, chunk_tokens] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_tiny_model_gradient_parity_of_tf32_and_bf16_heads_against_fp32():
+    """Every parameter gradient of the tiny model under each head precision, against the fp32 head:
+    tf32 equal bit for bit on CPU (no TF32 there); bf16 within 1e-2 relative (norm-wise) per parameter,
+    about 2.5 BF16 rounding steps (measured: 4.7e-3 at most, loss 2e-6 apart). Without chunks
+    (head_chunk_tokens=0) a bf16 head runs the same fused head as one chunk of every token."""
+    runs = _tiny_model_grads([("fp32", 32), ("tf32", 32), ("bf16", 32), ("bf16", 0), ("bf16", 128)])
+    fp32_loss, fp32 = runs["fp32", 32]
+    tf32_loss, tf32 = runs["tf32", 32]
+    assert tf32_loss == fp32_loss and all(torch.equal(tf32[n], fp32[n]) for n in fp32)
+    bf16_loss, bf16 = runs["bf16", 32]
+    assert abs(bf16_loss - fp32_loss) <= 1e-5 * fp32_loss and bf16_loss != fp32_loss
+    gaps = {n: _rel(bf16[n], fp32[n]) for n in fp32}
+    assert max(gaps.values()) <= 1e-2, max(gaps.items(), key=lambda kv: kv[1])
+    assert gaps["lm_head.weight"] > 0  # the bf16 head did run in BF16
+    one_chunk_loss, one_chunk = runs["bf16", 0]
+    all_tokens_loss, all_tokens = runs["bf16", 128]
+    assert one_chunk_loss == all_tokens_loss and all(torch.equal(one_chunk[n], all_tokens[n]) for n in one_chunk)

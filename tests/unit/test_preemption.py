@@ -95,6 +95,24 @@ def test_failed_requeue_is_logged_not_raised(tmp_path, caplog):
     assert "requeue refused" in caplog.text
 
 
+def test_under_the_batch_script_the_requeue_is_a_request_file_not_scontrol(tmp_path, caplog):
+    """With NEMOFP4_REQUEUE_REQUEST set (the launcher's script) rank 0 leaves the request there, and the
+    script requeues after srun returns: scontrol is not run from inside the step."""
+    scontrol = _fake_scontrol(tmp_path)
+    request = tmp_path / "run" / ".requeue-request"
+    request.parent.mkdir()
+    environ = {"SLURM_JOB_ID": "4242", "NEMOFP4_REQUEUE_REQUEST": str(request)}
+    handler = PreemptionHandler(install=False, scontrol=scontrol, environ=environ)
+    with caplog.at_level("INFO"):
+        assert handler.requeue_and_exit_code(checkpoint="/ckpt/step-7", step=7) == REQUEUED_EXIT_CODE
+    assert request.read_text() == "job 4242; it resumes from /ckpt/step-7\n"
+    assert not (tmp_path / "calls.log").exists()
+    assert "asked the batch script to requeue SLURM job 4242" in caplog.text
+    unwritable = PreemptionHandler(install=False, scontrol=scontrol,
+                                   environ={**environ, "NEMOFP4_REQUEUE_REQUEST": str(tmp_path / "no" / "dir")})
+    assert unwritable.requeue_and_exit_code() == NOT_REQUEUED_EXIT_CODE  # the request could not be left
+
+
 def test_missing_scontrol_and_no_slurm(tmp_path):
     missing = PreemptionHandler(install=False, scontrol=str(tmp_path / "absent"), environ={"SLURM_JOB_ID": "7"})
     assert missing.requeue_and_exit_code() == NOT_REQUEUED_EXIT_CODE

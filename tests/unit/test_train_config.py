@@ -73,3 +73,31 @@ def test_unknown_recipe_lists_the_options():
 def test_invalid_value_is_rejected_by_the_dataclass():
     with pytest.raises(ValueError, match="train.dtype='float16'"):
         compose_job_config(["train.dtype=float16"])
+
+
+@pytest.mark.parametrize("experiment", ["nemotron_h_8b_bf16", "nemotron_h_8b_nvfp4", "nemotron_h_8b_ue5m3",
+                                        "nemotron_h_8b_ue5m3_te_settings"])
+def test_8b_presets_keep_the_papers_fp32_head_and_keep_it_gathered(experiment):
+    cfg = compose_job_config([f"experiment={experiment}"])
+    assert cfg.model.head_precision == "fp32"  # the paper reproductions: the authors' FP32 output layer
+    assert cfg.distributed.keep_head_gathered and cfg.distributed.backend == "fsdp"
+    assert compose_job_config([f"experiment={experiment}", "model.head_precision=bf16"]).model.head_precision == "bf16"
+
+
+def test_head_tf32_is_the_older_spelling_of_head_precision_tf32():
+    from nemofp4.training.run_identity import config_changes
+
+    assert compose_job_config([]).model.head_precision == "fp32"
+    cfg = compose_job_config(["train.head_tf32=true"])
+    assert cfg.model.head_precision == "tf32"
+    assert compose_job_config(["train.head_tf32=true", "model.head_precision=tf32"]).model.head_precision == "tf32"
+    with pytest.raises(ValueError, match="train.head_tf32=true asks for a TF32 head but model.head_precision=bf16"):
+        compose_job_config(["train.head_tf32=true", "model.head_precision=bf16"])
+    with pytest.raises(Exception, match="head_precision='fp16' must be one of fp32, tf32, bf16"):
+        compose_job_config(["model.head_precision=fp16"])
+    # a run saved before model.head_precision existed, with train.head_tf32=true, resumes unchanged
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    del saved["model"]["head_precision"]
+    assert config_changes(OmegaConf.to_yaml(OmegaConf.create(saved)), cfg) == []

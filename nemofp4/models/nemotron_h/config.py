@@ -11,6 +11,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from nemofp4.models.loss import HEAD_PRECISIONS
+
 
 class LayerType(str, enum.Enum):
     """One layer of the hybrid stack; values are Megatron's pattern symbols."""
@@ -99,6 +101,14 @@ class NemotronHConfig:
     transformers' NemotronH does (mamba_ssm's Mamba2 default clamps at 0). Keep True for
     checkpoints that must behave identically after export to transformers."""
 
+    # --- LM head ---
+    head_precision: str = "fp32"
+    """Arithmetic of the LM head's GEMMs (logits, and in backward the hidden states' and the weight's
+    gradients); the log-softmax and the loss are FP32 in every case. ``fp32``: true FP32 (the UE5M3
+    and NVFP4 papers' FP32 head, kept by the paper presets); ``tf32``: TF32 tensor cores on CUDA;
+    ``bf16``: BF16 operands with FP32 accumulation (NVIDIA's recipes). A numerics choice, not an
+    architecture one: the weights are the same and export ignores it (docs/model.md, "LM head")."""
+
     # --- initialization ---
     init_std: float = 0.02
     rescale_prenorm_residual: bool = True
@@ -148,6 +158,9 @@ class NemotronHConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 errors.append(f"{name}={value!r} must be a positive float")
+        if self.head_precision not in HEAD_PRECISIONS:
+            errors.append(f"head_precision={self.head_precision!r} must be one of {', '.join(HEAD_PRECISIONS)} "
+                          "(fp32: the paper's FP32 head, tf32: TF32 tensor cores, bf16: BF16 GEMMs, FP32 loss)")
         if errors:
             raise ValueError("invalid NemotronHConfig: " + "; ".join(errors))
 
