@@ -53,6 +53,7 @@ from nemofp4.training.memory_plan import log_plan
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
+    discard_nonfinite_references,
     first_nonfinite_gradient,
     first_nonfinite_module,
     first_nonfinite_state,
@@ -535,6 +536,7 @@ class Trainer:
     def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch) -> None:
         if self.cfg.train.nonfinite == "skip":
             self.skipped_steps += 1
+            discard_nonfinite_references(self.model)  # a reference first sampled in this step samples again
             log.warning("step %d: non-finite loss %s / grad norm %s; update skipped (%d so far)",
                         self.step, loss.item(), grad_norm.item(), self.skipped_steps)
             if self.skipped_steps <= self.cfg.train.max_skipped_steps:
