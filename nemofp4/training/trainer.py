@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.models import build_model, lm_loss, param_groups
+from nemofp4.planning import log_plan
 from nemofp4.quant import (
     QuantState,
     canonical_fqn,
@@ -49,7 +50,6 @@ from nemofp4.training.dist_env import (
     local_device,
     require_process_group,
 )
-from nemofp4.training.memory_plan import log_plan
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,

@@ -25,8 +25,11 @@ ALLOWED = {
     "data": set(),
     "checkpointing": set(),
     "evaluation": BELOW_TRAINING,
-    "training": BELOW_TRAINING | {"evaluation"},
-    "cli": BELOW_TRAINING | {"evaluation", "training"},
+    # the trainer's start-up log calls the planner; the planner runs training's own parallelize,
+    # optimizer and budget (no module cycle: nothing planning imports imports the trainer)
+    "training": BELOW_TRAINING | {"evaluation", "planning"},
+    "planning": BELOW_TRAINING | {"training"},
+    "cli": BELOW_TRAINING | {"evaluation", "training", "planning"},
 }
 
 
