@@ -271,10 +271,13 @@ class HeadMeasure:
 
 
 def measure_head(model: NemotronHConfig, *, seq_len: int, micro_batch: int, dtype: torch.dtype,
-                 head_weight_dtype: torch.dtype, chunk_tokens: int, fp32_head: bool = True) -> HeadMeasure:  # fmt: skip
+                 head_weight_dtype: torch.dtype, chunk_tokens: int, fp32_head: bool = True,
+                 fsdp: bool = False) -> HeadMeasure:  # fmt: skip
     """``norm_f`` and the loss as the trainer computes them: the chunked head loss when
     ``chunk_tokens`` > 0, else the head's full logits in FP32 and ``F.cross_entropy``; the head an
-    ``FP32Linear`` (the FP4 recipes') when ``fp32_head``, else an ``nn.Linear`` under autocast."""
+    ``FP32Linear`` (the FP4 recipes') when ``fp32_head``, else an ``nn.Linear`` under autocast.
+    Under FSDP2 (``fsdp``) the head's inputs arrive cast to its parameters' dtype, as its
+    mixed-precision policy casts them (an FP32 head saves FP32 hidden states)."""
     from nemofp4.models.loss import head_cross_entropy
     from nemofp4.models.nemotron_h.model import RMSNorm
     from nemofp4.quant import FP32Linear
@@ -312,6 +315,8 @@ def measure_head(model: NemotronHConfig, *, seq_len: int, micro_batch: int, dtyp
             h = leaf.clone()  # the last block's output, not a leaf
             with _autocast(dtype):
                 hidden = norm(h)
+                if fsdp and hidden.dtype != head_weight_dtype:  # FSDP2's cast_forward_inputs at the head
+                    hidden = hidden.to(head_weight_dtype)
                 if chunk_tokens > 0:
                     loss = head_cross_entropy(head, hidden, labels, chunk_tokens=chunk_tokens)
                 else:

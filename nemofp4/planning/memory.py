@@ -179,8 +179,9 @@ class Measured:
 
 def measure(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micro_batch: int, compute_dtype: str = "bfloat16",
             head_chunk_tokens: int = 0, head_precision: str = "fp32", mamba_scan: str = "torch",
-            quantizer: str = "triton") -> Measured:  # fmt: skip
-    """The measurements :func:`plan_memory` adds up (see the module docstring)."""
+            quantizer: str = "triton", fsdp: bool = True) -> Measured:  # fmt: skip
+    """The measurements :func:`plan_memory` adds up (see the module docstring); ``fsdp``: under FSDP2,
+    whose mixed-precision policies cast each group's inputs."""
     from .measure import warm_format_tables
 
     if compute_dtype not in _DTYPES:
@@ -194,7 +195,7 @@ def measure(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micro_batch
     blocks = measure_blocks(model, recipe, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, quantizer=quantizer,
                             mamba_ssm=mamba_scan_path(mamba_scan) == "mamba_ssm")  # fmt: skip
     head = measure_head(model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, head_weight_dtype=head_dtype,
-                        chunk_tokens=head_chunk_tokens, fp32_head=fp32_part)  # fmt: skip
+                        chunk_tokens=head_chunk_tokens, fp32_head=fp32_part, fsdp=fsdp)  # fmt: skip
     shapes = [(4096,), (256, 64), (3, 17)]
     step = measure_optimizer_step(shapes) / (4 * sum(math.prod(s) for s in shapes))
     return Measured(blocks=blocks, head=head, groups=_groups(model, compute_bytes=dtype.itemsize, head_bytes=head_dtype.itemsize),
@@ -224,7 +225,8 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
     scan = mamba_scan_path(mamba_scan)
     if measured is None:
         measured = measure(model, recipe, seq_len=seq_len, micro_batch=micro_batch, compute_dtype=compute_dtype,
-                           head_chunk_tokens=chunk, head_precision=head_precision, mamba_scan=scan, quantizer=quantizer)  # fmt: skip
+                           head_chunk_tokens=chunk, head_precision=head_precision, mamba_scan=scan, quantizer=quantizer,
+                           fsdp=dist_cfg.backend == "fsdp")  # fmt: skip
     blocks, head = measured.blocks, measured.head
     moments = _moments(model, dist_cfg, policy, measured, world_size=world_size, grad_accum=grad_accum,
                        tokens=micro_batch * seq_len)  # fmt: skip
