@@ -62,20 +62,23 @@ def plan_report(job: JobConfig, *, world_size: int, device: str = "", device_mem
     from nemofp4 import planning
     from nemofp4.planning.report import cost_table, simulation_table
 
+    if simulate and job.distributed.backend != "fsdp":  # before minutes of planning, not after
+        raise ValueError(f"simulate=true with distributed.backend={job.distributed.backend!r}: the simulation "
+                         "measures FSDP2 runs; use distributed=fsdp")  # fmt: skip
     preset = planning.get_device(device) if device else None
     memory_gib = device_memory_gib if device_memory_gib is not None else (preset.memory_gib if preset else 80.0)
     plan = planning.plan_for_job(job, world_size=world_size, device_memory_gib=memory_gib, chunked_head=chunked_head,
                                  reserve_gib=reserve_gib, mamba_scan=mamba_scan)  # fmt: skip
     sections = [plan.format()]
     recommendation = planning.recommend_checkpointing(job, plan, world_size=world_size, reserve_gib=reserve_gib,
-                                                      mamba_scan=mamba_scan)  # fmt: skip
+                                                      chunked_head=chunked_head)  # fmt: skip
     sections.append(recommendation.format())
     per_node = preset.gpus_per_node if preset else 8
-    cost = planning.cost_for_job(job, world_size=world_size, gpus_per_node=per_node)
+    cost = planning.cost_for_job(job, world_size=world_size, gpus_per_node=per_node, chunked_head=chunked_head)
     sections.append(cost_table(cost, preset))
     if simulate:
         started = time.perf_counter()
-        sim = planning.simulate_for_job(job, world_size=world_size, mamba_scan=mamba_scan)
+        sim = planning.simulate_for_job(job, world_size=world_size, mamba_scan=mamba_scan, chunked_head=chunked_head)
         sections.append(simulation_table(sim, plan, world_size=world_size, wall_s=time.perf_counter() - started))
     return "\n\n".join(sections)
 

@@ -97,6 +97,8 @@ class StepCost:
     """Layout name -> collective -> bytes this rank sends per step (ring algorithms)."""
     layouts: dict[str, tuple[int, int]]
     """Layout name -> (replicate, shard) group sizes."""
+    configured: str
+    """The layout the config trains with (``distributed.replicate_degree``)."""
     model_flops: float
     """The trainer's MFU numerator for this rank's tokens (``NemotronHConfig.flops_per_token``)."""
     recompute_by_policy: dict[str, float] = field(default_factory=dict)
@@ -224,12 +226,16 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     groups = _fsdp_groups(model, recipe, head_precision=head_precision, param_bytes=param_bytes)
     nodes = max(1, world_size // gpus_per_node)
     layouts = {"FSDP": (1, world_size)}
-    if nodes > 1 and world_size % gpus_per_node == 0:
-        layouts[f"HSDP {nodes}x{gpus_per_node}"] = (nodes, gpus_per_node)
+    for replicate in (nodes, dist_cfg.replicate_degree):  # HSDP across nodes, and the configured one
+        if 1 < replicate < world_size and world_size % replicate == 0:
+            layouts[f"HSDP {replicate}x{world_size // replicate}"] = (replicate, world_size // replicate)
     collectives = {name: _collective_bytes(groups, replicate=r, shard=s, grad_accum=grad_accum, dist_cfg=dist_cfg,
                                            keep_head_gathered=keep_head_gathered)
                    for name, (r, s) in layouts.items()}  # fmt: skip
+    replicate = dist_cfg.replicate_degree
+    configured = "FSDP" if replicate == 1 else f"HSDP {replicate}x{world_size // replicate}"
     return StepCost(world_size=world_size, tokens=tokens * grad_accum, flops=flops, precision=precision,
+                    configured=configured,
                     fp4_native_flops=(native + recompute_native) * grad_accum,
                     quantized_elements=quantized * grad_accum, collectives=collectives, layouts=layouts,
                     model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nemofp4.models.loss import DEFAULT_CHUNK_TOKENS
+
 from .cost import StepCost, step_cost
 from .layers import head_precision_of
 from .memory import GIB, MemoryPlan, candidate_policies, plan_memory
@@ -31,15 +33,22 @@ def _job(cfg, world_size: int) -> dict:
     )
 
 
+def _head_chunk_tokens(cfg, chunked_head: bool | None) -> int:
+    """The head loss's chunk: the config's (``train.head_chunk_tokens``, 0: full logits) unless
+    ``chunked_head`` says otherwise (true: the config's chunk, else 1024)."""
+    chunk = cfg.train.head_chunk_tokens
+    if chunked_head is not None:
+        chunk = (chunk or DEFAULT_CHUNK_TOKENS) if chunked_head else 0
+    return chunk
+
+
 def plan_for_job(cfg, *, world_size: int, device_memory_gib: float, chunked_head: bool | None = None,
                  reserve_gib: float = 4.0, mamba_scan: str = "auto", activation_checkpointing: str | None = None,
                  measured=None) -> MemoryPlan:  # fmt: skip
     """:func:`~nemofp4.planning.memory.plan_memory` for a composed training config on ``world_size``
     GPUs; ``chunked_head`` defaults to what the config trains with (``train.head_chunk_tokens > 0``)."""
     job = _job(cfg, world_size)
-    chunk = cfg.train.head_chunk_tokens
-    if chunked_head is not None:
-        chunk = (chunk or 1024) if chunked_head else 0
+    chunk = _head_chunk_tokens(cfg, chunked_head)
     return plan_memory(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
                        micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
                        device_memory_gib=device_memory_gib, compute_dtype=job["compute_dtype"],
@@ -49,21 +58,28 @@ def plan_for_job(cfg, *, world_size: int, device_memory_gib: float, chunked_head
                        measured=measured)  # fmt: skip
 
 
-def simulate_for_job(cfg, *, world_size: int, mamba_scan: str = "auto") -> SimulatedMemory:
-    """:func:`~nemofp4.planning.simulate.simulate_memory` of a composed training config."""
+def simulate_for_job(cfg, *, world_size: int, mamba_scan: str = "auto",
+                     chunked_head: bool | None = None) -> SimulatedMemory:  # fmt: skip
+    """:func:`~nemofp4.planning.simulate.simulate_memory` of a composed training config (``chunked_head``:
+    as for :func:`plan_for_job`)."""
     job = _job(cfg, world_size)
     return simulate_memory(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
                            micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
-                           compute_dtype=job["compute_dtype"], head_chunk_tokens=cfg.train.head_chunk_tokens,
+                           compute_dtype=job["compute_dtype"], head_chunk_tokens=_head_chunk_tokens(cfg, chunked_head),
                            optim=cfg.optim, mamba_scan=mamba_scan, quantizer=job["quantizer"])  # fmt: skip
 
 
-def cost_for_job(cfg, *, world_size: int, gpus_per_node: int = 8, policies: tuple[str, ...] = ()) -> StepCost:
-    """:func:`~nemofp4.planning.cost.step_cost` of a composed training config."""
+def cost_for_job(cfg, *, world_size: int, gpus_per_node: int = 8, policies: tuple[str, ...] = (),
+                 head_precision: str | None = None, chunked_head: bool | None = None) -> StepCost:  # fmt: skip
+    """:func:`~nemofp4.planning.cost.step_cost` of a composed training config (``head_precision``
+    overrides the config's, :func:`~nemofp4.planning.layers.head_precision_of`; ``chunked_head``: as for
+    :func:`plan_for_job`)."""
     job = _job(cfg, world_size)
+    if head_precision is not None:
+        job["head_precision"] = head_precision
     return step_cost(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
                      micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
-                     head_chunk_tokens=cfg.train.head_chunk_tokens, head_precision=job["head_precision"],
+                     head_chunk_tokens=_head_chunk_tokens(cfg, chunked_head), head_precision=job["head_precision"],
                      keep_head_gathered=job["keep_head_gathered"], gpus_per_node=gpus_per_node,
                      compute_dtype=job["compute_dtype"], policies=policies)  # fmt: skip
 
@@ -106,19 +122,19 @@ def _policy_words(policy: str) -> str:
 
 
 def recommend_checkpointing(cfg, plan: MemoryPlan, *, world_size: int, reserve_gib: float = 4.0,
-                            mamba_scan: str = "auto") -> Recommendation:  # fmt: skip
+                            chunked_head: bool | None = None) -> Recommendation:  # fmt: skip
     """The plan of every :func:`~nemofp4.planning.memory.candidate_policies` policy (from ``plan``'s
     measurements: no new ones), and the one with the fewest recompute FLOPs that fits the device."""
     job = _job(cfg, world_size)
     policies = candidate_policies(cfg.model)
-    cost = cost_for_job(cfg, world_size=world_size, policies=tuple(policies))
+    cost = cost_for_job(cfg, world_size=world_size, policies=tuple(policies), chunked_head=chunked_head)
     base = cost.total_flops - cost.flops["recompute"]
     rows = []
     for policy in policies:
         other = plan_memory(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
                             micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
                             device_memory_gib=plan.device_bytes / GIB, activation_checkpointing=policy,
-                            mamba_scan=plan.mamba_scan, quantizer=plan.quantizer, reserve_gib=reserve_gib,
+                            keep_head_gathered=job["keep_head_gathered"], mamba_scan=plan.mamba_scan, quantizer=plan.quantizer, reserve_gib=reserve_gib,
                             measured=plan.measured)  # fmt: skip
         rows.append((policy, other.total_bytes, cost.recompute_by_policy[policy] / base, other.fits))
     rows.sort(key=lambda r: r[2])
@@ -134,13 +150,18 @@ def log_plan(cfg, *, world_size: int, device: torch.device, log) -> MemoryPlan |
     try:
         plan = plan_for_job(cfg, world_size=world_size,
                             device_memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB)  # fmt: skip
+        # the policy to suggest, from the plan's measurements (no new ones)
+        recommendation = None if plan.fits else recommend_checkpointing(cfg, plan, world_size=world_size)
     except Exception as exc:  # a diagnostic: never the reason a run does not start
         log.warning("no memory plan for this run (%s: %s)", type(exc).__name__, exc)
         return None
     log.info("memory plan (nemofp4-plan):\n%s", plan.format())
-    if not plan.fits:
-        log.warning("the memory plan needs %.1f GiB per GPU, more than this device's %.1f GiB; consider "
-                    "distributed.activation_checkpointing=full (or a policy nemofp4-plan recommends), a smaller "
-                    "train.micro_batch or more GPUs", plan.total_bytes / GIB, plan.device_bytes / GIB)  # fmt: skip
+    if recommendation is not None:
+        if recommendation.chosen is not None:
+            advice = recommendation.format().splitlines()[-1].removeprefix("Recommendation: ")
+        else:
+            advice = ("no checkpointing policy fits; consider distributed.gradient_sync=per_micro_batch, a smaller "
+                      "train.micro_batch or more GPUs")  # fmt: skip
+        log.warning("the memory plan needs %.1f GiB per GPU, more than this device's %.1f GiB; %s",
+                    plan.total_bytes / GIB, plan.device_bytes / GIB, advice)  # fmt: skip
     return plan
-

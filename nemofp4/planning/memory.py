@@ -229,7 +229,7 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
                            fsdp=dist_cfg.backend == "fsdp")  # fmt: skip
     blocks, head = measured.blocks, measured.head
     moments = _moments(model, dist_cfg, policy, measured, world_size=world_size, grad_accum=grad_accum,
-                       tokens=micro_batch * seq_len)  # fmt: skip
+                       tokens=micro_batch * seq_len, keep_head_gathered=keep_head_gathered)  # fmt: skip
     peak = max(moments, key=lambda m: m.total)
     by_layer = {i: b for b in blocks for i in b.layers}
     chosen = checkpointed_blocks(policy, [t.block_type for t in model.layer_types])
@@ -251,7 +251,8 @@ def _head_is_fp32(model: NemotronHConfig, recipe: Recipe) -> bool:
     return any(s.block_type == "head" and s.kind == "fp32" for s in linear_specs(model, recipe))
 
 
-def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_accum, tokens) -> list[Moment]:
+def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_accum, tokens,
+             keep_head_gathered: bool = False) -> list[Moment]:  # fmt: skip
     blocks, head, groups, chunked = measured.blocks, measured.head, measured.groups, measured.chunk_tokens > 0
     backend = dist_cfg.backend
     by_layer = {i: b for b in blocks for i in b.layers}
@@ -303,27 +304,40 @@ def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_ac
                  "communication buffers": comm}  # fmt: skip
         return Moment(phase=phase, group=group, micro_batch=kind, items=items)
 
-    def gathered(*names: str, buffers: tuple[str, ...] = ()) -> int:
+    # groups not resharded after forward stay gathered until their backward is done
+    # (distributed.reshard_after_forward=false: every group; keep_head_gathered: the head)
+    keeps = set()
+    if backend == "fsdp":
+        keeps = {g.name for g in groups if not dist_cfg.reshard_after_forward or (g.name == "lm_head" and keep_head_gathered)}
+
+    def gathered(*names: str, buffers: tuple[str, ...] = (), kept: tuple[str, ...] = ()) -> int:
+        """The groups ``names`` unsharded, the all-gather buffers of ``buffers`` (a prefetch of a kept
+        group gathers nothing), and of the groups ``kept`` those that stayed gathered since forward."""
         if not fsdp:
             return 0
-        return sum(g.gathered_bytes for g in groups if g.name in names) + sum(
+        unsharded = set(names) | (set(kept) & keeps)
+        return sum(g.gathered_bytes for g in groups if g.name in unsharded) + sum(
             g.gathered_bytes for g in groups if g.name in buffers)
 
+    def gathered_again(*names: str) -> tuple[str, ...]:  # the groups backward all-gathers again
+        return tuple(n for n in names if n not in keeps)
+
+    names = [g.name for g in layers]
     out = []
     for kind in kinds:
         # forward: the root gathered throughout, each group with its all-gather buffer while it runs
         for i, g in enumerate(layers):
             fwd = by_layer[i].forward_peak[chosen[i]]
-            out.append(moment("forward", g.name, kind, gathered=gathered("root", g.name, buffers=(g.name,)),
+            out.append(moment("forward", g.name, kind, gathered=gathered("root", g.name, buffers=(g.name,), kept=names[:i]),
                               grads_=grads(kind, set()), act=sum(kept[:i]) + fwd + ids, temp=0, comm=0))  # fmt: skip
         # the full logits' head runs inside the model's forward (the root still gathered); the chunked loss
         # after it returned (the root resharded)
         root_too = ("root",) if not chunked else ()
         if head_group:
-            out.append(moment("forward", "lm_head", kind, gathered=gathered("lm_head", *root_too, buffers=("lm_head",)),
+            out.append(moment("forward", "lm_head", kind, gathered=gathered("lm_head", *root_too, buffers=("lm_head",), kept=("root", *names)),
                               grads_=grads(kind, set()), act=sum(kept) + head.head_forward_peak + ids, temp=0, comm=0))  # fmt: skip
         if not chunked:  # the cross-entropy on the full logits, after the model's forward returned
-            out.append(moment("forward", "loss", kind, gathered=0, grads_=grads(kind, set()),
+            out.append(moment("forward", "loss", kind, gathered=gathered(kept=("root", *names, "lm_head")), grads_=grads(kind, set()),
                               act=sum(kept) + head.forward_peak + ids, temp=0, comm=0))  # fmt: skip
         done: set[str] = set()
         previous = None
@@ -331,11 +345,12 @@ def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_ac
             if g.name == "lm_head":
                 if not chunked:  # the cross-entropy's backward, before the head (and the root) gather again
                     act, temp = head.loss_backward_peak
-                    out.append(moment("backward", "loss", kind, gathered=0, grads_=grads(kind, done),
+                    out.append(moment("backward", "loss", kind, gathered=gathered(kept=("root", *names, "lm_head")), grads_=grads(kind, done),
                                       act=sum(kept) + act + ids, temp=temp, comm=0))  # fmt: skip
                 act, temp = head.backward_peak
                 last = (f"layers.{len(layers) - 1}",) if not chunked and layers else ()
-                out.append(moment("backward", "lm_head", kind, gathered=gathered("lm_head", *root_too, buffers=("root",) if chunked else last),
+                out.append(moment("backward", "lm_head", kind, gathered=gathered("lm_head", *root_too, buffers=gathered_again("root") if chunked else gathered_again(*last),
+                                                                                      kept=("root", *names)),
                                   grads_=grads(kind, done), act=sum(kept) + act + ids, temp=temp, comm=0))  # fmt: skip
             elif g.name == "root":
                 embedding_grad = model.vocab_size * model.hidden_size * (root.gathered_bytes // max(root.numel, 1))
@@ -347,7 +362,7 @@ def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_ac
                 if not head_group and i == len(layers) - 1:
                     act += head.saved_bytes
                 prefetch = (f"layers.{i - 1}",) if i > 0 else ()
-                out.append(moment("backward", g.name, kind, gathered=gathered("root", g.name, buffers=prefetch),
+                out.append(moment("backward", g.name, kind, gathered=gathered("root", g.name, buffers=gathered_again(*prefetch), kept=names[:i]),
                                   grads_=grads(kind, done), act=sum(kept[:i]) + act + ids, temp=temp,
                                   comm=reduce_buffer(kind, previous)))  # fmt: skip
             done.add(g.name)

@@ -25,7 +25,7 @@ def cost_table(cost: StepCost, device: Device | None) -> str:
     layouts = list(cost.collectives)
     names = sorted({c for layout in layouts for c in cost.collectives[layout]}, key=("all-gather", "reduce-scatter",
                                                                                       "all-reduce").index)  # fmt: skip
-    header = " | ".join(f"{layout} ({cost.layouts[layout][0]} x {cost.layouts[layout][1]}) GB" for layout in layouts)
+    header = " | ".join(f"{layout} GB" + (" (configured)" if layout == cost.configured else "") for layout in layouts)
     lines += ["", f"| collective | {header} |", "|---|" + "---|" * len(layouts)]
     for name in names:
         row = " | ".join(f"{cost.collectives[layout].get(name, 0.0) / 1e9:,.1f}" for layout in layouts)

@@ -256,9 +256,10 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
     """
     if quantizer not in ("triton", "eager"):
         raise ValueError(f"quantizer={quantizer!r}; valid: triton, eager")
-    if dist_cfg.backend not in ("fsdp", "none"):
-        raise ValueError(f"distributed.backend={dist_cfg.backend!r}: the simulation runs FSDP2 (fsdp) or one "
-                         "process (none); DeepSpeed's engine does not run on fake tensors")  # fmt: skip
+    if dist_cfg.backend != "fsdp":
+        raise ValueError(f"distributed.backend={dist_cfg.backend!r}: the simulation measures FSDP2 runs "
+                         "(distributed=fsdp); FSDPMemTracker needs FSDP2, DeepSpeed's engine does not run on "
+                         "fake tensors")  # fmt: skip
     if compute_dtype not in _DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype!r}; valid: {tuple(_DTYPES)}")
     scan = mamba_scan_path(mamba_scan)
@@ -266,10 +267,8 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     warm_format_tables(recipe)
-    fsdp = dist_cfg.backend == "fsdp"
     with contextlib.ExitStack() as stack:
-        if fsdp:
-            stack.enter_context(_fake_process_group(world_size))
+        stack.enter_context(_fake_process_group(world_size))
         net = build_model(model, device="meta")
         apply_recipe(net, recipe, log=False)
         set_quant_backend(net, quantizer)
@@ -277,7 +276,7 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
         net = parallelize(net, dist_cfg, device_type="cpu", mixed_precision=compute_dtype == "bfloat16")
         fake = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         net.to_empty(device="cpu")
-        if fsdp and world_size > 1 and dist_cfg.reduce_references:
+        if world_size > 1 and dist_cfg.reduce_references:
             set_held_reference_reduce_group(net, dist.group.WORLD)
         optimizer = build_optimizer(optim or OptimConfig(), param_groups(net, (optim or OptimConfig()).weight_decay))
         for p in net.parameters():  # the state of every step after the first
@@ -285,28 +284,26 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-        tracker = _tracker_class()(net, optimizer) if fsdp else None
+        tracker = _tracker_class()(net, optimizer)
         stack.enter_context(mamba_kernel_standins(scan == "mamba_ssm"))
         stack.enter_context(gpu_quantizer_path(quantizer))
         stack.enter_context(_head_loss_through_call(net))
         autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if compute_dtype == "bfloat16" else contextlib.nullcontext
         micro_batches = _distinct_micro_batches(grad_accum)
         collectives = stack.enter_context(_CollectiveBytes().counting())
-        if tracker is not None:
-            tracker.track_inputs((ids,))
-            stack.enter_context(tracker)
+        tracker.track_inputs((ids,))
+        stack.enter_context(tracker)
         set_step(net, 1, seed=0, rank=0)
         set_quant_stats(net, False)  # statistics are kept on logging steps only
         for i, micro in enumerate(micro_batches):
-            if i and tracker is not None:
+            if i:
                 # Workaround for a torch limitation: FSDPMemTracker refuses a second forward of the root
                 # module in one tracking ("multiple iterative calls"); its per-module statistics are
                 # cleared between micro-batches, the global peak it keeps is not.
                 tracker.reset_mod_stats()
             set_gradient_sync(net, dist_cfg, micro_batch=micro, grad_accum=grad_accum)
             collectives.kind = _micro_batch_kind(micro, grad_accum)
-            if tracker is not None:
-                tracker.micro_batch = collectives.kind
+            tracker.micro_batch = collectives.kind
             with autocast():
                 loss = lm_loss(net, ids, ids, head_chunk_tokens=head_chunk_tokens)
             (loss / (grad_accum * world_size)).backward()
@@ -314,8 +311,6 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         optimizer.step()
         del fake
-    if tracker is None:
-        raise ValueError("the simulation measures FSDP2 runs (distributed.backend=fsdp)")
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     raw = {str(getattr(k, "value", k)): v for k, v in peak.items() if str(getattr(k, "value", k)) != "Total"}
     categories = dict.fromkeys(CATEGORIES, 0)

@@ -92,8 +92,10 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("recipe_name, head_chunk_tokens", [("bf16", 0), ("ue5m3", 256)])
+@pytest.mark.parametrize("case, recipe_name, head_chunk_tokens", [
+    ("tiny", "bf16", 0), ("tiny", "ue5m3", 256), ("8b-slice", "ue5m3", 256),
+    pytest.param("8b-slice", "bf16", 0, marks=pytest.mark.slow),
+])  # fmt: skip
 def test_flops_by_component_match_the_flop_counter(case, recipe_name, head_chunk_tokens):
     model_cfg, run = CASES[case]
     counted = _counted(model_cfg, recipe_name, checkpointing="none", head_chunk_tokens=head_chunk_tokens, **run)
@@ -105,7 +107,7 @@ def test_flops_by_component_match_the_flop_counter(case, recipe_name, head_chunk
     assert cost.total_flops == pytest.approx(counted["total"], rel=0.05)
 
 
-@pytest.mark.parametrize("policy", ["mlp", "full"])
+@pytest.mark.parametrize("policy", ["mlp", pytest.param("full", marks=pytest.mark.slow)])
 def test_recompute_flops_are_the_checkpointed_blocks_forward(policy):
     model_cfg, run = CASES["8b-slice"]
     plain = _counted(model_cfg, "ue5m3", checkpointing="none", head_chunk_tokens=256, **run)["total"]
@@ -118,7 +120,8 @@ def test_recompute_flops_are_the_checkpointed_blocks_forward(policy):
 @pytest.mark.parametrize("dist_kwargs, layout", [
     ({}, "FSDP"),
     ({"replicate_degree": 8}, "HSDP 8x8"),
-    ({"gradient_sync": "per_micro_batch"}, "FSDP"),
+    pytest.param({"gradient_sync": "per_micro_batch"}, "FSDP", marks=pytest.mark.slow),
+    pytest.param({"reshard_after_forward": False}, "FSDP", marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_collective_bytes_match_what_fsdp2_issues(dist_kwargs, layout):
     model_cfg = get_model_config("nemotron_h_8b_paper", hybrid_layer_pattern="M*-", hidden_size=512, vocab_size=4096,
@@ -153,3 +156,30 @@ def test_the_projection_follows_the_hardware():
     assert te.project(get_device("gb200"), "FSDP").step_s < step_cost(model, get_recipe("nvfp4"), dist_cfg, **step).project(
         get_device("gb200"), "FSDP").step_s  # fmt: skip
     assert 0 < h200.mfu < 1 and 0 < gb200.mfu < 1
+
+
+def test_both_layouts_are_costed_and_the_head_settings_move_their_items():
+    from nemofp4.planning.report import cost_table
+
+    model = get_model_config("nemotron_h_8b_paper")
+    ue5m3 = get_recipe("ue5m3")
+    step = dict(world_size=64, seq_len=8192, micro_batch=1, grad_accum=12, head_chunk_tokens=1024)
+    fsdp = step_cost(model, ue5m3, DistributedConfig(backend="fsdp"), **step)
+    assert fsdp.configured == "FSDP" and fsdp.layouts == {"FSDP": (1, 64), "HSDP 8x8": (8, 8)}
+    assert "| collective | FSDP GB (configured) | HSDP 8x8 GB |" in cost_table(fsdp, None)
+    hsdp = step_cost(model, ue5m3, DistributedConfig(backend="fsdp", replicate_degree=4), **step)
+    assert hsdp.configured == "HSDP 4x16" and set(hsdp.layouts) == {"FSDP", "HSDP 8x8", "HSDP 4x16"}
+    assert set(step_cost(model, ue5m3, DistributedConfig(backend="fsdp"), gpus_per_node=4, **step).layouts) == {
+        "FSDP", "HSDP 16x4"}  # a GB200 host has 4 GPUs  # fmt: skip
+    # the FP4 recipes' head is FP32: gathered in FP32 twice per micro-batch; kept gathered, once
+    head = model.vocab_size * model.hidden_size
+    kept = step_cost(model, ue5m3, DistributedConfig(backend="fsdp"), keep_head_gathered=True, **step)
+    saved = fsdp.collectives["FSDP"]["all-gather"] - kept.collectives["FSDP"]["all-gather"]
+    assert saved == pytest.approx(63 / 64 * 4 * head * 12)
+    # a BF16 head gathers half the bytes and computes at the BF16 peak
+    bf16 = step_cost(model, ue5m3, DistributedConfig(backend="fsdp"), head_precision="bf16", **step)
+    assert fsdp.collectives["FSDP"]["all-gather"] - bf16.collectives["FSDP"]["all-gather"] == pytest.approx(
+        63 / 64 * 2 * head * 2 * 12)  # fmt: skip
+    assert (fsdp.precision["head and loss"], bf16.precision["head and loss"]) == ("fp32", "bf16")
+    with pytest.raises(ValueError, match="head_precision='fp16'; valid: fp32, tf32, bf16"):
+        step_cost(model, ue5m3, DistributedConfig(), head_precision="fp16", **step)

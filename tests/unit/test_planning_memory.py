@@ -5,6 +5,7 @@ checkpointing, BF16 and FP4 recipes); sharding, accumulators and policies move t
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -105,6 +106,30 @@ def test_state_is_sharded_by_fsdp_and_gradient_accumulators_appear_with_per_step
     assert fsdp.format().splitlines()[-1].endswith(("fits", "does not fit"))
 
 
+def test_groups_kept_gathered_since_forward_are_counted_until_their_backward():
+    """reshard_after_forward=false keeps every group gathered from its forward to its backward;
+    keep_head_gathered keeps the head, which matters where the full logits' loss runs between them."""
+    model_cfg = get_model_config("tiny", **MODELS["tiny-v512"])
+    fsdp = dict(world_size=4, grad_accum=1)
+    resharded = _plan("tiny-v512", "bf16", DistributedConfig(backend="fsdp"), **fsdp)
+    kept = _plan("tiny-v512", "bf16", DistributedConfig(backend="fsdp", reshard_after_forward=False), **fsdp)
+    head = _plan("tiny-v512", "bf16", DistributedConfig(backend="fsdp"), keep_head_gathered=True, **fsdp)
+    blocks = [4 * sum(p.numel() for p in b.parameters()) for b in build_model(model_cfg, device="meta").layers]  # FP32
+    head_bytes = 4 * model_cfg.vocab_size * model_cfg.hidden_size
+
+    def gathered(plan, phase, group):
+        return plan.moment(phase, group, "only").items["gathered parameters"]
+
+    # in the forward of block 3, blocks 0-2 are still gathered
+    assert gathered(kept, "forward", "layers.3") - gathered(resharded, "forward", "layers.3") == sum(blocks[:3])
+    assert gathered(resharded, "forward", "loss") == 0 and gathered(resharded, "backward", "loss") == 0
+    assert gathered(head, "forward", "loss") == head_bytes and gathered(head, "backward", "loss") == head_bytes
+    assert gathered(head, "backward", "layers.3") == gathered(resharded, "backward", "layers.3")  # resharded after its backward
+    # backward gathers nothing again: no prefetch buffer for the next block
+    assert gathered(kept, "backward", "layers.0") == gathered(resharded, "backward", "layers.0")
+    assert gathered(kept, "backward", "layers.3") - gathered(resharded, "backward", "layers.3") == sum(blocks[:3]) - blocks[2]
+
+
 def test_checkpointing_policies_order_their_activations():
     plans = {p: _plan("mamba-heavy", "ue5m3", DistributedConfig(), activation_checkpointing=p)
              for p in ("none", "mamba", "mlp", "full")}  # fmt: skip
@@ -147,11 +172,23 @@ def test_trainer_start_hook_warns_when_the_plan_exceeds_the_device(monkeypatch, 
         total_memory = 2**20  # 1 MiB: nothing fits
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Props())
-    cfg = compose_job_config(["model=tiny", "train.seq_len=64", "train.micro_batch=2", "train.global_batch=2"])
+    # seq 512: activations, which checkpointing saves, weigh against the tiny model's state
+    cfg = compose_job_config(["model=tiny", "train.seq_len=512", "train.micro_batch=2", "train.global_batch=2"])
     logger = logging.getLogger("nemofp4.test_plan")
     assert planning.log_plan(cfg, world_size=1, device=torch.device("cpu"), log=logger) is None
     with caplog.at_level(logging.INFO, logger="nemofp4.test_plan"):
         plan = planning.log_plan(cfg, world_size=1, device=torch.device("cuda", 0), log=logger)
     assert plan is not None and not plan.fits
     assert "memory plan (nemofp4-plan)" in caplog.text and "more than this device's 0.0 GiB" in caplog.text
+    assert "no checkpointing policy fits" in caplog.text
     assert plan.total_bytes > 4 * GIB  # the reserve alone
+
+    # a device between the plans with and without checkpointing: the warning names the cheapest policy that fits
+    full = planning.plan_for_job(cfg, world_size=1, device_memory_gib=1.0, activation_checkpointing="full",
+                                 measured=plan.measured)  # fmt: skip
+    _Props.total_memory = (plan.total_bytes + full.total_bytes) // 2
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nemofp4.test_plan"):
+        planning.log_plan(cfg, world_size=1, device=torch.device("cuda", 0), log=logger)
+    assert re.search(r"; fits at 4 GiB with checkpointing on .+ \(distributed\.activation_checkpointing=[a-z_+0-9]+\), "
+                     r"\+\d+% FLOPs", caplog.text), caplog.text  # fmt: skip

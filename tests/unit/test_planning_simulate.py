@@ -61,9 +61,10 @@ def test_the_plan_matches_the_simulation_item_by_item(recipe_name, world_size, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dist_kwargs", [dict(replicate_degree=8), dict(gradient_sync="per_micro_batch")],
-                         ids=["hsdp", "per-micro-batch"])  # fmt: skip
-def test_the_plan_matches_the_simulation_for_hsdp_and_per_micro_batch_reduction(dist_kwargs):
+@pytest.mark.parametrize("dist_kwargs", [dict(replicate_degree=8), dict(gradient_sync="per_micro_batch"),
+                                         dict(reshard_after_forward=False)],
+                         ids=["hsdp", "per-micro-batch", "no-reshard-after-forward"])  # fmt: skip
+def test_the_plan_matches_the_simulation_for_hsdp_per_micro_batch_reduction_and_no_resharding(dist_kwargs):
     _compare("ue5m3", 64, "mlp", **dist_kwargs)
 
 
@@ -71,3 +72,14 @@ def test_the_simulation_refuses_a_process_that_has_a_process_group(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="creates its own fake process group"):
         simulate_memory(REDUCED, get_recipe("bf16"), DistributedConfig(backend="fsdp"), world_size=8, **STEP)
+
+
+def test_simulate_refuses_a_backend_it_cannot_measure_before_planning():
+    from nemofp4.cli.plan import plan_report
+    from nemofp4.cli.train import compose_job_config
+
+    job = compose_job_config(["model=tiny", "distributed.backend=deepspeed_zero2"])
+    with pytest.raises(ValueError, match=r"simulate=true with distributed.backend='deepspeed_zero2': .*use distributed=fsdp"):
+        plan_report(job, world_size=2, simulate=True)
+    with pytest.raises(ValueError, match="the simulation measures FSDP2 runs"):
+        simulate_memory(REDUCED, get_recipe("bf16"), DistributedConfig(), world_size=1, **STEP)
