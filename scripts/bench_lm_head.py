@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from nemofp4.models.loss import chunked_cross_entropy
-from nemofp4.training.memory_plan import LiveTensorBytes
+from nemofp4.planning.measure import LiveTensorBytes
 
 
 def _plain(h, w, labels):

@@ -367,13 +367,16 @@ def check_job_shape(config: LaunchConfig, job: JobConfig) -> None:
     """The checks that depend on nodes x processes and on the job's file system, which composing the
     config alone cannot see: the batch split over the ranks, a backend for more than one process, and
     the data and tokenizer paths (seen from the submit host, which shares the job's file system)."""
-    from nemofp4.training.config import compute_budget
+    from nemofp4.training.config import batch_layouts, compute_budget
 
     world = world_size(config.slurm)
     shape = f"{config.slurm.nodes} node(s) x {procs_per_node(config.slurm)} process(es) = {world} rank(s)"
     try:
         compute_budget(job.train, world)
     except ValueError as error:
+        if job.train.global_batch % (job.train.micro_batch * world):  # name the node counts that divide it
+            layouts = batch_layouts(job.train, world, ranks_per_node=procs_per_node(config.slurm))
+            error = f"{str(error).split('; ')[0]}; {layouts}"
         raise ValueError(f"{shape}: {error}") from None
     if world > 1 and job.distributed.backend == "none":
         raise ValueError(

@@ -1,11 +1,13 @@
-"""`nemofp4-plan`: the per-GPU memory plan of a training config, over the same Hydra tree as
-`nemofp4-train`, for a given world size and device memory.
+"""`nemofp4-plan`: the per-GPU memory plan, the activation-checkpointing policy that fits and the step
+cost of a training config, over the same Hydra tree as `nemofp4-train`, for a given world size and
+device; `simulate=true` also runs the step on fake tensors over a fake process group and measures it.
 
-    nemofp4-plan experiment=nemotron_h_8b_ue5m3 world_size=32 device_memory_gib=80
+    nemofp4-plan experiment=nemotron_h_8b_ue5m3 world_size=64 device=h200 simulate=true
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 
 import hydra
@@ -22,13 +24,22 @@ class PlanConfig(JobConfig):
 
     world_size: int = 8
     """GPUs the run is planned on."""
-    device_memory_gib: float = 80.0
-    """Memory of one GPU."""
+    device: str = ""
+    """A device preset (h100, h200, gb200: nemofp4.planning.devices) for the step-time projection and,
+    unless device_memory_gib is given, the memory; empty: no projection."""
+    device_memory_gib: float | None = None
+    """Memory of one GPU; default: the device preset's, else 80."""
     chunked_head: bool | None = None
     """Plan the chunked LM-head loss (true) or full FP32 logits (false); default: what the config
     trains with (train.head_chunk_tokens > 0)."""
     reserve_gib: float = 4.0
     """Headroom for the CUDA context, communication buffers and fragmentation."""
+    mamba_scan: str = "auto"
+    """The Mamba scan to plan for: torch, mamba_ssm (the CUDA kernels of the gpu extra), or auto (mamba_ssm
+    when it imports here, else torch)."""
+    simulate: bool = False
+    """Also run the training step at its real widths on fake tensors over a fake process group of
+    world_size ranks (FSDP2 only) and print its measured peak beside the plan."""
 
 
 _PLAN_KEYS = tuple(f.name for f in fields(PlanConfig) if f.name not in {g.name for g in fields(JobConfig)})
@@ -44,12 +55,38 @@ def split_plan_config(cfg: DictConfig) -> tuple[JobConfig, dict]:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), container)), options
 
 
+def plan_report(job: JobConfig, *, world_size: int, device: str = "", device_memory_gib: float | None = None,
+                chunked_head: bool | None = None, reserve_gib: float = 4.0, mamba_scan: str = "auto",
+                simulate: bool = False) -> str:  # fmt: skip
+    """Everything `nemofp4-plan` prints for ``job`` on ``world_size`` GPUs."""
+    from nemofp4 import planning
+    from nemofp4.planning.report import cost_table, simulation_table
+
+    if simulate and job.distributed.backend != "fsdp":  # before minutes of planning, not after
+        raise ValueError(f"simulate=true with distributed.backend={job.distributed.backend!r}: the simulation "
+                         "measures FSDP2 runs; use distributed=fsdp")  # fmt: skip
+    preset = planning.get_device(device) if device else None
+    memory_gib = device_memory_gib if device_memory_gib is not None else (preset.memory_gib if preset else 80.0)
+    plan = planning.plan_for_job(job, world_size=world_size, device_memory_gib=memory_gib, chunked_head=chunked_head,
+                                 reserve_gib=reserve_gib, mamba_scan=mamba_scan)  # fmt: skip
+    sections = [plan.format()]
+    recommendation = planning.recommend_checkpointing(job, plan, world_size=world_size, reserve_gib=reserve_gib,
+                                                      chunked_head=chunked_head)  # fmt: skip
+    sections.append(recommendation.format())
+    per_node = preset.gpus_per_node if preset else 8
+    cost = planning.cost_for_job(job, world_size=world_size, gpus_per_node=per_node, chunked_head=chunked_head)
+    sections.append(cost_table(cost, preset))
+    if simulate:
+        started = time.perf_counter()
+        sim = planning.simulate_for_job(job, world_size=world_size, mamba_scan=mamba_scan, chunked_head=chunked_head)
+        sections.append(simulation_table(sim, plan, world_size=world_size, wall_s=time.perf_counter() - started))
+    return "\n\n".join(sections)
+
+
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="plan")
 def _hydra_main(cfg: DictConfig) -> None:
-    from nemofp4.training.memory_plan import plan_for_job
-
     job, options = split_plan_config(cfg)
-    print(plan_for_job(job, **options).format(), flush=True)
+    print(plan_report(job, **options), flush=True)
 
 
 def register_plan_schema() -> None:

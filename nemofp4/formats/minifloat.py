@@ -217,6 +217,12 @@ class FloatFormat:
             codes = torch.where(torch.isnan(x32), torch.tensor(self.nan_code, dtype=torch.uint8), codes)
         return codes
 
+    def code_values(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[num_codes] float32: the value of every code (NaN/Inf for special codes), built from the
+        format's definition. Unlike :meth:`decode` it reads no tensor data (decode checks its codes'
+        range, a host read), so lookup tables built in a training step take no host sync."""
+        return _tables(self, torch.device(device)).values
+
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """uint8 codes -> float32 values (NaN/Inf for special codes)."""
         if codes.dtype != torch.uint8:

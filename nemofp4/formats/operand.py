@@ -32,7 +32,7 @@ _META_FIELDS = ("scale_format", "shape", "padded_shape", "block_size", "two_d", 
 @functools.lru_cache(maxsize=32)
 def e2m1_pair_table(device: torch.device) -> torch.Tensor:
     """[256, 2] float32: the two E2M1 values packed in each byte (low nibble first)."""
-    values = E2M1.decode(torch.arange(16, dtype=torch.uint8))
+    values = E2M1.code_values()
     byte = torch.arange(256)
     return torch.stack((values[byte & 15], values[byte >> 4]), dim=-1).to(device)
 
@@ -40,8 +40,7 @@ def e2m1_pair_table(device: torch.device) -> torch.Tensor:
 @functools.lru_cache(maxsize=32)
 def scale_code_table(scale_format: str, device: torch.device) -> torch.Tensor:
     """float32 value of every scale code (NaN/Inf where the format has them)."""
-    fmt = SCALE_FORMATS[scale_format]
-    return fmt.decode(torch.arange(fmt.num_codes, dtype=torch.uint8)).to(device)
+    return SCALE_FORMATS[scale_format].code_values(device)
 
 
 @dataclass(kw_only=True)

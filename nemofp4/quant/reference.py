@@ -42,14 +42,15 @@ class HeldReference:
     refresh_step: int
 
 
-def finite_sample_or_previous(sampled: torch.Tensor, previous: HeldReference | None) -> torch.Tensor | None:
-    """Non-finite guard at the sampling of a held amax: a NaN/Inf sample (a bad step, skipped by the
-    trainer) must never become the reference for the next D steps. With a previous value, that value
-    is kept (without a host sync) for another interval; with none, None: nothing is stored and the
-    next step samples again (one host sync, only for an empty reference)."""
+def finite_sample_or_previous(sampled: torch.Tensor, previous: HeldReference | None) -> torch.Tensor:
+    """Non-finite guard at the sampling of a held amax, on the device (no host sync): a NaN/Inf sample
+    (a bad step, skipped by the trainer) must never become the reference for the next D steps. With a
+    previous value, that value is kept for another interval. With none, the sample is held as it is:
+    a non-finite one makes the step's loss non-finite, and the trainer drops it when it skips the step
+    (:func:`nemofp4.training.nonfinite.discard_nonfinite_references`), so the next step samples again."""
     if previous is not None:
         return torch.where(torch.isfinite(sampled), sampled, previous.amax)
-    return sampled if bool(torch.isfinite(sampled)) else None
+    return sampled
 
 
 class ReferenceState:
@@ -110,10 +111,7 @@ class ReferenceState:
             return self.measure(x, backend=backend)
         if held is None or self.step - held.refresh_step >= interval:
             sampled = self.measure(x, for_held=True, backend=backend).detach().clone()
-            kept = finite_sample_or_previous(sampled, held)
-            if kept is None:
-                return sampled  # nothing held yet and the sample is not finite: store nothing, sample next step
-            held = HeldReference(amax=kept, refresh_step=self.step)
+            held = HeldReference(amax=finite_sample_or_previous(sampled, held), refresh_step=self.step)
             self.held[name] = held
         return held.amax
 

@@ -150,15 +150,48 @@ class Budget:
     """Tokens of train.tokens that do not fill a whole step (reported, then dropped)."""
 
 
+def batch_layouts(train: TrainConfig, dp_size: int, *, ranks_per_node: int = 1) -> str:
+    """What would divide a batch that does not: the nearest data-parallel world sizes (whole nodes of
+    ``ranks_per_node``) over which ``train.global_batch`` splits into micro-batches of
+    ``train.micro_batch``, and at ``dp_size`` ranks the nearest ``global_batch`` and ``micro_batch``."""
+    micro, batch = train.micro_batch, train.global_batch
+
+    def fits(world: int) -> bool:
+        return batch % (micro * world) == 0
+
+    worlds = range(ranks_per_node, batch // micro + 1, ranks_per_node)
+    below = max((w for w in worlds if w < dp_size and fits(w)), default=None)
+    above = min((w for w in worlds if w > dp_size and fits(w)), default=None)
+
+    def named(world: int) -> str:
+        accum = f"{batch // (micro * world)} micro-batch(es) per rank"
+        return f"{world // ranks_per_node} nodes ({world} ranks, {accum})" if ranks_per_node > 1 else f"{world} ({accum})"
+
+    hints = []
+    if below or above:
+        hints.append("nearest world sizes that divide it: " + " or ".join(named(w) for w in (below, above) if w))
+    step = micro * dp_size
+    batches = sorted({b for b in (batch // step * step, -(-batch // step) * step) if b > 0})
+    at = f"{dp_size // ranks_per_node} nodes" if ranks_per_node > 1 else f"{dp_size} ranks"
+    setting = f"train.global_batch={' or '.join(map(str, batches))}"
+    if batch % dp_size == 0:
+        micros = [m for m in range(1, batch // dp_size + 1) if (batch // dp_size) % m == 0 and m != micro]
+        if micros:
+            setting += f", or train.micro_batch={min(micros, key=lambda m: (abs(m - micro), -m))}"
+    hints.append(f"at {at}: {setting}")
+    return "; ".join(hints)
+
+
 def compute_budget(train: TrainConfig, dp_size: int) -> Budget:
-    """Steps and gradient accumulation; raises if the batch geometry does not divide."""
+    """Steps and gradient accumulation; raises if the batch geometry does not divide, naming the
+    nearest layouts that do (:func:`batch_layouts`)."""
     if train.tokens == 0 and train.max_steps == 0:
         raise ValueError("no budget: set train.tokens > 0 or train.max_steps > 0")
     per_step = train.micro_batch * dp_size
     if train.global_batch % per_step:
         raise ValueError(
             f"train.global_batch={train.global_batch} is not a multiple of train.micro_batch x "
-            f"data-parallel ranks = {train.micro_batch} x {dp_size} = {per_step}"
+            f"data-parallel ranks = {train.micro_batch} x {dp_size} = {per_step}; {batch_layouts(train, dp_size)}"
         )
     tokens_per_step = train.global_batch * train.seq_len
     if train.tokens > 0:

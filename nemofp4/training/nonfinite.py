@@ -32,6 +32,20 @@ def first_nonfinite_reference(model: nn.Module) -> str | None:
     return None
 
 
+def discard_nonfinite_references(model: nn.Module) -> list[str]:
+    """Drop every held FP4 tensor reference that is not finite (a first sample taken in a step whose
+    loss or gradients were not finite), so the next step samples it again; returns their names. The
+    sampling itself keeps a non-finite first sample without a host read: this runs only when the
+    trainer skips a step (one read per reference, on a step that is already lost)."""
+    dropped = []
+    for fqn, module in quant_linears(model):
+        for ref, held in sorted(module.references.held.items()):
+            if not torch.isfinite(held.amax).all():
+                del module.references.held[ref]
+                dropped.append(f"{fqn}.{ref}")
+    return dropped
+
+
 def first_nonfinite_state(model: nn.Module) -> str | None:
     """The first non-finite parameter or held reference of this rank's shard, or None when all are finite
     (what a checkpoint would save; the optimizer state stays finite when the weights do)."""

@@ -31,8 +31,11 @@ class DistributedConfig:
     backend: str = "none"
     """none (one process, or replicated data parallel when launched on several), fsdp (FSDP2
     fully_shard per block, then the root), deepspeed_zero{1,2,3}."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
+    activation_checkpointing: str = "none"
+    """Which blocks recompute their activations in backward instead of storing them: ``none``,
+    ``full`` (every block), block types joined by ``+`` (``mlp``, ``mamba+mlp``, any of mamba,
+    attention, mlp), or ``every_<k>`` (every k-th block: blocks k-1, 2k-1, ...). ``true`` and
+    ``false`` are accepted as ``full`` and ``none``."""
     compile: bool = False
     """torch.compile each block."""
     param_dtype: str = "bfloat16"
@@ -72,6 +75,7 @@ class DistributedConfig:
     the background); the background writes of async saves keep the start-up timeout."""
 
     def __post_init__(self) -> None:
+        self.activation_checkpointing = ac_policy(self.activation_checkpointing)
         if self.backend not in BACKENDS:
             raise ValueError(f"distributed.backend={self.backend!r}; valid: {BACKENDS}")
         if self.gradient_sync not in GRADIENT_SYNC:
@@ -93,12 +97,58 @@ class DistributedConfig:
                 raise ValueError(f"distributed.{name}={getattr(self, name)!r}; valid: {tuple(_DTYPES)}")
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+AC_BLOCK_TYPES = ("mamba", "attention", "mlp")
+_AC_TRUE, _AC_FALSE = ("true", "True", "1", "on", "yes"), ("false", "False", "0", "off", "no", "")
+
+
+def ac_policy(value: str | bool) -> str:
+    """The canonical activation-checkpointing policy of a config value (see
+    ``DistributedConfig.activation_checkpointing``): ``none``, ``full``, block types in pattern order
+    joined by ``+``, or ``every_<k>``. Booleans (and their Hydra spellings) mean ``full`` / ``none``."""
+    if isinstance(value, bool) or value in _AC_TRUE or value in _AC_FALSE:
+        return "full" if value is True or value in _AC_TRUE else "none"
+    text = str(value).strip().lower()
+    if text in ("none", "full"):
+        return text
+    if text.startswith("every_"):
+        k = text.removeprefix("every_")
+        if k.isdigit() and int(k) >= 1:
+            return "full" if int(k) == 1 else f"every_{int(k)}"
+    else:
+        kinds = text.split("+")
+        if kinds and set(kinds) <= set(AC_BLOCK_TYPES) and len(set(kinds)) == len(kinds):
+            return "+".join(t for t in AC_BLOCK_TYPES if t in kinds)
+    raise ValueError(f"distributed.activation_checkpointing={value!r}; valid: none, full, block types joined by '+' "
+                     f"({', '.join(AC_BLOCK_TYPES)}; e.g. mamba+mlp), every_<k> (k >= 1), or true/false")
+
+
+def checkpointed_blocks(policy: str, block_types: list[str]) -> list[bool]:
+    """For each block (by its ``block_type``, in model order): whether ``policy`` recomputes it."""
+    policy = ac_policy(policy)
+    if policy in ("none", "full"):
+        return [policy == "full"] * len(block_types)
+    if policy.startswith("every_"):
+        k = int(policy.removeprefix("every_"))
+        return [(i + 1) % k == 0 for i in range(len(block_types))]
+    kinds = set(policy.split("+"))
+    return [t in kinds for t in block_types]
+
+
+def checkpoint_block(block: nn.Module) -> nn.Module:
+    """``block`` wrapped so that its activations are recomputed in backward."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    return checkpoint_wrapper(block, preserve_rng_state=True)
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: str = "full") -> None:
+    """Wrap the blocks ``policy`` selects (:func:`checkpointed_blocks`) in a checkpoint wrapper."""
+    chosen = checkpointed_blocks(policy, [block.block_type for block in model.layers])
     for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=True)
-    log.info("activation checkpointing: %d blocks recompute in backward", len(model.layers))
+        if chosen[i]:
+            model.layers[i] = checkpoint_block(block)
+    log.info("activation checkpointing (%s): %d of %d blocks recompute in backward", ac_policy(policy), sum(chosen),
+             len(chosen))
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -129,13 +179,14 @@ def set_gradient_sync(model: nn.Module, cfg: DistributedConfig, *, micro_batch: 
         model.set_requires_gradient_sync(micro_batch == grad_accum - 1)
 
 
-def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str) -> None:
-    """FSDP2 (HSDP with replicate_degree > 1) per block, then the root. Mixed precision applies on GPU
-    only: CPU runs keep float32."""
+def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str, mixed_precision: bool | None = None) -> None:
+    """FSDP2 (HSDP with replicate_degree > 1) per block, then the root. Mixed precision
+    (``param_dtype``/``reduce_dtype``) applies on GPU only, CPU runs keep float32; ``mixed_precision=True``
+    applies the GPU policy on any device (the planner's simulation of a GPU run on CPU)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = data_parallel_mesh(cfg, device_type=device_type)
-    if device_type == "cuda":
+    if mixed_precision if mixed_precision is not None else device_type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype])
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -188,14 +239,16 @@ def attach_head_loss(model: nn.Module) -> None:
     register_fsdp_forward_method(head, HEAD_LOSS_METHOD)  # no-op unless head is an FSDP module
 
 
-def parallelize(model: nn.Module, cfg: DistributedConfig, *, device_type: str) -> nn.Module:
-    """Apply AC, compile and FSDP2 as configured; returns the model (wrapped in place)."""
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
+def parallelize(model: nn.Module, cfg: DistributedConfig, *, device_type: str,
+                mixed_precision: bool | None = None) -> nn.Module:
+    """Apply AC, compile and FSDP2 as configured; returns the model (wrapped in place).
+    ``mixed_precision``: see :func:`apply_fsdp`."""
+    if cfg.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
     if cfg.backend == "fsdp":
-        apply_fsdp(model, cfg, device_type=device_type)
+        apply_fsdp(model, cfg, device_type=device_type, mixed_precision=mixed_precision)
     if hasattr(model, "lm_head"):
         attach_head_loss(model)
     return model

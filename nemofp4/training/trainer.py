@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.models import build_model, lm_loss, param_groups
+from nemofp4.planning import log_plan
 from nemofp4.quant import (
     QuantState,
     quant_stats,
@@ -50,10 +51,10 @@ from nemofp4.training.dist_env import (
 )
 from nemofp4.training.faults import Faults
 from nemofp4.training.init_from import initialize_from, starts_fresh, write_record
-from nemofp4.training.memory_plan import log_plan
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
+    discard_nonfinite_references,
     first_nonfinite_gradient,
     first_nonfinite_module,
     first_nonfinite_state,
@@ -583,6 +584,7 @@ class Trainer:
     def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch) -> None:
         if self.cfg.train.nonfinite == "skip":
             self.skipped_steps += 1
+            discard_nonfinite_references(self.model)  # a reference first sampled in this step samples again
             log.warning("step %d: non-finite loss %s / grad norm %s; update skipped (%d so far)",
                         self.step, loss.item(), grad_norm.item(), self.skipped_steps)
             if self.skipped_steps <= self.cfg.train.max_skipped_steps:

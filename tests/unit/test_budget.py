@@ -1,6 +1,6 @@
 import pytest
 
-from nemofp4.training.config import TrainConfig, compute_budget
+from nemofp4.training.config import TrainConfig, batch_layouts, compute_budget
 
 
 def test_paper_budget_is_30000_steps_with_accumulation_over_32_ranks():
@@ -37,3 +37,22 @@ def test_batch_geometry_that_does_not_divide_names_the_numbers():
 def test_missing_budget_is_an_error():
     with pytest.raises(ValueError, match="no budget"):
         compute_budget(TrainConfig(), dp_size=1)
+
+
+def test_a_batch_that_does_not_divide_names_the_nearest_layouts_that_do():
+    """768 sequences on 512 ranks: 384 or 768 ranks divide it, or 512 / 1024 sequences at 512."""
+    train = TrainConfig(tokens=188_743_680_000, seq_len=8192, global_batch=768, micro_batch=1)
+    with pytest.raises(ValueError) as error:
+        compute_budget(train, dp_size=512)
+    message = str(error.value)
+    assert "nearest world sizes that divide it: 384 (2 micro-batch(es) per rank) or 768 (1 micro-batch(es) per rank)" in message
+    assert "at 512 ranks: train.global_batch=512 or 1024" in message
+    for world in (384, 768):
+        assert compute_budget(train, dp_size=world).grad_accum == 768 // world
+    assert batch_layouts(train, 512, ranks_per_node=8).startswith("nearest world sizes that divide it: 48 nodes (384 ranks")
+
+
+def test_a_micro_batch_that_does_not_divide_names_one_that_does():
+    with pytest.raises(ValueError, match=r"at 2 ranks: train.global_batch=32, or train.micro_batch=8"):
+        compute_budget(TrainConfig(max_steps=10, global_batch=16, micro_batch=16), dp_size=2)
+    assert compute_budget(TrainConfig(max_steps=10, global_batch=16, micro_batch=8), dp_size=2).grad_accum == 1

@@ -520,6 +520,9 @@ def test_invalid_process_layouts_are_rejected(tmp_path, changes, message):
         # 3 x 2 ranks: 8 is not a multiple of 2 x 6
         (["distributed=fsdp", "train.micro_batch=2"], {"nodes": 3, "procs_per_node": 2}, ValueError,
          "= 6 rank"),
+        # ... and the node counts that divide it are named
+        (["distributed=fsdp", "train.micro_batch=2"], {"nodes": 3, "procs_per_node": 2}, ValueError,
+         r"nearest world sizes that divide it: 2 nodes \(4 ranks, 1 micro-batch\(es\) per rank\)"),
     ],
 )  # fmt: skip
 def test_presubmit_checks_what_depends_on_the_job_shape(tmp_path, capsys, caplog, overrides, slurm, error, message):

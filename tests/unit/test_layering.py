@@ -27,8 +27,11 @@ ALLOWED = {
     "data": set(),
     "checkpointing": set(),
     "evaluation": BELOW_TRAINING,
-    "training": BELOW_TRAINING | {"evaluation"},
-    "cli": BELOW_TRAINING | {"evaluation", "training"},
+    # the trainer's start-up log calls the planner; the planner runs training's own parallelize,
+    # optimizer and budget (no module cycle: nothing planning imports imports the trainer)
+    "training": BELOW_TRAINING | {"evaluation", "planning"},
+    "planning": BELOW_TRAINING | {"training"},
+    "cli": BELOW_TRAINING | {"evaluation", "training", "planning"},
 }
 
 
@@ -117,3 +120,31 @@ def test_the_rules_see_package_imports():
     """``from nemofp4 import kernels`` counts as importing kernels (a rule that missed it could not fail)."""
     names = set(_imports(ROOT / "quant" / "linear.py"))
     assert "nemofp4.kernels" in names
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """nemofp4 module -> the nemofp4 modules it imports (a ``from m import name`` of a submodule
+    counts the submodule; of any other name, ``m``)."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {name: {n for n in _imports(path) if n in paths} for name, path in paths.items()}
+
+
+def test_nothing_planning_imports_imports_planning():
+    """training and planning import each other's packages (the trainer's start-up log calls the
+    planner; the planner runs training's parallelize and optimizer), so no module planning reaches
+    may reach back: that would be an import cycle."""
+    graph = _module_graph()
+    planning = {m for m in graph if m == "nemofp4.planning" or m.startswith("nemofp4.planning.")}
+    seen, todo = set(), [t for m in planning for t in graph[m] if t not in planning]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += [t for t in graph[module] if t not in planning]
+    offenders = sorted(m for m in seen if graph[m] & planning)
+    assert not offenders, f"imported (transitively) by nemofp4.planning and importing it: {offenders}"

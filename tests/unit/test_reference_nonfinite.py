@@ -1,4 +1,4 @@
-"""The non-finite guard where a held amax is sampled: a NaN/Inf sample is never stored."""
+"""The non-finite guard where a held amax is sampled: a NaN/Inf sample never outlives its step."""
 
 import torch
 
@@ -22,11 +22,25 @@ def test_a_non_finite_sample_keeps_the_previous_reference_for_another_interval()
     assert state.get("dy", torch.tensor([9.0]), training=True).item() == 9.0
 
 
-def test_a_non_finite_first_sample_stores_nothing_and_the_next_step_samples_again():
+def test_a_non_finite_first_sample_is_dropped_when_the_step_is_skipped_and_the_next_step_samples_again():
+    """No host read at the sampling: the sample is held as it is; the trainer, which sees the step's
+    non-finite loss, drops it (discard_nonfinite_references) and the next step samples again."""
+    from torch import nn
+
+    from nemofp4.quant import QuantLinear, quant_linears
+    from nemofp4.recipes import get_recipe
+    from nemofp4.training.nonfinite import discard_nonfinite_references
+
     state = _state()
     state.step = 1
     assert torch.isinf(state.get("dy", torch.tensor([float("inf")]), training=True))
-    assert "dy" not in state.held
+    assert torch.isinf(state.held["dy"].amax)
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    part = next(p for p in get_recipe("ue5m3").parts.values() if hasattr(p, "reference_roles"))
+    QuantLinear.from_linear(model[0], part)
+    (_, linear), = quant_linears(model)
+    linear.quant_state.references = state
+    assert discard_nonfinite_references(model) == ["0.dy"] and "dy" not in state.held
     state.step = 2
     assert state.get("dy", torch.tensor([3.0]), training=True).item() == 3.0
     assert state.held["dy"].refresh_step == 2
@@ -37,4 +51,4 @@ def test_guard_passes_finite_samples_through_bitwise():
     sample = torch.tensor(0.1234567)
     assert torch.equal(finite_sample_or_previous(sample, prev), sample)
     assert torch.equal(finite_sample_or_previous(sample, None), sample)
-    assert finite_sample_or_previous(torch.tensor(float("nan")), None) is None
+    assert torch.isnan(finite_sample_or_previous(torch.tensor(float("nan")), None))  # kept: no host read

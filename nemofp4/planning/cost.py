@@ -1,0 +1,242 @@
+"""The step-cost model: FLOPs, quantizer traffic and collective bytes of one optimizer step per rank,
+and the step time and MFU they project on a device given by its peak numbers.
+
+FLOPs count every multiply-add of a matmul-like op as 2, as ``torch.utils.flop_counter`` does (a
+test holds the two together on the tiny model and on an 8B slice): linears 6 T K N (forward, dgrad,
+wgrad), attention 4 + 10 B H L^2 d (SDPA forward, and its backward with the score recompute, no
+causal discount), the chunked SSD scan's four matmuls and the depthwise conv, three times their
+forward, the LM head 6 T D V (8 T D V chunked: the backward recomputes the logits), and the forward
+of every block activation checkpointing recomputes. Quantization is elementwise and memory-bound:
+counted as elements through the quantizer and HBM bytes.
+
+The projection is a roofline: each component at its peak (linears and the scan at the BF16 peak, FP4
+for native FP4 GEMMs on hardware that has them, the head at its precision's; attention at half its
+FLOPs, as a causal flash kernel skips masked tiles), quantization at HBM bandwidth, collectives at the
+link bandwidth (NVLink inside an NVLink domain, the scale-out NIC beyond), overlapped with compute as
+FSDP2 prefetches. A lower bound on the step time: real kernels reach a fraction of peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nemofp4.models import NemotronHConfig
+from nemofp4.recipes import Recipe
+from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
+
+from .devices import Device
+from .layers import HEAD_PRECISIONS, linear_specs
+
+__all__ = ["COMPONENTS", "Projection", "StepCost", "block_forward_flops", "step_cost"]
+
+COMPONENTS = ("linear GEMMs", "attention", "SSD scan", "head and loss", "recompute")
+QUANT_BYTES_PER_ELEMENT = 12.5
+"""HBM bytes per quantized operand element on the Triton path: the BF16 input read (2), the FP32
+scaled values written (4), packed codes and scales (0.5625), and the GEMM's read of the scaled values
+and their BF16 copy (6)."""
+
+
+def _attention_forward(model: NemotronHConfig, batch: int, seq_len: int) -> float:
+    return 4.0 * batch * model.num_attention_heads * seq_len * seq_len * model.attention_head_dim
+
+
+def _ssd_forward(model: NemotronHConfig, batch: int, seq_len: int) -> float:
+    """The chunked scan's matmuls (C B^T, scores x values, chunk states, state to output) and the conv."""
+    q = min(model.chunk_size, seq_len)
+    length = -(-seq_len // q) * q  # padded to whole chunks
+    g, n, h, p = model.mamba_num_groups, model.ssm_state_size, model.mamba_num_heads, model.mamba_head_dim
+    scan = 2.0 * batch * length * (g * q * n + h * q * p + 2 * h * p * n)
+    conv = 2.0 * batch * seq_len * model.mamba_conv_dim * model.conv_kernel
+    return scan + conv
+
+
+def block_forward_flops(model: NemotronHConfig, recipe: Recipe, *, batch: int, seq_len: int) -> list[float]:
+    """Forward FLOPs of each block for one micro-batch (what activation checkpointing recomputes)."""
+    tokens = batch * seq_len
+    flops = [0.0] * model.num_layers
+    for spec in linear_specs(model, recipe):
+        if spec.layer is not None:
+            flops[spec.layer] += 2.0 * tokens * spec.in_features * spec.out_features
+    for i, t in enumerate(model.layer_types):
+        if t.block_type == "attention":
+            flops[i] += _attention_forward(model, batch, seq_len)
+        elif t.block_type == "mamba":
+            flops[i] += _ssd_forward(model, batch, seq_len)
+    return flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class Projection:
+    """Step time and MFU of a :class:`StepCost` on one device and layout."""
+
+    device: Device
+    layout: str
+    compute_s: dict[str, float]
+    quant_s: float
+    comm_s: float
+    step_s: float
+    mfu: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """One optimizer step on one rank."""
+
+    world_size: int
+    tokens: int
+    """Tokens this rank trains on per step (micro_batch x seq_len x grad_accum)."""
+    flops: dict[str, float]
+    """By :data:`COMPONENTS`."""
+    precision: dict[str, str]
+    """The GEMM precision each component runs in ('bf16', 'fp32', 'tf32', 'fp4')."""
+    fp4_native_flops: float
+    """Of the linear GEMMs and their recompute, the FLOPs of native FP4 GEMMs (TE's NVFP4)."""
+    quantized_elements: float
+    """Operand elements through the FP4 quantizer (forward, recompute and backward)."""
+    collectives: dict[str, dict[str, float]]
+    """Layout name -> collective -> bytes this rank sends per step (ring algorithms)."""
+    layouts: dict[str, tuple[int, int]]
+    """Layout name -> (replicate, shard) group sizes."""
+    configured: str
+    """The layout the config trains with (``distributed.replicate_degree``)."""
+    model_flops: float
+    """The trainer's MFU numerator for this rank's tokens (``NemotronHConfig.flops_per_token``)."""
+    recompute_by_policy: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_flops(self) -> float:
+        return sum(self.flops.values())
+
+    def project(self, device: Device, layout: str) -> Projection:
+        if layout not in self.collectives:
+            raise ValueError(f"layout={layout!r}; valid: {', '.join(self.collectives)}")
+        compute = {}
+        for name, flops in self.flops.items():
+            precision = self.precision[name]
+            if name == "attention":
+                flops = flops / 2  # causal: the flash kernel skips the masked half
+            if name in ("linear GEMMs", "recompute") and self.fp4_native_flops:
+                native = self.fp4_native_flops * (flops / max(self.flops["linear GEMMs"] + self.flops["recompute"], 1))
+                compute[name] = (native / device.matmul_tflops("fp4") + (flops - native) / device.matmul_tflops(precision)) / 1e12
+            else:
+                compute[name] = flops / device.matmul_tflops(precision) / 1e12
+        quant = self.quantized_elements * QUANT_BYTES_PER_ELEMENT / (device.hbm_tb_s * 1e12)
+        _, shard = self.layouts[layout]
+        comm = 0.0
+        for collective, nbytes in self.collectives[layout].items():
+            # the ranks a collective spans: the shard group, or every rank for the all-reduce across replicas
+            spanned = self.world_size if collective == "all-reduce" else shard
+            link = device.nvlink_gb_s if spanned <= device.nvlink_domain else device.scale_out_gb_s
+            comm += nbytes / (link * 1e9)
+        step = max(sum(compute.values()) + quant, comm)
+        mfu = self.model_flops / (step * device.bf16_tflops * 1e12)
+        return Projection(device=device, layout=layout, compute_s=compute, quant_s=quant, comm_s=comm, step_s=step,
+                          mfu=mfu)  # fmt: skip
+
+
+def _fsdp_groups(model: NemotronHConfig, recipe: Recipe, *, head_precision: str, param_bytes: int) -> list[tuple[str, int, int]]:
+    """(group, parameters, bytes per gathered parameter) of each FSDP2 group: every block, the LM
+    head (FP32 parameters when the recipe's head part is FP32 and it computes in FP32/TF32, else the
+    compute dtype), and the root (embedding and final norm)."""
+    groups = []
+    from nemofp4.models import build_model
+
+    meta = build_model(model, device="meta")
+    for i, block in enumerate(meta.layers):
+        groups.append((f"layers.{i}", sum(p.numel() for p in block.parameters()), param_bytes))
+    if not model.tie_word_embeddings:
+        fp32_part = any(s.block_type == "head" and s.kind == "fp32" for s in linear_specs(model, recipe))
+        head_bytes = 4 if fp32_part and head_precision in ("fp32", "tf32") else param_bytes
+        groups.append(("lm_head", meta.lm_head.weight.numel(), head_bytes))
+    root = sum(p.numel() for p in meta.embeddings.parameters()) + sum(p.numel() for p in meta.norm_f.parameters())
+    groups.append(("root", root, param_bytes))
+    return groups
+
+
+def _collective_bytes(groups, *, replicate: int, shard: int, grad_accum: int, dist_cfg: DistributedConfig,
+                      keep_head_gathered: bool) -> dict[str, float]:  # fmt: skip
+    reduce_bytes = 4 if dist_cfg.reduce_dtype == "float32" else 2
+    ring = (shard - 1) / shard
+    gather = scatter = reduce = 0.0
+    reductions = grad_accum if dist_cfg.gradient_sync == "per_micro_batch" else 1
+    for name, numel, nbytes in groups:
+        per_micro = 1
+        # every group, the root too, is resharded after forward and gathered again for backward
+        kept = (name == "lm_head" and keep_head_gathered) or not dist_cfg.reshard_after_forward
+        if not kept:
+            per_micro += 1  # gathered again for backward
+        gather += ring * numel * nbytes * per_micro * grad_accum
+        scatter += ring * numel * reduce_bytes * reductions
+        if replicate > 1:
+            reduce += 2 * (replicate - 1) / replicate * numel / shard * reduce_bytes * reductions
+    out = {"all-gather": gather, "reduce-scatter": scatter}
+    if replicate > 1:
+        out["all-reduce"] = reduce
+    return out
+
+
+def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int, seq_len: int,
+              micro_batch: int, grad_accum: int, head_chunk_tokens: int = 0, head_precision: str = "fp32",
+              keep_head_gathered: bool = False, gpus_per_node: int = 8, compute_dtype: str = "bfloat16",
+              policies: tuple[str, ...] = ()) -> StepCost:  # fmt: skip
+    """The cost of one optimizer step per rank (see the module docstring). ``head_precision``: how the
+    LM head's GEMMs compute (fp32, tf32 or bf16); ``keep_head_gathered``: the head and final norm stay
+    gathered from forward to backward. The HSDP layout shards within ``gpus_per_node`` ranks and
+    replicates across nodes; ``policies`` adds the recompute FLOPs of other checkpointing policies."""
+    if head_precision not in HEAD_PRECISIONS:
+        raise ValueError(f"head_precision={head_precision!r}; valid: {', '.join(HEAD_PRECISIONS)}")
+    tokens = micro_batch * seq_len
+    specs = linear_specs(model, recipe)
+    linear = native = quantized = 0.0
+    forward = block_forward_flops(model, recipe, batch=micro_batch, seq_len=seq_len)
+    chosen = checkpointed_blocks(dist_cfg.activation_checkpointing, [t.block_type for t in model.layer_types])
+    recompute_native = 0.0
+    for spec in specs:
+        if spec.layer is None:
+            continue
+        gemm = 6.0 * tokens * spec.in_features * spec.out_features
+        linear += gemm
+        if spec.kind == "te_nvfp4":
+            native += gemm
+            if chosen[spec.layer]:
+                recompute_native += gemm / 3
+        if spec.kind == "fp4":
+            k, n = spec.in_features, spec.out_features
+            forward_elements = tokens * k + n * k  # X (with X^T from the same read) and W
+            two_d = getattr(spec.part, "w", None) is not None and spec.part.w.two_d
+            backward_elements = 2 * tokens * n + (0 if two_d else n * k)
+            quantized += forward_elements * (2 if chosen[spec.layer] else 1) + backward_elements
+    attention = ssd = 0.0
+    for t in model.layer_types:
+        if t.block_type == "attention":
+            attention += 3.5 * _attention_forward(model, micro_batch, seq_len)
+        elif t.block_type == "mamba":
+            ssd += 3.0 * _ssd_forward(model, micro_batch, seq_len)
+    head = (8.0 if head_chunk_tokens > 0 else 6.0) * tokens * model.hidden_size * model.vocab_size
+    recompute = sum(f for f, c in zip(forward, chosen) if c)
+    flops = {"linear GEMMs": linear, "attention": attention, "SSD scan": ssd, "head and loss": head,
+             "recompute": recompute}  # fmt: skip
+    flops = {k: v * grad_accum for k, v in flops.items()}
+    precision = {"linear GEMMs": "bf16", "attention": "bf16", "SSD scan": "bf16", "head and loss": head_precision,
+                 "recompute": "bf16"}  # fmt: skip
+    block_types = [t.block_type for t in model.layer_types]
+    recompute_by_policy = {p: grad_accum * sum(f for f, c in zip(forward, checkpointed_blocks(p, block_types)) if c)
+                           for p in policies}  # fmt: skip
+    param_bytes = 2 if compute_dtype == "bfloat16" else 4
+    groups = _fsdp_groups(model, recipe, head_precision=head_precision, param_bytes=param_bytes)
+    nodes = max(1, world_size // gpus_per_node)
+    layouts = {"FSDP": (1, world_size)}
+    for replicate in (nodes, dist_cfg.replicate_degree):  # HSDP across nodes, and the configured one
+        if 1 < replicate < world_size and world_size % replicate == 0:
+            layouts[f"HSDP {replicate}x{world_size // replicate}"] = (replicate, world_size // replicate)
+    collectives = {name: _collective_bytes(groups, replicate=r, shard=s, grad_accum=grad_accum, dist_cfg=dist_cfg,
+                                           keep_head_gathered=keep_head_gathered)
+                   for name, (r, s) in layouts.items()}  # fmt: skip
+    replicate = dist_cfg.replicate_degree
+    configured = "FSDP" if replicate == 1 else f"HSDP {replicate}x{world_size // replicate}"
+    return StepCost(world_size=world_size, tokens=tokens * grad_accum, flops=flops, precision=precision,
+                    configured=configured,
+                    fp4_native_flops=(native + recompute_native) * grad_accum,
+                    quantized_elements=quantized * grad_accum, collectives=collectives, layouts=layouts,
+                    model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,
+                    recompute_by_policy=recompute_by_policy)  # fmt: skip

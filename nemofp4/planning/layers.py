@@ -1,0 +1,70 @@
+"""What a plan needs to know of a model under a recipe: every linear's shape, block and precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemofp4.models import NemotronHConfig
+from nemofp4.recipes import Recipe
+from nemofp4.recipes.recipe import HighPrecision, Part, part_kind
+
+__all__ = ["HEAD_PRECISIONS", "LinearSpec", "head_precision_of", "linear_specs"]
+
+HEAD_PRECISIONS = ("fp32", "tf32", "bf16")
+"""How the LM head's GEMMs compute: FP32 (today's head), TF32, or BF16 with FP32 accumulation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearSpec:
+    """One linear of the model as the recipe leaves it."""
+
+    fqn: str
+    layer: int | None
+    """Block index, or None for the LM head."""
+    block_type: str
+    """'mamba', 'attention', 'mlp' or 'head'."""
+    in_features: int
+    out_features: int
+    part_name: str
+    part: Part
+    kind: str
+    """:func:`nemofp4.recipes.recipe.part_kind`: 'fp4', 'te_nvfp4', 'fp32' or 'bf16'."""
+
+
+def linear_specs(model: NemotronHConfig, recipe: Recipe) -> tuple[LinearSpec, ...]:
+    """Every linear of ``model`` (blocks in order, then the LM head) with the part ``recipe`` gives it."""
+    from nemofp4.models import build_model
+    from nemofp4.recipes.apply import resolve_recipe
+
+    meta = build_model(model, device="meta")
+    specs = []
+    for fqn, linear, rule in resolve_recipe(meta, recipe):
+        if rule is None:
+            part_name, part = "(no rule)", HighPrecision(compute="model")
+        else:
+            part_name = recipe.rules[rule].part
+            part = recipe.parts[part_name]
+        parts = fqn.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        block_type = model.layer_types[layer].block_type if layer is not None else "head"
+        specs.append(LinearSpec(fqn=fqn, layer=layer, block_type=block_type, in_features=linear.in_features,
+                                out_features=linear.out_features, part_name=part_name, part=part,
+                                kind=part_kind(part)))  # fmt: skip
+    return tuple(specs)
+
+
+def head_precision_of(job) -> str:
+    """The LM head's GEMM precision for a composed training config: ``model.head_precision`` where the
+    config has it; otherwise what the trainer does today: the chunked head computes in FP32 (TF32 with
+    ``train.head_tf32``), the unchunked one as the recipe's head part (FP32 in the FP4 recipes)."""
+    explicit = getattr(job.model, "head_precision", None)
+    if explicit:
+        if explicit not in HEAD_PRECISIONS:
+            raise ValueError(f"model.head_precision={explicit!r}; valid: {', '.join(HEAD_PRECISIONS)}")
+        return explicit
+    if job.train.head_chunk_tokens > 0:
+        return "tf32" if job.train.head_tf32 else "fp32"
+    from nemofp4.recipes import recipe_from_config
+
+    head = [s for s in linear_specs(job.model, recipe_from_config(job.precision)) if s.block_type == "head"]
+    return "fp32" if head and head[0].kind == "fp32" else "bf16"

@@ -1,0 +1,63 @@
+"""Tables of a step cost and of a simulation beside the plan, as `nemofp4-plan` prints them."""
+
+from __future__ import annotations
+
+from .cost import StepCost
+from .devices import Device
+from .memory import CATEGORIES, GIB, MemoryPlan
+from .simulate import SimulatedMemory
+
+__all__ = ["cost_table", "simulation_table"]
+
+_PRECISION = {"bf16": "BF16", "fp32": "FP32", "tf32": "TF32", "fp4": "FP4"}
+
+
+def cost_table(cost: StepCost, device: Device | None) -> str:
+    """FLOPs by component, quantizer traffic and collective bytes per rank and step; with a device,
+    the projected step time and MFU of each layout."""
+    lines = [f"Step cost per rank and optimizer step ({cost.tokens:,} tokens per rank):", "",
+             "| component | TFLOP | GEMMs in |", "|---|---|---|"]  # fmt: skip
+    for name, flops in cost.flops.items():
+        lines.append(f"| {name} | {flops / 1e12:,.1f} | {_PRECISION[cost.precision[name]]} |")
+    lines.append(f"| **total** | **{cost.total_flops / 1e12:,.1f}** | |")
+    lines.append(f"| quantization passes | {cost.quantized_elements / 1e9:,.2f} G elements | memory-bound |")
+    lines.append(f"| model FLOPs (the trainer's MFU numerator) | {cost.model_flops / 1e12:,.1f} | |")
+    layouts = list(cost.collectives)
+    names = sorted({c for layout in layouts for c in cost.collectives[layout]}, key=("all-gather", "reduce-scatter",
+                                                                                      "all-reduce").index)  # fmt: skip
+    header = " | ".join(f"{layout} GB" + (" (configured)" if layout == cost.configured else "") for layout in layouts)
+    lines += ["", f"| collective | {header} |", "|---|" + "---|" * len(layouts)]
+    for name in names:
+        row = " | ".join(f"{cost.collectives[layout].get(name, 0.0) / 1e9:,.1f}" for layout in layouts)
+        lines.append(f"| {name} | {row} |")
+    if device is not None:
+        lines += ["", f"Projected on {device.name} (peak numbers, {device.source}; a lower bound on the step time):",
+                  "", "| layout | compute s | quantization s | communication s | step s | MFU |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for layout in layouts:
+            p = cost.project(device, layout)
+            lines.append(f"| {layout} | {sum(p.compute_s.values()):.2f} | {p.quant_s:.2f} | {p.comm_s:.2f} | "
+                         f"{p.step_s:.2f} | {p.mfu * 100:.1f}% |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def simulation_table(sim: SimulatedMemory, plan: MemoryPlan, *, world_size: int, wall_s: float) -> str:
+    """The simulated peak item by item beside the plan at the same moment of the step."""
+    same = plan.moment(sim.peak_phase, sim.peak_group, sim.peak_micro_batch)
+    where = f"{sim.peak_phase}" + (f" of {sim.peak_group}" if sim.peak_group else "") + f", {sim.peak_micro_batch} micro-batch"
+    lines = [f"Simulated: the training step on fake tensors, FSDP2 over a fake process group of {world_size} ranks, "
+             f"FSDPMemTracker ({sim.micro_batches} micro-batch(es) run, Mamba scan {sim.mamba_scan}, {wall_s:.0f} s). "
+             f"Peak in {where}.", "",
+             "| item | simulated GiB | planned GiB (same moment) | planned - simulated |", "|---|---|---|---|"]  # fmt: skip
+    for name in CATEGORIES:
+        simulated = sim.categories[name]
+        planned = same.items[name] if same else 0
+        diff = f"{(planned - simulated) / simulated * 100:+.1f}%" if simulated else f"{(planned - simulated) / GIB:+.2f} GiB"
+        lines.append(f"| {name} | {simulated / GIB:.2f} | {planned / GIB:.2f} | {diff} |")
+    planned_total = same.total if same else 0
+    lines.append(f"| **total** | **{sim.peak_bytes / GIB:.2f}** | **{planned_total / GIB:.2f}** | "
+                 f"{(planned_total - sim.peak_bytes) / sim.peak_bytes * 100:+.1f}% |")  # fmt: skip
+    lines += ["", f"Simulated peak + {plan.reserve_bytes / GIB:.0f} GiB reserve: "
+                  f"{(sim.peak_bytes + plan.reserve_bytes) / GIB:.2f} GiB of {plan.device_bytes / GIB:.2f} GiB: "
+                  f"{'fits' if sim.peak_bytes + plan.reserve_bytes <= plan.device_bytes else 'does not fit'}"]  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""Memory stand-ins for the CUDA kernels of the Mamba mixer, so a CPU plan counts what a GPU run keeps.
+
+On CUDA with mamba-ssm and causal-conv1d installed the mixer runs ``mamba_chunk_scan_combined`` and
+``causal_conv1d_fn`` (:mod:`nemofp4.models.nemotron_h.ssd`, ``model.causal_depthwise_conv1d``); on
+CPU it runs the pure-PyTorch scan, which saves far more for backward (every chunk's decay matrix).
+Neither kernel runs on CPU, so the planner measures the GPU path with the stand-ins here: autograd
+Functions that allocate and save exactly the tensors the kernels allocate and save (read from
+mamba_ssm ``ssd_combined.py`` ``MambaChunkScanCombinedFn`` / ``_mamba_chunk_scan_combined_fwd`` /
+``_bwd`` and causal-conv1d ``CausalConv1dFn``, as called by our mixer: no D, no z, no dt bias, no
+initial state), with empty values. They are memory models for FakeTensorMode, not computations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+__all__ = ["MAMBA_SCANS", "mamba_scan_path", "mamba_kernel_standins"]
+
+MAMBA_SCANS = ("auto", "torch", "mamba_ssm")
+
+
+def mamba_scan_path(mamba_scan: str) -> str:
+    """The scan a plan counts: ``torch`` (the pure-PyTorch SSD, what CPU runs use) or ``mamba_ssm``
+    (its CUDA kernels); ``auto`` is what a CUDA run on this installation takes: mamba_ssm when it
+    imports here, else the torch scan."""
+    if mamba_scan not in MAMBA_SCANS:
+        raise ValueError(f"mamba_scan={mamba_scan!r}; valid: {', '.join(MAMBA_SCANS)}")
+    if mamba_scan != "auto":
+        return mamba_scan
+    from nemofp4.models.nemotron_h.ssd import mamba_ssm_available
+
+    return "mamba_ssm" if mamba_ssm_available() else "torch"
+
+
+class _ChunkScanStandIn(torch.autograd.Function):
+    """``mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, return_final_states=True)``."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, chunk_size: int):
+        batch, seq_len, heads, head_dim = x.shape
+        groups, state = B.shape[2], B.shape[3]
+        chunks = math.ceil(seq_len / chunk_size)
+        f32 = dict(dtype=torch.float32, device=x.device)
+        dA_cumsum = torch.empty(batch, heads, chunks, chunk_size, **f32)
+        dt_out = torch.empty(batch, heads, chunks, chunk_size, **f32)
+        states = torch.empty(batch, chunks, heads, head_dim, state, **f32)  # _chunk_state_fwd, fp32
+        passed = torch.empty(batch, chunks, heads, head_dim * state, dtype=C.dtype, device=x.device)
+        final_states = torch.empty(batch, heads, head_dim, state, **f32)
+        del states
+        CB = torch.empty(batch, chunks, groups, chunk_size, chunk_size, **f32)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        del dt_out, passed, CB
+        ctx.save_for_backward(out, x, dt, dA_cumsum, A, B, C)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(final_states)
+        return out, final_states
+
+    @staticmethod
+    def backward(ctx, dout, _dfinal):
+        out, x, dt, dA_cumsum, A, B, C = ctx.saved_tensors
+        batch, seq_len, heads, head_dim = x.shape
+        groups, state = B.shape[2], B.shape[3]
+        chunk = ctx.chunk_size
+        chunks = math.ceil(seq_len / chunk)
+        f32 = dict(dtype=torch.float32, device=x.device)
+        dB_given, dC_given, ddt_given = torch.empty_like(B), torch.empty_like(C), torch.empty_like(dt)
+        dt_in = torch.empty_like(dt)
+        dA_cs, dt_c = torch.empty(batch, heads, chunks, chunk, **f32), torch.empty(batch, heads, chunks, chunk, **f32)
+        CB = torch.empty(batch, chunks, groups, chunk, chunk, **f32)
+        states = torch.empty(batch, chunks, heads, head_dim * state, **f32)
+        dstates = torch.empty(batch, chunks, heads, head_dim, state, **f32)
+        # _state_passing_bwd: dstates and states in x's dtype, the fp32 ones freed
+        dstates, states = (torch.empty(batch, chunks, heads, head_dim * state, dtype=x.dtype, device=x.device)
+                           for _ in range(2))  # fmt: skip
+        ddA_chunk = torch.empty(batch, heads, chunks, **f32)
+        dx, ddt = torch.empty_like(x), torch.empty(batch, heads, chunks, chunk, **f32)
+        dB, ddA_next = torch.empty(batch, seq_len, groups, state, **f32), torch.empty(batch, heads, chunks, chunk, **f32)
+        dC, ddA_prev = torch.empty(batch, seq_len, groups, state, **f32), torch.empty(batch, heads, chunks, chunk, **f32)
+        dCB = torch.empty(batch, chunks, groups, chunk, chunk, **f32)
+        del dB, dC, dCB, states, dstates, CB, ddA_chunk, ddt
+        ddA = torch.empty(batch, heads, chunks, chunk, **f32)
+        dA = torch.empty_like(A)
+        del ddA, ddA_next, ddA_prev, dA_cs, dt_c, dt_in
+        return dx, ddt_given, dA, dB_given, dC_given, None
+
+
+def _scan_standin(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, initial_state_BHPN=None, impl="auto"):
+    if initial_state_BHPN is not None:
+        raise NotImplementedError("the mamba_ssm stand-in models the training call (no initial state)")
+    return _ChunkScanStandIn.apply(x_BLHP, dt_BLH, A_H.float(), B_BLGN, C_BLGN, chunk_size)
+
+
+class _CausalConvStandIn(torch.autograd.Function):
+    """``causal_conv1d_fn(x_BCL, weight, bias, activation="silu")`` (channel-last x: no copy)."""
+
+    @staticmethod
+    def forward(ctx, x_BCL, weight_CK, bias_C):
+        out = torch.empty_like(x_BCL)
+        ctx.save_for_backward(x_BCL, weight_CK, bias_C)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x_BCL, weight_CK, bias_C = ctx.saved_tensors
+        dx = torch.empty_like(x_BCL)
+        dweight = torch.empty(weight_CK.shape, dtype=torch.float32, device=x_BCL.device).to(weight_CK.dtype)
+        dbias = None if bias_C is None else torch.empty(bias_C.shape, dtype=torch.float32, device=x_BCL.device).to(bias_C.dtype)
+        return dx, dweight, dbias
+
+
+def _conv_standin(x_BLC, weight_CK, bias_C):
+    return _CausalConvStandIn.apply(x_BLC.transpose(1, 2), weight_CK, bias_C).transpose(1, 2)
+
+
+@contextlib.contextmanager
+def mamba_kernel_standins(enabled: bool = True):
+    """Inside: the Mamba mixer calls the stand-ins of mamba_ssm's scan and causal-conv1d's conv instead
+    of the torch path (for measuring under FakeTensorMode only: their values are empty)."""
+    if not enabled:
+        yield
+        return
+    from nemofp4.models.nemotron_h import model as mixer_module
+
+    saved = mixer_module.ssd_scan, mixer_module.causal_depthwise_conv1d
+    mixer_module.ssd_scan, mixer_module.causal_depthwise_conv1d = _scan_standin, _conv_standin
+    try:
+        yield
+    finally:
+        mixer_module.ssd_scan, mixer_module.causal_depthwise_conv1d = saved
