@@ -137,19 +137,19 @@ def gpu_quantizer_path(path: str):
     program op by op. Neither a Triton kernel nor a compiled graph can run on fake CPU tensors."""
     if path not in ("triton", "eager"):
         raise ValueError(f"quantizer={path!r}; valid: triton, eager")
-    from nemofp4 import kernels
+    from nemofp4.kernels import backend as backends
 
-    resolve = kernels.resolve_backend
+    resolve = backends.resolve_backend  # what backend_for asks once per module and device
 
     def cuda_path(backend: str, device) -> str:
-        kernels.check_backend(backend)
+        backends.check_backend(backend)
         return path
 
-    kernels.resolve_backend = cuda_path
+    backends.resolve_backend = cuda_path
     try:
         yield
     finally:
-        kernels.resolve_backend = resolve
+        backends.resolve_backend = resolve
 
 
 @contextlib.contextmanager

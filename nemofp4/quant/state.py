@@ -280,6 +280,18 @@ def reset_references(model: nn.Module) -> None:
         module.references.held = {}
 
 
+def drop_nonfinite_references(model: nn.Module) -> list[str]:
+    """Drop every held reference whose amax is not finite, so it is sampled again at its next use;
+    returns their names (``<fqn>.<ref>``). One host read per reference: for a step already lost."""
+    dropped = []
+    for fqn, module in quant_linears(model):
+        for ref, held in sorted(module.references.held.items()):
+            if not torch.isfinite(held.amax).all():
+                del module.references.held[ref]
+                dropped.append(f"{fqn}.{ref}")
+    return dropped
+
+
 def quant_stats(model: nn.Module) -> dict[str, dict[str, float]]:
     """Per QuantLinear, the fractions of its last quantization of each operand role:
     ``{fqn: {'<role>/saturated_blocks', '<role>/underflow_blocks', '<role>/zero_blocks',

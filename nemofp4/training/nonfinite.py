@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nemofp4.quant import canonical_fqn, held_amaxes
+from nemofp4.quant import canonical_fqn, drop_nonfinite_references, held_amaxes
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -37,13 +37,7 @@ def discard_nonfinite_references(model: nn.Module) -> list[str]:
     loss or gradients were not finite), so the next step samples it again; returns their names. The
     sampling itself keeps a non-finite first sample without a host read: this runs only when the
     trainer skips a step (one read per reference, on a step that is already lost)."""
-    dropped = []
-    for fqn, module in quant_linears(model):
-        for ref, held in sorted(module.references.held.items()):
-            if not torch.isfinite(held.amax).all():
-                del module.references.held[ref]
-                dropped.append(f"{fqn}.{ref}")
-    return dropped
+    return drop_nonfinite_references(model)
 
 
 def first_nonfinite_state(model: nn.Module) -> str | None:
