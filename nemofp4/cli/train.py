@@ -16,7 +16,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from nemofp4.cli.errors import run_cli
+from nemofp4.cli.errors import HydraApp, run_cli
 from nemofp4.data.paths import CONFIG_DIR as _CONFIG_DIR
 from nemofp4.training.config import JobConfig
 
@@ -88,7 +88,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
-    run_cli(_hydra_main, name="nemofp4-train")
+    run_cli(_hydra_main, name="nemofp4-train", app=HydraApp("train", CONFIG_DIR))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ __all__ = [
     "FIXED_KEYS",
     "SAFE_KEYS",
     "ConfigChange",
+    "ResumeRefusedError",
+    "changes_the_run",
     "check_resume_config",
     "config_changes",
     "describe_budget_change",
@@ -48,8 +50,18 @@ FIXED_KEYS = ("precision", "model", "data", "train.seed", "train.seq_len", "trai
 _ABSENT = "<absent>"
 
 
+class ResumeRefusedError(ValueError):
+    """A resume that would mix two runs. Its message lists one changed key a line, and the console
+    scripts print it so (every other user error is one line)."""
+
+
 def _matches(key: str, prefixes: tuple[str, ...] | list[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def changes_the_run(key: str) -> bool:
+    """Whether a resume refuses (without resume_accept) a change of this dotted key: neither safe nor the budget."""
+    return not (_matches(key, SAFE_KEYS) or _matches(key, BUDGET_KEYS))
 
 
 def flatten_config(cfg: Any) -> dict[str, Any]:
@@ -188,7 +200,7 @@ def check_resume_config(saved: Any, current: Any, *, step: int, saved_total: int
     if saved_total is not None and new_total < saved_total and not any(_matches(c.key, accept) for c in budget):
         refused += budget
     if refused:
-        raise ValueError(describe_refusal(where, refused))
+        raise ResumeRefusedError(describe_refusal(where, refused))
     if log_notes:
         for change in accepted:
             log.warning("resume_accept: %s changes on resume: %s", change.key, change)
