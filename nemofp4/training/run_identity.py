@@ -97,13 +97,13 @@ class ConfigChange(NamedTuple):
 
 
 def _with_schema_defaults(saved: Any, schema: type) -> Any:
-    """The saved config over the current schema's defaults, so a field added to the schema after the
-    checkpoint was written compares as its default rather than as a change (when the saved config
-    still fits the schema; otherwise the raw saved config)."""
+    """The saved config over the current schema's defaults and through its validation, so a field added
+    to the schema after the checkpoint was written compares as its default rather than as a change, and
+    a value the schema now derives (model.max_position_embeddings from train.seq_len) as derived (when
+    the saved config still fits the schema; otherwise the raw saved config)."""
     try:
         text = saved if isinstance(saved, str) else OmegaConf.to_yaml(OmegaConf.structured(saved))
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text))
-        return OmegaConf.to_container(merged, resolve=True)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text)))
     except Exception:  # omegaconf raises several types for a config that no longer fits
         return saved
 
