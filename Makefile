@@ -30,8 +30,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e ".[$(EXTRAS)]"
 	touch $@
 
+# A trainer stopped by SIGINT checkpoints and exits 130; make would report any failed recipe as its
+# own status 2, so the recipe interrupts make instead, which then exits as Ctrl-C does (130).
 train: setup
-	$(PY) -m nemofp4.train experiment=tiny_ue5m3 $(TRAIN_ARGS)
+	$(info $(PY) -m nemofp4.train experiment=tiny_ue5m3 $(TRAIN_ARGS))
+	@$(PY) -m nemofp4.train experiment=tiny_ue5m3 $(TRAIN_ARGS); rc=$$?; \
+	if [ $$rc -eq 130 ]; then kill -INT $$PPID; fi; exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check .
