@@ -56,33 +56,35 @@ NAMED_GROUPS = ("model", "precision", "experiment")
 """Overrides the default run name already stands for (`<model>-<precision>`), or a preset of them."""
 
 
-def run_dir_suffix(overrides: list[str] | tuple[str, ...]) -> str:
+def run_dir_suffix(overrides: list[str] | tuple[str, ...], accept: list[str] | tuple[str, ...] = ()) -> str:
     """What the default run directory adds to `runs/<model>-<precision>` for these command-line overrides:
     `-<key=value,...>` of the overrides that make another run (any key a resume would refuse to change:
     not the safe keys such as logging, eval, checkpoint, distributed or train.kernels, not the budget, not
-    the model/precision/experiment choices the name shows), sorted, made safe as a sweep job's directory
-    name is; "" when there are none. So two differently configured runs on the command line get two
-    directories, and the same command (a requeue, a longer budget) finds its own again."""
+    the model/precision/experiment choices the name shows, not the keys `accept` (resume_accept) lets
+    change), sorted, made safe as a sweep job's directory name is; "" when there are none. So two
+    differently configured runs on the command line get two directories, and the same command (a
+    requeue, a longer budget, a change the user accepts into the run) finds its own again."""
     from nemofp4.training.run_identity import changes_the_run
 
     kept = []
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
-        if key.startswith("hydra") or key in NAMED_GROUPS or not changes_the_run(key):
+        if key.startswith("hydra") or key in NAMED_GROUPS or not changes_the_run(key, accept):
             continue
         kept.append(override)
     return f"-{job_dirname(','.join(sorted(kept)))}" if kept else ""
 
 
-def _default_run_dir_suffix() -> str:
+def _default_run_dir_suffix(*, _root_: DictConfig) -> str:
     """The `nemofp4.run_dir_suffix` resolver of configs/train.yaml: :func:`run_dir_suffix` of this job's
-    command line; "" in a sweep, whose jobs each train in `<run_dir>/<their overrides>` already."""
+    command line and resume_accept; "" in a sweep, whose jobs each train in `<run_dir>/<their overrides>`
+    already."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN:
         return ""
-    return run_dir_suffix(list(HydraConfig.get().overrides.task))
+    return run_dir_suffix(list(HydraConfig.get().overrides.task), list(_root_.get("resume_accept") or ()))
 
 
 OmegaConf.register_new_resolver("nemofp4.run_dir_suffix", _default_run_dir_suffix, replace=True)

@@ -59,9 +59,12 @@ def _matches(key: str, prefixes: tuple[str, ...] | list[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
-def changes_the_run(key: str) -> bool:
-    """Whether a resume refuses (without resume_accept) a change of this dotted key: neither safe nor the budget."""
-    return not (_matches(key, SAFE_KEYS) or _matches(key, BUDGET_KEYS))
+def changes_the_run(key: str, accept: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether a resume refuses a change of this dotted key: neither safe nor the budget, and either fixed
+    or not named in `accept` (resume_accept)."""
+    if _matches(key, SAFE_KEYS) or _matches(key, BUDGET_KEYS):
+        return False
+    return _matches(key, FIXED_KEYS) or not _matches(key, list(accept))
 
 
 def flatten_config(cfg: Any) -> dict[str, Any]:

@@ -13,7 +13,12 @@ import pytest
 
 from nemofp4.cli.train import MAX_JOB_DIRNAME, compose_job_config, job_dirname
 from nemofp4.training.run_dir import LOCK_FILE, RunDirectory, RunLock, RunLockedError, move_aside
-from nemofp4.training.run_identity import check_resume_config, config_changes, validate_accept_list
+from nemofp4.training.run_identity import (
+    changes_the_run,
+    check_resume_config,
+    config_changes,
+    validate_accept_list,
+)
 
 
 def _write_lock(run_dir, **holder):
@@ -167,6 +172,11 @@ def test_the_default_run_dir_tells_differently_configured_runs_apart():
     same = ("train.max_steps=600", "train.kernels=eager", "distributed=fsdp", "train.micro_batch=4",
             "logging.wandb=false", "eval.num_sequences=8", "checkpoint.interval=2", "resume=auto")
     assert run_dir("experiment=tiny_ue5m3", *same) == "runs/tiny-ue5m3"
+    # a change accepted into the run (resume_accept) resumes it; a fixed key cannot be accepted, so it names the run
+    assert run_dir("experiment=tiny_ue5m3", "optim.lr=1e-2", "resume_accept=[optim]") == "runs/tiny-ue5m3"
+    assert run_dir("experiment=tiny_ue5m3", "optim.lr=1e-2", "schedule.warmup_steps=5", "resume_accept=[optim.lr]") == (
+        "runs/tiny-ue5m3-schedule.warmup_steps=5")
+    assert changes_the_run("train.seed", ["train"]) and not changes_the_run("train.grad_clip", ["train"])
     assert run_dir("experiment=tiny_ue5m3", "precision.reference_interval=10", "run_dir=runs/mine") == "runs/mine"  # given: used as given
     assert run_dir("hydra.mode=MULTIRUN", "optim.lr=1e-3") == "runs/tiny-bf16"  # a sweep's jobs add their own
 
