@@ -1,5 +1,6 @@
 """Console scripts print a user error as one line (exit 1), keep tracebacks for bugs and on request."""
 
+import importlib.util
 import json
 import socket
 import subprocess
@@ -68,22 +69,38 @@ def test_an_unknown_key_is_named_with_the_nearest_valid_key_and_a_recipe_knob_wi
                            "'scale_target']")
 
 
-# Every console script with a bad input, in one interpreter (one start-up for all); stderr is captured at the
-# file descriptor, so whatever a library prints there counts too.
+_NOTICES = r"""
+import logging, tempfile, warnings
+import torch, torch.distributed.checkpoint as dcp
+from nemofp4.cli.errors import quiet_third_party_noise
+
+seen = []  # the pytree notice reaches its logger (this filter runs before the hiding one) and is dropped there
+logging.getLogger("torch.utils._pytree").filters.insert(0, lambda record: seen.append(record.getMessage()) or True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    dcp.save({"x": torch.zeros(2)}, checkpoint_id=tempfile.mkdtemp())
+assert any("torch.distributed is disabled" in str(w.message) for w in caught), caught  # DCP in one process says so
+quiet_third_party_noise()
+dcp.save({"x": torch.zeros(2)}, checkpoint_id=tempfile.mkdtemp())
+import torchao  # noqa: F401  (on a CPU build of torch: "Failed to load ..._C_mxfp8...", and the pytree notice for its enums)
+assert any("is an Enum subclass" in m for m in seen), seen
+logging.getLogger("torchao").error("an error of torchao's")  # errors still show
+"""
+
+# Library notices with nothing to act on, then every console script with a bad input, in one interpreter (one
+# start-up for all); stderr is captured at the file descriptor, so whatever a library prints there counts too.
+# Without quiet_third_party_noise (or under -W default) the notices script prints four notices (two torchao lines).
 _DRIVER = r"""
 import json, os, sys, tempfile
 from importlib import import_module
 from hydra.core.global_hydra import GlobalHydra
 
-results = {}
-for case, (module, argv) in json.loads(sys.argv[1]).items():
-    main = import_module(module).main
-    sys.argv = [case, *argv]
+def stderr_of(run):
     with tempfile.TemporaryFile("w+") as err:
         saved = os.dup(2)
         os.dup2(err.fileno(), 2)
         try:
-            main()
+            run()
             code = 0
         except SystemExit as exit:
             code = exit.code
@@ -91,13 +108,19 @@ for case, (module, argv) in json.loads(sys.argv[1]).items():
             sys.stderr.flush()
             os.dup2(saved, 2)
         err.seek(0)
-        results[case] = (code, err.read())
+        return code, err.read()
+
+results = {"notices": stderr_of(lambda: exec(sys.argv[2], {}))}
+for case, (module, argv) in json.loads(sys.argv[1]).items():
+    main = import_module(module).main
+    sys.argv = [case, *argv]
+    results[case] = stderr_of(main)
     GlobalHydra.instance().clear()
 print(json.dumps(results))
 """
 
 
-def test_every_console_script_reports_bad_input_in_exactly_one_line_of_stderr(tmp_path):
+def test_every_console_script_reports_bad_input_in_exactly_one_line_of_stderr_and_no_library_notices(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
     (locked / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 1, "started": "today"}))
@@ -124,12 +147,30 @@ def test_every_console_script_reports_bad_input_in_exactly_one_line_of_stderr(tm
         "nemofp4-plan": "Error merging override world_size=x: Value 'x' of type 'str' could not be converted to Integer",
     }
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    notices = _NOTICES if importlib.util.find_spec("torchao") else ""  # torchao: a dev extra
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases), notices], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results.pop("notices") == [0, "an error of torchao's\n" if notices else ""]  # nothing else of theirs
     for case, (code, err) in results.items():
         name = case.strip()
         assert code == 1 and len(err.splitlines()) == 1 and err.endswith("\n"), (case, code, err)
         assert err.startswith(f"{name}: error: ") and expected[case] in err, (case, err)
         assert err.rstrip().endswith("(HYDRA_FULL_ERROR=1 shows the traceback)"), err
+
+
+def test_asked_for_warnings_are_not_hidden(monkeypatch):
+    import logging
+    import warnings
+
+    from nemofp4.cli.errors import quiet_third_party_noise
+
+    torchao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    monkeypatch.setattr(torchao, "level", logging.NOTSET)  # as before any console script ran in this process
+    monkeypatch.setattr(pytree, "filters", [])
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    monkeypatch.setattr(sys, "warnoptions", ["default"])  # python -W default, or PYTHONWARNINGS
+    before = list(warnings.filters)
+    quiet_third_party_noise()
+    assert torchao.level == logging.NOTSET and not pytree.filters and warnings.filters == before
