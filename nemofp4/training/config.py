@@ -68,6 +68,11 @@ class TrainConfig:
     else the eager torch program), 'triton', 'compiled' or 'eager'. Same numerics on every path
     (Triton's stochastic rounding draws its own random bits). 'reference' is a deprecated alias
     of 'eager'."""
+    init_from: str = ""
+    """Start from these weights instead of random ones: a transformers NemotronH folder (config.json,
+    safetensors, tokenizer) or a nemofp4 run directory / step folder. Weights only (a new optimizer,
+    schedule and quantizer state); the model config must match and data.tokenizer must be the source's.
+    Fixed for the run: a resume reads its own checkpoint, never this source. "": random init."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "micro_batch"):

@@ -44,8 +44,10 @@ quantizers with the same numerics. Moving between DeepSpeed and the rest is refu
 BUDGET_KEYS = ("train.max_steps", "train.tokens")
 """The budget: may grow on resume (the schedule is recomputed for the new total, which the trainer
 states); shrinking it must be accepted by name and may never end before the checkpoint's step."""
-FIXED_KEYS = ("precision", "model", "data", "train.seed", "train.seq_len", "train.global_batch")
-"""What was trained: a resume that changes these is refused, and resume_accept cannot override it."""
+FIXED_KEYS = ("precision", "model", "data", "train.seed", "train.seq_len", "train.global_batch", "train.init_from")
+"""What was trained: a resume that changes these is refused, and resume_accept cannot override it. The initial
+weights' source (`train.init_from`) is among them: a resume continues from its own checkpoint and never
+reads the source again, so another source would only mislabel the run."""
 
 _ABSENT = "<absent>"
 
@@ -161,9 +163,14 @@ def describe_refusal(where: str, refused: list[ConfigChange]) -> str:
     lines = [f"{where} was trained with a different configuration; resuming would mix two runs. Changed keys:"]
     lines += [f"  {c}" for c in refused]
     if fixed:
-        lines.append("Recipe, model, data, seed, batch layout and checkpoint format cannot change within a run "
+        lines.append("Recipe, model, data, seed, batch layout, initial weights and checkpoint format cannot change within a run "
                      f"({', '.join(c.key for c in fixed)}): restore them, or start a new run in another run_dir "
                      "(or pass overwrite=true to move this run aside).")
+    init = next((c for c in refused if c.key == "train.init_from"), None)
+    if init is not None:
+        lines.append(f"The run started from train.init_from={init.saved!r}; this start names {init.current!r}. A resume "
+                     "reads the run's own checkpoint, never the source: restore the original value (the folder need "
+                     "not exist any more), or start the new source in another run_dir.")
     if other:
         names = ",".join(c.key for c in other)
         lines.append(f"To continue with the new values of the other keys, pass resume_accept=[{names}].")

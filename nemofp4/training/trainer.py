@@ -49,6 +49,7 @@ from nemofp4.training.dist_env import (
     local_device,
     require_process_group,
 )
+from nemofp4.training.init_from import initialize_from, starts_fresh, write_record
 from nemofp4.training.memory_plan import log_plan
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
@@ -163,7 +164,8 @@ class Trainer:
             log.info("%s", kernels.describe(self.device, cfg.train.kernels))
         dist_cfg = cfg.distributed
         require_process_group(dist_cfg.backend, self.env)
-        if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model:
+        # with train.init_from the weights are the source's: materialize shards only, never the whole model
+        if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model and not cfg.train.init_from:
             model.to_empty(device=self.device)
             torch.manual_seed(cfg.train.seed)
             model.init_weights()
@@ -178,6 +180,10 @@ class Trainer:
                 f"{self.world} processes were launched but distributed.backend=none; "
                 "use distributed=fsdp (or a deepspeed_zero* backend)"
             )
+        self.init_record: dict[str, Any] | None = None  # the source of the initial weights, when not random
+        if cfg.train.init_from and starts_fresh(cfg.resume, self.run_dir, used=describe_used(self.run_dir) is not None):
+            self.init_record = initialize_from(model, cfg.train.init_from, model_config=cfg.model, data=cfg.data,
+                                               run_dir=self.run_dir)
         if self.world > 1 and dist_cfg.reduce_references:
             set_held_reference_reduce_group(model, dist.group.WORLD)
         self.model = model
@@ -210,6 +216,8 @@ class Trainer:
         self._maybe_resume()
         if self.rank == 0:
             (self.run_dir / RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            if self.init_record is not None:
+                write_record(self.run_dir, self.init_record)
         self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
         self.peak_flops = peak_tflops(cfg.logging) * 1e12
 
@@ -297,6 +305,7 @@ class Trainer:
         self.tokens_seen = state["tokens_seen"]
         self.skipped_steps = state["skipped_steps"]
         self.wandb_id = state.get("wandb_id")
+        self.init_record = state.get("init_from")
         self.loader.load_state_dict(state["loader"])
         if not self.cfg.precision.restore_references:
             reset_references(self.model)
@@ -324,6 +333,7 @@ class Trainer:
             "total_steps": self.budget.total_steps,
             # held references: in the DCP state's "quant" entry (QuantState) when the ranks agree on them
             "quant_state": "dcp" if self._references_replicated else "per_rank",
+            "init_from": self.init_record,  # the source of the initial weights and their hash (None: random init)
         }
 
     def _rank_state(self) -> dict[str, Any]:

@@ -2,10 +2,16 @@
 
 from .config import PRESETS, LayerType, NemotronHConfig, get_model_config, parse_pattern
 from .hf_adapter import (
+    INIT_ONLY_FIELDS,
+    config_mismatches,
     export_hf,
     from_hf_config,
     from_hf_state_dict,
+    hf_names,
+    hf_tensor_headers,
+    hf_weight_files,
     import_hf,
+    read_hf_config,
     to_hf_config,
     to_hf_state_dict,
 )
@@ -13,6 +19,7 @@ from .model import MLP, Attention, Block, Mamba2Mixer, NemotronHModel, build_mod
 from .ssd import ssd_chunked, ssd_reference, ssd_scan
 
 __all__ = [
+    "INIT_ONLY_FIELDS",
     "PRESETS",
     "Attention",
     "Block",
@@ -22,12 +29,17 @@ __all__ = [
     "NemotronHConfig",
     "NemotronHModel",
     "build_model",
+    "config_mismatches",
     "export_hf",
     "from_hf_config",
     "from_hf_state_dict",
     "get_model_config",
+    "hf_names",
+    "hf_tensor_headers",
+    "hf_weight_files",
     "import_hf",
     "parse_pattern",
+    "read_hf_config",
     "ssd_chunked",
     "ssd_reference",
     "ssd_scan",

@@ -8,8 +8,10 @@ in both, and import either prefix. transformers is not needed to export or impor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -41,16 +43,16 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+def _our_name(name: str) -> str:
+    for prefix in _HF_PREFIXES:
+        if name.startswith(prefix) and name[len(prefix) :].startswith(_OUR_STACK_KEYS):
+            return name[len(prefix) :]
+    return name
+
+
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF's names (``backbone.`` or ``model.`` prefix) -> ours. Inverse of :func:`to_hf_state_dict`."""
-    out = {}
-    for name, tensor in state_dict.items():
-        for prefix in _HF_PREFIXES:
-            if name.startswith(prefix) and name[len(prefix) :].startswith(_OUR_STACK_KEYS):
-                name = name[len(prefix) :]
-                break
-        out[name] = tensor
-    return out
+    return {_our_name(name): tensor for name, tensor in state_dict.items()}
 
 
 # ---------------------------------------------------------------------------- config
@@ -164,6 +166,23 @@ def from_hf_config(hf_config) -> NemotronHConfig:
     )
 
 
+INIT_ONLY_FIELDS = ("chunk_size", "max_position_embeddings", "time_step_max", "time_step_floor", "init_std",
+                    "rescale_prenorm_residual")
+"""Config fields that do not change what given weights compute: the SSD chunk (speed and memory; the
+numerics only up to rounding), the context length (NoPE: it documents intent) and the fields read only
+by random initialization. Weights trained under one value continue under another."""
+
+
+def config_mismatches(source: NemotronHConfig, target: NemotronHConfig) -> list[str]:
+    """``field: source -> target`` for every field outside :data:`INIT_ONLY_FIELDS` on which two configs
+    differ: weights of ``source`` would compute something else (or not fit) in a model of ``target``."""
+    return [
+        f"{f.name}: {getattr(source, f.name)!r} -> {getattr(target, f.name)!r}"
+        for f in dataclasses.fields(NemotronHConfig)
+        if f.name not in INIT_ONLY_FIELDS and getattr(source, f.name) != getattr(target, f.name)
+    ]
+
+
 # ---------------------------------------------------------------------------- folders
 def export_hf(
     model: NemotronHModel, out_dir: str | Path, dtype: torch.dtype | None = None, *, eod_token_id: int | None = None
@@ -200,21 +219,74 @@ def export_hf(
     return out
 
 
-def _read_hf_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
+def read_hf_config(path: str | Path) -> dict:
+    """The ``config.json`` of a transformers model folder."""
+    path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path / 'config.json'} not found: not a transformers model folder")
-    hf_config = json.loads((path / "config.json").read_text())
+    return json.loads((path / "config.json").read_text())
+
+
+def hf_weight_files(path: str | Path) -> list[str]:
+    """The safetensors files of a model folder: those ``model.safetensors.index.json`` maps to, or
+    ``model.safetensors``. Another ``*.safetensors`` beside an index is an error (a reader of the
+    whole folder would take its tensors for the model's)."""
+    path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names {missing}, which are not in {path}")
+        others = sorted(p.name for p in path.glob("*.safetensors") if p.name not in files)
+        if others:
+            raise ValueError(f"{path} holds {others} besides the files of {index.name} ({files}); move them out "
+                             "of the model folder")
+        return files
+    if (path / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def hf_tensor_headers(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype) of every tensor of a model folder, from the files' headers
+    alone (no tensor data is read)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in hf_weight_files(path):
+        with safe_open(str(Path(path) / file), framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                out[name] = (tuple(piece.get_shape()), piece.get_dtype())
+    return out
+
+
+def hf_names(our_names: Iterable[str], config: NemotronHConfig, available: Iterable[str]) -> dict[str, str]:
+    """Our parameter name -> the name of the tensor it is read from among ``available`` (an HF folder's
+    or module's names, ``backbone.`` or ``model.`` prefix). A tied LM head is read from the embedding
+    (HF files may or may not hold a copy of it). Every parameter must be present and no weight left over
+    (MTP weights, which transformers ignores too, are skipped); ValueError names the keys otherwise."""
+    tied = config.tie_word_embeddings
+    in_source = {}
+    for name in available:
+        ours = _our_name(name)
+        if not ours.startswith("mtp."):
+            in_source[ours] = name
+    wanted = {name: "embeddings.weight" if tied and name == "lm_head.weight" else name for name in our_names}
+    missing = sorted(set(wanted.values()) - set(in_source))
+    unexpected = sorted(set(in_source) - set(wanted.values()) - ({"lm_head.weight"} if tied else set()))
+    if missing or unexpected:
+        raise ValueError(f"HF weights do not match the config: missing {missing}, unexpected {unexpected}")
+    return {ours: in_source[source] for ours, source in wanted.items()}
+
+
+def _read_hf_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    hf_config = read_hf_config(path)
     state: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in hf_weight_files(path):
         state.update(load_file(str(path / file)))
     return hf_config, state
 
@@ -233,20 +305,13 @@ def import_hf(
     else:
         hf_config, hf_state = _read_hf_folder(Path(source))
         config = from_hf_config(hf_config)
-    state = {k: v for k, v in from_hf_state_dict(hf_state).items() if not k.startswith("mtp.")}
 
     model = NemotronHModel(config, device="meta", dtype=dtype)
     model.to_empty(device=device)
-    expected = set(model.state_dict())
-    if config.tie_word_embeddings and "embeddings.weight" in state:
-        # One shared tensor: the embedding is the source of truth (HF files may hold a copy).
-        state["lm_head.weight"] = state["embeddings.weight"]
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"HF weights do not match the config: missing {missing}, unexpected {unexpected}")
+    names = hf_names(model.state_dict(), config, hf_state)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            source_tensor = state[name]
+            source_tensor = hf_state[names[name]]
             if source_tensor.shape != tensor.shape:
                 raise ValueError(
                     f"{name}: HF shape {tuple(source_tensor.shape)} != ours {tuple(tensor.shape)}"
