@@ -38,6 +38,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -287,12 +288,17 @@ class Shell:
         state = shlex.quote(str(self.state))
         wrapped = f"source {state}\n{script}\n{{ export -p; printf 'cd %q\\n' \"$PWD\"; }} > {state}\n"
         env = {"HOME": os.environ.get("HOME", "/root"), **FRESH_SHELL}
+        # A session of its own, so that a block that runs out of time is stopped with everything it started
+        # (a trainer left running would hold its run directory and the machine).
+        proc = subprocess.Popen(["bash", "--noprofile", "--norc", "-euo", "pipefail", "-c", wrapped], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
         try:
-            proc = subprocess.run(["bash", "--noprofile", "--norc", "-euo", "pipefail", "-c", wrapped], env=env,
-                                  capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)  # fmt: skip
-            return proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as error:
-            return 124, f"timed out after {BLOCK_TIMEOUT_S} s\n{error.stdout or ''}{error.stderr or ''}"
+            output, _ = proc.communicate(timeout=BLOCK_TIMEOUT_S)
+            return proc.returncode, output
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            return 124, f"timed out after {BLOCK_TIMEOUT_S} s\n{output}"
 
 
 def _runnable(page: str) -> list[Block]:
@@ -373,3 +379,19 @@ def test_documented_commands_run(block, request):
     returncode, script, output = request.getfixturevalue("page_results")[block.id]
     if returncode != 0:
         pytest.fail(f"{block.id}: exit {returncode}\n--- script ---\n{script}--- output (tail) ---\n{output[-4000:]}")
+
+
+def test_a_block_out_of_time_is_stopped_with_all_it_started(tmp_path, monkeypatch):
+    # A trainer left running after its block timed out would hold its run directory and the machine.
+    monkeypatch.setattr(sys.modules[__name__], "BLOCK_TIMEOUT_S", 1)
+    returncode, output = Shell.fresh(tmp_path / "shell.sh", tmp_path).run(f"sleep 60 & echo $! > {tmp_path}/pid; wait")
+    assert returncode == 124 and "timed out after 1 s" in output
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the block's background process {pid} outlived its block")
