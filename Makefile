@@ -30,8 +30,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e ".[$(EXTRAS)]"
 	touch $@
 
+# A trainer stopped by SIGINT checkpoints and exits 130; make would report any failed recipe as its
+# own status 2, so the recipe interrupts make instead, which then exits as Ctrl-C does (130). The recipe
+# outlives the signal by a second: make's handler waits for its child, and a child that exits while the
+# signal arrives makes make stop with "wait: No child processes" (status 2). A make started with SIGINT
+# ignored (in the background by a non-interactive shell, as nohup does) cannot be interrupted: 2.
 train: setup
-	$(PY) -m nemofp4.train experiment=tiny_ue5m3 $(TRAIN_ARGS)
+	$(info $(PY) -m nemofp4.train experiment=tiny_ue5m3 $(TRAIN_ARGS))
+	@$(PY) -m nemofp4.train experiment=tiny_ue5m3 $(TRAIN_ARGS); rc=$$?; \
+	if [ $$rc -eq 130 ]; then kill -INT $$PPID; sleep 1; fi; exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -17,7 +17,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from nemofp4.cli.errors import run_cli
+from nemofp4.cli.errors import HydraApp, run_cli
 from nemofp4.data.paths import CONFIG_DIR
 from nemofp4.evaluation.config import EvaluateConfig
 
@@ -55,7 +55,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    run_cli(_main, name="nemofp4-eval")
+    run_cli(_main, name="nemofp4-eval", app=HydraApp("evaluate"))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nemofp4.cli.errors import run_cli
+from nemofp4.cli.errors import HydraApp, run_cli
 from nemofp4.cli.evaluate import store_primary_config
 from nemofp4.evaluation.config import ExportConfig
 
@@ -40,9 +40,10 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
     from nemofp4.evaluation.checkpoint import load_checkpoint_model, resolve_checkpoint
     from nemofp4.models.nemotron_h import export_hf
 
+    _prepare_out(Path(cfg.out))
     folder = resolve_checkpoint(cfg.checkpoint)
     # bf16: no recipe is applied, the state dict is the same either way and nothing FP4 is needed.
-    model, job, state = load_checkpoint_model(folder, precision="bf16")
+    model, job, state = load_checkpoint_model(folder, precision="bf16", log_loaded=False)
     tokenizer = cfg.tokenizer or job.data.tokenizer
     loaded = None
     if tokenizer != "none":
@@ -74,9 +75,19 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
         "tokenizer_files": copied,
     }
     (out / "nemofp4_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    log.info("exported step %s of a run trained with recipe %s: the master weights, which transformers runs "
-             "unquantized", state.get("step"), job.precision.name)
+    log.info("exported step %s of %s (trained with recipe %s): its master weights, which transformers runs "
+             "unquantized", state.get("step"), folder, job.precision.name)
     return out
+
+
+def _prepare_out(out: Path) -> None:
+    """Create the output folder before anything is loaded, so a bad `out=` fails first, by name."""
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        what = "is an existing file" if blocker == out else f"is inside {str(blocker)!r}, an existing file"
+        raise FileExistsError(f"out={str(out)!r} {what}; the export writes a folder (config.json, "
+                              "model.safetensors, tokenizer files): pass a new folder or an existing one")
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def _write_special_tokens(path: Path, eod_token: str) -> None:
@@ -95,7 +106,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    run_cli(_main, name="nemofp4-export-hf")
+    run_cli(_main, name="nemofp4-export-hf", app=HydraApp("export"))
 
 
 if __name__ == "__main__":

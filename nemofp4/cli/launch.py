@@ -42,7 +42,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from nemofp4.cli.errors import run_cli
+from nemofp4.cli.errors import HydraApp, run_cli
 from nemofp4.data.paths import CONFIG_DIR, REPO_ROOT  # the checkout, or the installed wheel's share/
 from nemofp4.training.dist_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from nemofp4.training.preemption import DEFAULT_SIGNALS
@@ -399,7 +399,8 @@ def check_job_shape(config: LaunchConfig, job: JobConfig) -> None:
     if not _visible(job.data.tokenizer, workdir):
         missing.append(f"data.tokenizer={job.data.tokenizer!r}")
     if missing:
-        where = f"(relative paths are looked up under {workdir} and {REPO_ROOT}, as the job will)"
+        roots = [workdir] if workdir.resolve() == REPO_ROOT.resolve() else [workdir, REPO_ROOT]
+        where = f"(relative paths are looked up under {' and '.join(map(str, roots))}, as the job will)"
         if config.dry_run:  # the script may be meant for another cluster's file system
             logger.warning("not found from this host, the job would fail: %s %s", "; ".join(missing), where)
         else:
@@ -717,7 +718,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="[nemofp4-launch] %(message)s")
     register_configs()
-    run_cli(_hydra_main, name="nemofp4-launch")
+    run_cli(_hydra_main, name="nemofp4-launch", app=HydraApp(PRIMARY_CONFIG_NAME))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from nemofp4.cli.errors import HydraApp, run_cli
 from nemofp4.cli.train import CONFIG_DIR
 from nemofp4.training.config import JobConfig
 
@@ -96,7 +97,7 @@ def register_plan_schema() -> None:
 
 def main() -> None:
     register_plan_schema()
-    _hydra_main()
+    run_cli(_hydra_main, name="nemofp4-plan", app=HydraApp("plan", CONFIG_DIR))
 
 
 if __name__ == "__main__":

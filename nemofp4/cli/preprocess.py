@@ -15,7 +15,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from nemofp4.cli.errors import run_cli
+from nemofp4.cli.errors import HydraApp, run_cli
 from nemofp4.data.paths import CONFIG_DIR as _CONFIG_DIR
 from nemofp4.data.preprocessing import PreprocessConfig, preprocess
 
@@ -34,7 +34,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    run_cli(_main, name="nemofp4-preprocess")
+    run_cli(_main, name="nemofp4-preprocess", app=HydraApp("preprocess", CONFIG_DIR))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from nemofp4.cli.errors import run_cli
+from nemofp4.cli.errors import HydraApp, run_cli
 from nemofp4.data.paths import CONFIG_DIR as _CONFIG_DIR
 from nemofp4.training.config import JobConfig
 
@@ -50,6 +50,44 @@ def job_dirname(override_dirname: str) -> str:
         digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:12]
         name = f"{name[: MAX_JOB_DIRNAME - 13]}-{digest}"
     return name
+
+
+NAMED_GROUPS = ("model", "precision", "experiment")
+"""Overrides the default run name already stands for (`<model>-<precision>`), or a preset of them."""
+
+
+def run_dir_suffix(overrides: list[str] | tuple[str, ...], accept: list[str] | tuple[str, ...] = ()) -> str:
+    """What the default run directory adds to `runs/<model>-<precision>` for these command-line overrides:
+    `-<key=value,...>` of the overrides that make another run (any key a resume would refuse to change:
+    not the safe keys such as logging, eval, checkpoint, distributed or train.kernels, not the budget, not
+    the model/precision/experiment choices the name shows, not the keys `accept` (resume_accept) lets
+    change), sorted, made safe as a sweep job's directory name is; "" when there are none. So two
+    differently configured runs on the command line get two directories, and the same command (a
+    requeue, a longer budget, a change the user accepts into the run) finds its own again."""
+    from nemofp4.training.run_identity import changes_the_run
+
+    kept = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith("hydra") or key in NAMED_GROUPS or not changes_the_run(key, accept):
+            continue
+        kept.append(override)
+    return f"-{job_dirname(','.join(sorted(kept)))}" if kept else ""
+
+
+def _default_run_dir_suffix(*, _root_: DictConfig) -> str:
+    """The `nemofp4.run_dir_suffix` resolver of configs/train.yaml: :func:`run_dir_suffix` of this job's
+    command line and resume_accept; "" in a sweep, whose jobs each train in `<run_dir>/<their overrides>`
+    already."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN:
+        return ""
+    return run_dir_suffix(list(HydraConfig.get().overrides.task), list(_root_.get("resume_accept") or ()))
+
+
+OmegaConf.register_new_resolver("nemofp4.run_dir_suffix", _default_run_dir_suffix, replace=True)
 
 
 def sweep_job_run_dir(job: JobConfig) -> JobConfig:
@@ -88,7 +126,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
-    run_cli(_hydra_main, name="nemofp4-train")
+    run_cli(_hydra_main, name="nemofp4-train", app=HydraApp("train", CONFIG_DIR))
 
 
 if __name__ == "__main__":

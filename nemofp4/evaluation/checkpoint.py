@@ -62,6 +62,7 @@ def load_checkpoint_model(
     device: str | torch.device = "cpu",
     precision: PrecisionConfig | str | None = None,
     verify: bool = True,
+    log_loaded: bool = True,
 ) -> tuple[NemotronHModel, TrainedRunConfig, dict[str, Any]]:
     """(model, the run's config as evaluation reads it, trainer_state) of a checkpoint of ours, in eval mode.
 
@@ -71,6 +72,8 @@ def load_checkpoint_model(
         precision: apply this recipe (name or PrecisionConfig) instead of the run's own, e.g. "bf16"
             to evaluate FP4-trained weights in high precision.
         verify: check the files' sizes and checksums against the checkpoint's marker first.
+        log_loaded: log what was loaded and the recipe it is evaluated under (a caller that does not
+            evaluate, such as the export, says what it does itself).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -98,8 +101,9 @@ def load_checkpoint_model(
     set_model_state_dict(model, model_state)
     model.eval()
     used = (precision or cfg.precision).name
-    log.info("loaded %s (step %s, trained with recipe %s%s)", folder, trainer_state.get("step"), cfg.precision.name,
-             "" if used == cfg.precision.name else f", evaluated as {used}")
+    if log_loaded:
+        log.info("loaded %s (step %s, trained with recipe %s%s)", folder, trainer_state.get("step"), cfg.precision.name,
+                     "" if used == cfg.precision.name else f", evaluated as {used}")
     return model, cfg, trainer_state
 
 

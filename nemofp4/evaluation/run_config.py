@@ -57,6 +57,7 @@ class TrainedRunConfig:
 
     def __post_init__(self) -> None:
         self.precision = precision_config(self.precision)
+        self.model = self.model.trained_on(self.train.seq_len)  # as the trainer records it (runs from before, too)
 
 
 def run_config_from_yaml(text: str) -> TrainedRunConfig:

@@ -9,6 +9,7 @@ the chosen recipe does not have is an error naming the knob, the recipe and its 
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
@@ -110,8 +111,10 @@ def precision_config(cfg: PrecisionConfig | Mapping | str, /, **knobs) -> Precis
     if unknown:
         have = sorted(valid - set(_NOT_KNOBS))
         bad = ", ".join(f"{k}={values[k]!r}" for k in unknown)
+        nearest = difflib.get_close_matches(unknown[0], have, n=1, cutoff=0.0)
+        near = f" (the nearest valid key is precision.{nearest[0]})" if nearest else ""
         raise ValueError(
-            f"precision.{bad}: recipe {values['name']!r} has no such knob; its knobs are {have or 'none'} "
+            f"precision.{bad}: recipe {values['name']!r} has no such knob{near}; its knobs are {have or 'none'} "
             "(set a knob only for a recipe that has it)"
         )
     from omegaconf import OmegaConf  # type checks and conversions (an int for a float knob) as Hydra does

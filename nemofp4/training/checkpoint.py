@@ -82,6 +82,8 @@ _DISCARD_PREFIX = ".deleting-"
 at once, deleted in the background; a process killed meanwhile leaves it for the next start."""
 _DCP_METADATA = ".metadata"
 _DEFAULT_GROUP_TIMEOUT_S = 1800.0
+_DAMAGED = ".damaged"
+"""Suffix of a damaged checkpoint set aside (`step-<N>.damaged`): kept for a human, never loaded."""
 
 
 @dataclass(kw_only=True)
@@ -328,7 +330,7 @@ class CheckpointManager:
             for p in self.root.iterdir()
             if p.is_dir()
             and (p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))
-                 or (p.name.startswith(STEP_PREFIX) and not is_complete(p)))
+                 or (p.name.startswith(STEP_PREFIX) and not is_complete(p) and _DAMAGED not in p.name))
         )
 
     def remove_incomplete(self) -> list[Path]:
@@ -424,14 +426,30 @@ class CheckpointManager:
         return self._entries(tmp, writer.written)
 
     def _write_failed(self, tmp: Path, err: BaseException) -> CheckpointError:
+        written = _folder_bytes(tmp) if _is_disk_full(err) else 0
         if _rank() == 0:
             self._discard(tmp)
         previous = self.latest()
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         if _is_disk_full(err):
             return CheckpointError(f"checkpoint {tmp.name} could not be written: no space left on device (ENOSPC) "
-                                   f"under {self.root}; {kept}. Free space or lower checkpoint.keep_last_k")
+                                   f"under {self.root}; {kept}. {self._space_needed(previous, written)}")
         return CheckpointError(f"checkpoint {tmp.name} could not be written under {self.root}: {err}; {kept}")
+
+    def _space_needed(self, previous: Path | None, written: int) -> str:
+        """What a full disk needs: room for one more checkpoint (its size from the previous one's marker,
+        else at least what was written before the disk filled), and what the kept ones take."""
+        complete = self.complete_checkpoints()
+        size = _checkpoint_bytes(previous) if previous is not None else 0
+        need = (f"a checkpoint of this run takes {_format_bytes(size)}" if size
+                else f"a checkpoint of this run takes more than the {_format_bytes(written)} written before the disk filled")
+        text = f"Free space for one more checkpoint: {need}"
+        if complete:
+            held = sum(_checkpoint_bytes(p) for p in complete)
+            text += (f" (the {len(complete)} kept take {_format_bytes(held)}; checkpoint.keep_last_k="
+                     f"{self.cfg.keep_last_k} prunes only after a save, so a lower value makes room for later "
+                     "saves, not for this one)")
+        return text
 
     def poll(self) -> Path | None:
         """At a step boundary, on every rank: publish the async save in flight if every rank's write
@@ -569,6 +587,21 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {folder} could not be loaded: {_first_line(err)}") from err
         return trainer_state, rank_state, own
 
+    def set_aside(self, folder: Path) -> Path | None:
+        """Move a damaged checkpoint that `resume=auto` fell back from to `step-<N>.damaged` (rank 0; the
+        name gains `-<k>` if taken): it is never tried again nor counted by keep_last_k, and nothing is
+        deleted. Returns the new path on rank 0 (None on the others); collective."""
+        folder, aside = Path(folder), None
+        if _rank() == 0:
+            aside = folder.with_name(f"{folder.name}{_DAMAGED}")
+            k = 1
+            while aside.exists():
+                aside, k = folder.with_name(f"{folder.name}{_DAMAGED}-{k}"), k + 1
+            os.replace(folder, aside)
+            _fsync_dir(self.root)
+        _barrier()
+        return aside
+
     def candidates(self, resume: str) -> list[Path]:
         """Folders to try for a resume setting: 'none' -> [], 'auto' -> complete ones newest first (save
         order), anything else -> that path (a step folder, a checkpoints folder or a run directory)."""
@@ -589,6 +622,29 @@ class CheckpointManager:
             f"resume={resume!r}: no complete checkpoint found (expected a step-<N> folder with {MARKER}, "
             "or a run directory / checkpoints folder containing one)"
         )
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 if it is gone)."""
+    try:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
+def _checkpoint_bytes(folder: Path) -> int:
+    """A complete checkpoint's size as its marker records it (every rank's files), else as found on disk."""
+    try:
+        return sum(int(entry["bytes"]) for entry in json.loads((folder / MARKER).read_text())["files"].values())
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError):
+        return _folder_bytes(folder)
+
+
+def _format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _marker_int(folder: Path, key: str) -> int:

@@ -7,6 +7,7 @@ its own section, never the whole tree.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from nemofp4.training.optim import OptimConfig
 from nemofp4.training.parallel import DistributedConfig
 from nemofp4.training.preemption import PreemptionConfig
 from nemofp4.training.schedule import ScheduleConfig
+
+log = logging.getLogger("nemofp4")
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 CHECKPOINT_STALL_S = 300.0
@@ -255,6 +258,13 @@ class JobConfig:
                 raise ValueError("train.head_tf32=true asks for a TF32 head but model.head_precision=bf16; set one of "
                                  "them (train.head_tf32 is the older spelling of model.head_precision=tf32)")
             self.model = self.model.replace(head_precision="tf32")
+        trained = self.model.trained_on(self.train.seq_len)
+        if trained is not self.model:  # NoPE: no limit to enforce; the config says what was trained
+            log.info("train.seq_len=%d is longer than model.max_position_embeddings=%d: the model has no "
+                     "positional embedding, so it trains as given and records max_position_embeddings=%d "
+                     "(the run's config and an HF export carry it)", self.train.seq_len,
+                     self.model.max_position_embeddings, self.train.seq_len)
+            self.model = trained
 
 
 def job_config_from_yaml(text: str) -> JobConfig:

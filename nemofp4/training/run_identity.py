@@ -23,6 +23,8 @@ __all__ = [
     "FIXED_KEYS",
     "SAFE_KEYS",
     "ConfigChange",
+    "ResumeRefusedError",
+    "changes_the_run",
     "check_resume_config",
     "config_changes",
     "describe_budget_change",
@@ -50,8 +52,21 @@ reads the source again, so another source would only mislabel the run."""
 _ABSENT = "<absent>"
 
 
+class ResumeRefusedError(ValueError):
+    """A resume that would mix two runs. Its message lists one changed key a line, and the console
+    scripts print it so (every other user error is one line)."""
+
+
 def _matches(key: str, prefixes: tuple[str, ...] | list[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def changes_the_run(key: str, accept: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether a resume refuses a change of this dotted key: neither safe nor the budget, and either fixed
+    or not named in `accept` (resume_accept)."""
+    if _matches(key, SAFE_KEYS) or _matches(key, BUDGET_KEYS):
+        return False
+    return _matches(key, FIXED_KEYS) or not _matches(key, list(accept))
 
 
 def flatten_config(cfg: Any) -> dict[str, Any]:
@@ -89,9 +104,11 @@ class ConfigChange(NamedTuple):
 def _with_schema_defaults(saved: Any, schema: type) -> Any:
     """The saved config over the current schema's defaults, so a field added to the schema after the
     checkpoint was written compares as its default rather than as a change, and normalized as the
-    trainer normalizes a config (the dataclasses' ``__post_init__``: an old spelling such as
-    ``train.head_tf32=true`` compares as what it means today, ``model.head_precision=tf32``). Falls back
-    to the merge without normalizing, then to the raw saved config, when the saved config no longer fits."""
+    trainer normalizes a config (the dataclasses' ``__post_init__``): an old spelling such as
+    ``train.head_tf32=true`` compares as what it means today (``model.head_precision=tf32``), and a value
+    the schema now derives (``model.max_position_embeddings`` from ``train.seq_len``) as derived. Falls
+    back to the merge without normalizing, then to the raw saved config, when the saved config no
+    longer fits."""
     try:
         text = saved if isinstance(saved, str) else OmegaConf.to_yaml(OmegaConf.structured(saved))
         merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text))
@@ -200,7 +217,7 @@ def check_resume_config(saved: Any, current: Any, *, step: int, saved_total: int
     if saved_total is not None and new_total < saved_total and not any(_matches(c.key, accept) for c in budget):
         refused += budget
     if refused:
-        raise ValueError(describe_refusal(where, refused))
+        raise ResumeRefusedError(describe_refusal(where, refused))
     if log_notes:
         for change in accepted:
             log.warning("resume_accept: %s changes on resume: %s", change.key, change)

@@ -275,7 +275,7 @@ class Trainer:
                 if cfg.resume != "auto":
                     raise
                 log.warning("%s; falling back to the previous complete checkpoint", err)
-                failures.append(folder.name)
+                failures.append(folder)
                 continue
             if state is not None and "model" in state:
                 set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -284,10 +284,16 @@ class Trainer:
             self.resumed_from = folder
             if self.rank == 0:
                 log.info("resumed from %s at step %d (%d tokens seen)", folder, self.step, self.tokens_seen)
+            for damaged in failures:  # only once another one loaded: if none does, the refusal lists them in place
+                aside = self.ckpt.set_aside(damaged)
+                if self.rank == 0:
+                    log.warning("moved the damaged checkpoint %s aside to %s: it is not tried again and "
+                                "checkpoint.keep_last_k does not count it (nothing was deleted)", damaged, aside)
             return
         if failures:
             raise CheckpointError(
-                f"no checkpoint in {self.ckpt.root} could be loaded (tried {', '.join(failures)}; reasons above). "
+                f"no checkpoint in {self.ckpt.root} could be loaded (tried {', '.join(f.name for f in failures)}; "
+                "reasons above). "
                 "Repair or restore one, resume from another with resume=<path>, or pass overwrite=true to move this "
                 "run aside and start over"
             )

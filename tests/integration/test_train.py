@@ -94,6 +94,10 @@ def test_corrupt_checkpoint_falls_back_under_auto_and_is_named_otherwise(tmp_pat
     auto = run_train(tmp_path, *common)
     log = auto.stdout + auto.stderr
     assert "is damaged" in log and "resumed from" in log and "step-2" in log
+    # the damaged folder is moved aside, not deleted, and the new step-4 took its place
+    aside = tmp_path / "checkpoints" / "step-4.damaged"
+    assert f"moved the damaged checkpoint {tmp_path / 'checkpoints' / 'step-4'} aside to {aside}" in log
+    assert (aside / shard.name).stat().st_size == 100 and (tmp_path / "checkpoints" / "step-4" / "COMPLETE.json").is_file()
     assert train_curve(tmp_path) == straight  # steps 3 and 4 again, bit for bit
     assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3, 4]
 

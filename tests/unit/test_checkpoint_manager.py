@@ -97,6 +97,24 @@ def test_retention_keeps_this_runs_newest_saves_not_the_highest_steps(tmp_path):
     assert [p.name for p in mgr.candidates("auto")] == ["step-12", "step-11"]
 
 
+def test_a_damaged_checkpoint_set_aside_is_kept_but_neither_tried_nor_counted(tmp_path):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=2))
+    for step in (10, 20):
+        _save(mgr, step, step)
+    shard = next((tmp_path / "step-20").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match="damaged"):
+        mgr.verify(tmp_path / "step-20")
+    assert mgr.set_aside(tmp_path / "step-20") == tmp_path / "step-20.damaged"  # what resume=auto does
+    assert [p.name for p in mgr.candidates("auto")] == ["step-10"]
+    _save(mgr, 11, 11)  # the resumed run's next save: with the damaged one counted, step-10 would be pruned
+    assert [p.name for p in mgr.complete_checkpoints()] == ["step-10", "step-11"]
+    assert (tmp_path / "step-20.damaged" / shard.name).is_file() and not mgr.incomplete()
+    _save(mgr, 20, 20)
+    mgr.set_aside(tmp_path / "step-20")  # damaged again: nothing is overwritten
+    assert sorted(p.name for p in tmp_path.glob("step-20.*")) == ["step-20.damaged", "step-20.damaged-1"]
+
+
 def test_same_step_save_replaces_the_folder_only_once_the_new_one_is_complete(tmp_path):
     mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=0))
     _save(mgr, 5, 1.0)
@@ -155,6 +173,10 @@ def test_disk_full_names_enospc_and_the_path_and_keeps_the_previous_checkpoint(t
     with pytest.raises(CheckpointError, match=r"no space left on device \(ENOSPC\)") as err:
         _save(mgr, 2, 2.0)
     assert str(tmp_path) in str(err.value) and "step-1" in str(err.value)
+    # what is needed: room for one more checkpoint, of the previous one's size (its marker's sum)
+    size = sum(f["bytes"] for f in json.loads((tmp_path / "step-1" / MARKER).read_text())["files"].values())
+    assert f"Free space for one more checkpoint: a checkpoint of this run takes {size / 1024:.1f} KiB" in str(err.value)
+    assert "the 1 kept take" in str(err.value) and "lower checkpoint.keep_last_k" not in str(err.value)
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
     with pytest.raises(CheckpointError, match="ENOSPC"):
         _save(mgr, 2, 2.0)
@@ -163,6 +185,25 @@ def test_disk_full_names_enospc_and_the_path_and_keeps_the_previous_checkpoint(t
     assert latest_checkpoint(tmp_path).name == "step-1"
     w, _, _ = _load(mgr, tmp_path / "step-1")
     assert torch.equal(w, torch.full((64,), 1.0))
+
+
+def test_a_full_disk_before_any_checkpoint_says_what_was_written_and_not_keep_last_k(tmp_path, monkeypatch):
+    import errno
+
+    mgr = CheckpointManager(tmp_path, CheckpointConfig())
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if "trainer_state" in str(getattr(f, "name", f)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError) as err:
+        _save(mgr, 1, 1.0)
+    message = str(err.value)
+    assert "no earlier checkpoint exists" in message and "keep_last_k" not in message
+    assert "a checkpoint of this run takes more than the " in message and "written before the disk filled" in message
 
 
 def test_leftover_temporary_folders_are_removed_at_start(tmp_path):

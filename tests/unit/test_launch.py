@@ -536,6 +536,8 @@ def test_presubmit_checks_what_depends_on_the_job_shape(tmp_path, capsys, caplog
         with caplog.at_level("WARNING", logger="nemofp4.launch"):
             launch(config)
         assert "not found from this host" in caplog.text and re.search(message, caplog.text)
+        warning = next(line for line in caplog.text.splitlines() if "not found from this host" in line)
+        assert f"(relative paths are looked up under {REPO_ROOT}, as the job will)" in warning  # once: workdir is it
         assert capsys.readouterr().out.startswith("#!/bin/bash\n")
 
 

@@ -13,7 +13,12 @@ import pytest
 
 from nemofp4.cli.train import MAX_JOB_DIRNAME, compose_job_config, job_dirname
 from nemofp4.training.run_dir import LOCK_FILE, RunDirectory, RunLock, RunLockedError, move_aside
-from nemofp4.training.run_identity import check_resume_config, config_changes, validate_accept_list
+from nemofp4.training.run_identity import (
+    changes_the_run,
+    check_resume_config,
+    config_changes,
+    validate_accept_list,
+)
 
 
 def _write_lock(run_dir, **holder):
@@ -90,7 +95,7 @@ def test_move_aside_keeps_everything_but_the_lock(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]
 
 
-SMALL = ["model=tiny", "data=tiny", "train.max_steps=10"]
+SMALL = ["model=tiny", "data=tiny", "train.max_steps=10", "run_dir=runs/small"]  # run_dir: the default names overrides
 
 
 def test_identity_refuses_recipe_model_seed_and_unnamed_changes_by_key():
@@ -102,6 +107,18 @@ def test_identity_refuses_recipe_model_seed_and_unnamed_changes_by_key():
         with pytest.raises(ValueError, match=rf"{key}: .* -> ") as err:
             check_resume_config(saved, current, step=5, saved_total=10, new_total=10, where="checkpoint x")
         assert ("resume_accept=[optim.lr]" in str(err.value)) == (key == "optim.lr")
+
+
+def test_a_refused_resume_lists_one_changed_key_a_line():
+    saved = compose_job_config(SMALL)
+    current = compose_job_config([*SMALL, "precision=ue5m3", "optim.lr=0.5", "train.seed=3"])
+    with pytest.raises(ValueError) as err:
+        check_resume_config(saved, current, step=5, saved_total=10, new_total=10, where="checkpoint x")
+    lines = str(err.value).splitlines()
+    changed = [line for line in lines if " -> " in line]
+    assert len(changed) == len([c for c in config_changes(saved, current) if c.key != "name"]) > 5  # name: safe
+    assert all(line.startswith("  ") and line.count(" -> ") == 1 for line in changed)
+    assert "  optim.lr: 0.0008 -> 0.5" in lines and "  train.seed: 42 -> 3" in lines
 
 
 def test_identity_accepts_safe_keys_named_keys_and_a_longer_budget(caplog):
@@ -137,6 +154,31 @@ def test_changes_list_every_differing_key():
     a = compose_job_config(SMALL)
     b = compose_job_config([*SMALL, "optim.lr=0.25", "train.seed=3"])
     assert [(c.key, c.current) for c in config_changes(a, b)] == [("optim.lr", 0.25), ("train.seed", 3)]
+
+
+def test_the_default_run_dir_tells_differently_configured_runs_apart():
+    def run_dir(*overrides):
+        return compose_job_config(list(overrides)).run_dir
+
+    assert run_dir("experiment=tiny_ue5m3") == "runs/tiny-ue5m3"  # what `make train` prints
+    # the two nvfp4 runs of docs/training.md and docs/recipes.md, followed in order
+    assert run_dir("experiment=tiny_ue5m3", "precision=nvfp4") == "runs/tiny-nvfp4"
+    assert run_dir("experiment=tiny_ue5m3", "precision=nvfp4", "precision.num_bf16_last_layers=2") == (
+        "runs/tiny-nvfp4-precision.num_bf16_last_layers=2")
+    # keys a resume refuses to change name the run, sorted; '/' cannot split the name
+    assert run_dir("train.seed=3", "optim.lr=1e-2", "data.tokenizer=a/b") == (
+        "runs/tiny-bf16-data.tokenizer=a_b,optim.lr=1e-2,train.seed=3")
+    # the same run observed, saved, laid out or budgeted otherwise finds its directory again
+    same = ("train.max_steps=600", "train.kernels=eager", "distributed=fsdp", "train.micro_batch=4",
+            "logging.wandb=false", "eval.num_sequences=8", "checkpoint.interval=2", "resume=auto")
+    assert run_dir("experiment=tiny_ue5m3", *same) == "runs/tiny-ue5m3"
+    # a change accepted into the run (resume_accept) resumes it; a fixed key cannot be accepted, so it names the run
+    assert run_dir("experiment=tiny_ue5m3", "optim.lr=1e-2", "resume_accept=[optim]") == "runs/tiny-ue5m3"
+    assert run_dir("experiment=tiny_ue5m3", "optim.lr=1e-2", "schedule.warmup_steps=5", "resume_accept=[optim.lr]") == (
+        "runs/tiny-ue5m3-schedule.warmup_steps=5")
+    assert changes_the_run("train.seed", ["train"]) and not changes_the_run("train.grad_clip", ["train"])
+    assert run_dir("experiment=tiny_ue5m3", "precision.reference_interval=10", "run_dir=runs/mine") == "runs/mine"  # given: used as given
+    assert run_dir("hydra.mode=MULTIRUN", "optim.lr=1e-3") == "runs/tiny-bf16"  # a sweep's jobs add their own
 
 
 def test_sweep_job_dirnames_are_safe_bounded_and_distinct():

@@ -101,3 +101,25 @@ def test_head_tf32_is_the_older_spelling_of_head_precision_tf32():
     saved = OmegaConf.to_container(OmegaConf.structured(cfg))
     del saved["model"]["head_precision"]
     assert config_changes(OmegaConf.to_yaml(OmegaConf.create(saved)), cfg) == []
+
+
+def test_a_longer_seq_len_than_max_position_embeddings_trains_and_is_recorded_as_the_context_length(caplog):
+    # Nemotron-H has no positional embedding: nothing limits the length, so the run records what it trained on
+    from omegaconf import OmegaConf
+
+    from nemofp4.evaluation import run_config_from_yaml
+    from nemofp4.models.nemotron_h.hf_adapter import to_hf_config
+    from nemofp4.training.run_identity import config_changes
+
+    assert compose_job_config(["train.seq_len=512"]).model.max_position_embeddings == 1024  # shorter: the preset's
+    with caplog.at_level("INFO", logger="nemofp4"):
+        job = compose_job_config(["train.seq_len=4096"])
+    assert job.model.max_position_embeddings == 4096
+    assert "train.seq_len=4096 is longer than model.max_position_embeddings=1024" in caplog.text
+    saved = OmegaConf.to_yaml(OmegaConf.structured(job))
+    assert "max_position_embeddings: 4096" in saved and config_changes(saved, job) == []
+    # a run saved before this rule (1024 with 4096-token sequences) resumes, and its export says 4096
+    older = saved.replace("max_position_embeddings: 4096", "max_position_embeddings: 1024")
+    assert config_changes(older, job) == []
+    model = run_config_from_yaml(older).model
+    assert model.max_position_embeddings == 4096 and to_hf_config(model)["max_position_embeddings"] == 4096

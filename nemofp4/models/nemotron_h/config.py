@@ -78,7 +78,9 @@ class NemotronHConfig:
     num_key_value_heads: int
     attention_head_dim: int
     max_position_embeddings: int = 8192
-    """Context length the model is trained for; NoPE, so it only documents intent (and goes to HF)."""
+    """Context length the model is trained for. No tensor depends on it (the attention has no
+    positional embedding and Mamba-2 is recurrent), so a longer training sequence is no error:
+    :meth:`trained_on` raises it to the trained length, which goes to the HF config."""
 
     # --- Mamba-2 ---
     mamba_num_heads: int
@@ -197,6 +199,15 @@ class NemotronHConfig:
         if unknown:
             raise ValueError(f"unknown NemotronHConfig fields {unknown}; valid fields are {sorted(names)}")
         return dataclasses.replace(self, **overrides)
+
+    def trained_on(self, seq_len: int) -> NemotronHConfig:
+        """This config as trained on `seq_len`-token sequences: max_position_embeddings raised to seq_len
+        when it is shorter (the model has no positional embedding, so nothing limits the length; the
+        field records the context trained for, which transformers and serving stacks read as the
+        maximum length), else unchanged."""
+        if seq_len <= self.max_position_embeddings:
+            return self
+        return self.replace(max_position_embeddings=seq_len)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
