@@ -13,6 +13,9 @@ TORCH_CPU_INDEX ?=
 EXTRAS ?= dev
 TRAIN_ARGS ?=
 PYTEST_ARGS ?= -m "not slow"
+# Test modules run in parallel worker processes, one module per worker at a time (tests/parallel.py).
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+PYTEST_PARALLEL ?= -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: setup train test test-all lint clean
 
@@ -38,7 +41,7 @@ lint: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-all: setup
 	$(PY) -m pytest -q -m ""
