@@ -13,6 +13,9 @@ TORCH_CPU_INDEX ?=
 EXTRAS ?= dev
 TRAIN_ARGS ?=
 PYTEST_ARGS ?= -m "not slow"
+# Test modules run in parallel worker processes, one module per worker at a time (tests/parallel.py).
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+PYTEST_PARALLEL ?= -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: setup train test test-all lint clean
 
@@ -45,10 +48,10 @@ lint: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)  # exit 5, no tests collected, fails too
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)  # exit 5, no tests collected, fails too
 
 test-all: setup
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m ""
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

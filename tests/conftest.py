@@ -36,6 +36,8 @@ needs_triton_interpreter = pytest.mark.skipif(
     reason="needs triton and its CPU interpreter (on a CUDA machine tests/gpu run the kernels compiled)",
 )
 
+pytest_plugins = ["tests.parallel"]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
