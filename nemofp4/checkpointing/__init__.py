@@ -232,11 +232,22 @@ def _allowed_global(module: str, name: str) -> Any | None:
         return torch.serialization._get_layout
     if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
         return getattr(pathlib, name)
+    if (module, name) == ("builtins", "getattr"):
+        return _enum_member
     if (module, name) == ("collections", "OrderedDict"):
         import collections
 
         return collections.OrderedDict
     return None
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """`getattr` as some Python 3.11 releases (3.11.2) pickle an enum member, `getattr(cls, name)`: only a
+    member of an enum the metadata may hold, never another attribute."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__.startswith(
+            "torch.distributed.checkpoint.") and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not allowed in DCP metadata (only enum members)")
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -127,3 +127,29 @@ def test_numpy_generator_state_of_older_checkpoints_loads_but_an_object_array_pa
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         load_tensors(tmp_path / "evil.pt")
     assert not proof.exists()
+
+
+class _GetattrReduce:
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return (getattr, (self.cls, self.name))
+
+
+def test_dcp_metadata_enum_members_pickled_by_getattr_load_and_no_other_getattr_does():
+    # Python 3.11.2 pickles an enum member as getattr(cls, name): the metadata it writes must load, but getattr
+    # must not reach anything else (a method of an allowed class, an enum's other attributes).
+    import io
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from nemofp4.checkpointing import _MetadataUnpickler
+
+    def load(obj):
+        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
+
+    assert load({"kind": _GetattrReduce(WriteItemType, "TENSOR")}) == {"kind": WriteItemType.TENSOR}
+    for cls, name in [(Path, "write_text"), (WriteItemType, "__class__"), (WriteItemType, "_member_map_")]:
+        with pytest.raises(pickle.UnpicklingError, match="not allowed in DCP metadata"):
+            load(_GetattrReduce(cls, name))
