@@ -49,7 +49,8 @@ MpiDefault=none
 JobRequeue=1
 ReturnToService=2
 KillWait=30
-MinJobAge=600
+# the SLURM tests read a finished job's record (scontrol) up to an hour after it ended
+MinJobAge=3600
 SlurmdTimeout=60
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
@@ -104,6 +105,10 @@ write_config() {
   if [[ ! -f "${CONF}" ]] || [[ "$(cat "${CONF}")" != "${wanted}" ]]; then
     say "writing ${CONF}"
     printf '%s\n' "${wanted}" >"${CONF}"
+    if pid_alive /var/run/slurmctld.pid; then  # already up with the old settings
+      say "reconfiguring the running daemons"
+      scontrol reconfigure
+    fi
   fi
   if ! grep -Eq '^127\.0\.0\.1([[:space:]].*)?[[:space:]]n1([[:space:]]|$)' /etc/hosts; then
     say "adding '127.0.0.1 n1 n2' to /etc/hosts"
@@ -154,6 +159,7 @@ case "${1:-}" in
   up)
     need_root
     if command -v sinfo >/dev/null && nodes_up; then
+      write_config  # settings changed since it came up: rewritten, and the daemons reconfigured
       say "up: $(sinfo --noheader --Node --format='%N:%t' | tr '\n' ' ')"
       exit 0
     fi

@@ -126,9 +126,22 @@ def _wait(condition, what: str, *, logs=(), timeout_s: float = JOB_TIMEOUT_S, po
         time.sleep(poll_s)
 
 
+_ENDED: dict[str, dict[str, str]] = {}
+"""The last record of every job seen to end: slurmctld forgets a job MinJobAge after it ends, and on a
+loaded machine a later test may ask about the reference job after that."""
+
+
 def _finished(job_id: str) -> dict[str, str] | None:
+    if job_id in _ENDED:
+        return _ENDED[job_id]
     job = _job(job_id)
-    return job if job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
+    if not job:
+        pytest.fail(f"Slurm no longer knows job {job_id}: it ended more than MinJobAge before this test asked "
+                    "(scripts/slurm_local_cluster.sh sets MinJobAge=3600)")
+    if job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        _ENDED[job_id] = job
+        return job
+    return None
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
