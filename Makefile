@@ -15,7 +15,7 @@ TRAIN_ARGS ?=
 PYTEST_ARGS ?= -m "not slow"
 # Test modules run in parallel worker processes, one module per worker at a time (tests/parallel.py).
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-PYTEST_PARALLEL ?= -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL ?= -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: setup train test test-all lint clean
 

@@ -1,9 +1,8 @@
 """How the suite shares the machine's cores when pytest-xdist runs it (``make test`` passes ``-n``).
 
-- Each test module is one unit of work (an ``xdist_group`` named after the file), so a module's
-  fixtures (a trained tiny run, a built checkpoint) are made once, in one worker, as in a serial run.
-- Modules that drive the local SLURM cluster share one group: the cluster has two nodes, and two
-  jobs asking for both would queue behind each other until a test's deadline passed.
+- Each test module is one unit of work (``--dist loadfile``), so a module's fixtures (a trained tiny
+  run, a built checkpoint) are made once, in one worker, as in a serial run; the one module that
+  submits jobs to the local SLURM cluster (two nodes) never competes with itself.
 - The longest modules are handed out first, so the two workers finish close together instead of one
   starting the longest module last. The list only orders work; a module missing from it still runs.
 - A worker gets its share of the cores as torch intra-op threads (``OMP_NUM_THREADS`` for the
@@ -15,9 +14,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
-SLURM_MODULES = ("tests/integration/test_slurm_cluster.py",)
-"""Modules that submit jobs to the local SLURM cluster: run one after another, in one worker."""
 
 LONGEST_FIRST = (
     "tests/integration/test_docs_commands.py",
@@ -46,22 +42,23 @@ def _workers() -> int:
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 
-@pytest.hookimpl(tryfirst=True)
+def _in_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_collection_modifyitems(config, items):
-    if not hasattr(config, "workerinput") and not getattr(config.option, "numprocesses", None):
-        return  # a serial run: keep pytest's order
+    if not _in_worker(config):
+        return  # a serial run keeps pytest's order
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: file order kept within
-    for item in items:
-        module = _module(item)
-        item.add_marker(pytest.mark.xdist_group("slurm-cluster" if module in SLURM_MODULES else module))
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):
+    if not _in_worker(config):
         return
     threads = str(max(1, (os.cpu_count() or 1) // _workers()))
     os.environ.setdefault("OMP_NUM_THREADS", threads)
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
