@@ -12,7 +12,8 @@ import sys
 import threading
 import time
 
-from tests.integration.test_distributed import ROOT, SMALL, _free_port
+from tests.conftest import ROOT, SMALL
+from tests.conftest import free_port as _free_port
 
 TIMEOUT_S = 5.0
 GRACE_S = 3.0

@@ -256,7 +256,7 @@ the hub's offline switches (CI has no network; offline, a lookup fails at once i
 
 LANES = (
     ("README.md", "docs/training.md", "docs/recipes.md"),
-    ("docs/evaluation.md", "docs/data.md", "docs/distributed.md", "docs/slurm.md"),
+    ("docs/evaluation.md", "docs/data.md", "docs/model.md", "docs/distributed.md", "docs/planning.md", "docs/slurm.md"),
 )
 """Pages in the README's order, in two lanes of about equal cost. The first is a user's path through
 the README and the two training pages (they share runs/demo, runs/tiny-ue5m3 and what they reuse);

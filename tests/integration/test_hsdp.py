@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nemofp4.training.metrics import read_metrics
-from tests.integration.test_distributed import launch, losses
+from tests.conftest import launch, losses
 
 STEPS = 3
 

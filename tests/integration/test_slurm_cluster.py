@@ -187,6 +187,9 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_trains_the_same_losses(w
           "the requeued job to be pending", logs=[log])  # fmt: skip
     stopped_at = max(_losses(run_dir))
     assert (run_dir / "checkpoints" / f"step-{stopped_at}" / "COMPLETE.json").is_file(), log()
+    # slurmd revokes the first run's credential with a time in whole seconds: a restart within the
+    # same second is refused ("Job credential revoked"); Slurm's own hold (~120 s) never comes close
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], check=True)
     job = _wait(lambda: _finished(job_id), "the requeued job to finish", logs=[log])
 
