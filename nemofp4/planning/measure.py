@@ -33,7 +33,21 @@ __all__ = ["BlockMeasure", "HeadMeasure", "LiveBytes", "LiveTensorBytes", "gpu_q
 
 
 # ------------------------------------------------------------------------------------ live bytes
-class LiveTensorBytes(TorchDispatchMode):
+class _TracksOutputs(TorchDispatchMode):
+    """A dispatch mode that hands every tensor an op returns to ``self._track``."""
+
+    def _track(self, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+class LiveTensorBytes(_TracksOutputs):
     """Bytes of the tensor storages created inside the mode that are still alive (``live``) and
     the most alive at once (``peak``), on real tensors (keyed by data pointer). Storages of the
     tensors passed in (inputs, parameters) and their views are not counted."""
@@ -58,15 +72,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self._seen.discard(key)
         self.live -= nbytes
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
 
-
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(_TracksOutputs):
     """Live bytes of the storages created inside, by label ('act' or 'temp', from :attr:`label` when
     made), and the split at the largest sum since :meth:`reset_peak`. Works on fake tensors (storages
     are followed by weak reference, as torch's MemTracker does)."""
@@ -99,13 +106,6 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         _, label, nbytes = self._storages.pop(key)
         self.live[label] -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
 
 
 # ------------------------------------------------------------------------------------ set-up

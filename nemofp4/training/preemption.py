@@ -113,6 +113,19 @@ def _as_signal(sig: signal.Signals | int | str) -> signal.Signals:
         raise ValueError(f"unknown signal number {sig!r}") from None
 
 
+def flush_and_exit(code: int) -> None:
+    """Exit at once with ``code`` (``os._exit``: no clean-up, which may wait in a broken process group),
+    after flushing what was logged and printed so the reason reaches the job's log."""
+    for name in (None, "nemofp4", __name__):  # the root's handlers and the project's own
+        for handler in logging.getLogger(name).handlers:
+            with contextlib.suppress(OSError, ValueError):
+                handler.flush()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
 class PreemptionHandler:
     """Signal-driven stop flag that all ranks agree on, plus the SLURM requeue at the end.
 
@@ -266,13 +279,7 @@ class PreemptionHandler:
             self.exit_grace_s, sig.name, code,
         )  # fmt: skip
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        for handler in logging.getLogger().handlers + logger.handlers:
-            with contextlib.suppress(OSError, ValueError):
-                handler.flush()
-        with contextlib.suppress(OSError, ValueError):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        flush_and_exit(code)
 
     # ---------------------------------------------------------------- agreement
 

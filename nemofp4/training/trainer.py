@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import sys
 import threading
 import time
 from dataclasses import asdict
@@ -62,7 +60,7 @@ from nemofp4.training.nonfinite import (
 from nemofp4.training.optim import build_optimizer, set_lr
 from nemofp4.training.parallel import parallelize, set_gradient_sync
 from nemofp4.training.plots import plot_run
-from nemofp4.training.preemption import PreemptionHandler
+from nemofp4.training.preemption import PreemptionHandler, flush_and_exit
 from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
 from nemofp4.training.run_dir import RUN_CONFIG, RunDirectory, describe_used
 from nemofp4.training.run_identity import check_resume_config, validate_accept_list
@@ -420,14 +418,8 @@ class Trainer:
         log.error("rank %d of %d: %s timed out after %g s (%s) at step %d: a rank it waits for is stuck or gone; "
                   "this process exits now [%s]", self.rank, self.world, operation, timeout, name, self.step,
                   first_line)  # fmt: skip
-        for handler in logging.getLogger().handlers + log.handlers:
-            with contextlib.suppress(OSError, ValueError):
-                handler.flush()
-        with contextlib.suppress(OSError, ValueError):
-            sys.stdout.flush()
-            sys.stderr.flush()
         # no clean-up: the group is broken, and a background save's thread may wait in it for its own timeout
-        os._exit(COLLECTIVE_TIMEOUT_EXIT_CODE)
+        flush_and_exit(COLLECTIVE_TIMEOUT_EXIT_CODE)
 
     def _shorten_timeouts(self) -> None:
         """After the first step: every collective of the training loop waits at most
