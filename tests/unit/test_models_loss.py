@@ -8,6 +8,24 @@ import torch.nn.functional as F
 from nemofp4.models.loss import chunked_cross_entropy, head_cross_entropy
 
 
+def _tiny_parallelized(precision: str):
+    """The default (tiny) job's model in ``precision``, seeded, wrapped as the trainer wraps it on CPU."""
+    from nemofp4.cli.train import compose_job_config
+    from nemofp4.models import build_model
+    from nemofp4.recipes import apply_recipe, recipe_from_config
+    from nemofp4.training.parallel import parallelize
+
+    cfg = compose_job_config([f"precision={precision}"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device="meta")
+    apply_recipe(model, recipe_from_config(cfg.precision), log=False)
+    model = parallelize(model, cfg.distributed, device_type="cpu")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return cfg, model
+
+
+
 def _problem(tokens=37, width=24, vocab=101, dtype=torch.float32, seed=0, bias=False):
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(1, tokens, width, generator=g) * 2).to(dtype).requires_grad_()
@@ -104,18 +122,9 @@ def test_lm_loss_with_head_chunks_equals_the_full_logits_loss(precision):
     unchunked head on the tiny model, through the head method that parallelize() attaches. Under
     ue5m3 the gradients below the head pass FP4-quantized GEMMs, where a last-bit difference in dY can
     move a code, so there the head's and the final norm's gradients are compared."""
-    from nemofp4.cli.train import compose_job_config
-    from nemofp4.models import build_model, lm_loss
-    from nemofp4.recipes import apply_recipe, recipe_from_config
-    from nemofp4.training.parallel import parallelize
+    from nemofp4.models import lm_loss
 
-    cfg = compose_job_config([f"precision={precision}"])
-    torch.manual_seed(0)
-    model = build_model(cfg.model, device="meta")
-    apply_recipe(model, recipe_from_config(cfg.precision), log=False)
-    model = parallelize(model, cfg.distributed, device_type="cpu")
-    model.to_empty(device="cpu")
-    model.init_weights()
+    cfg, model = _tiny_parallelized(precision)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     labels = ids.roll(-1, dims=1)
 
@@ -205,18 +214,9 @@ def test_head_precision_is_checked_by_name():
 
 
 def _tiny_model_grads(precisions, *, chunk=32):
-    from nemofp4.cli.train import compose_job_config
-    from nemofp4.models import build_model, lm_loss
-    from nemofp4.recipes import apply_recipe, recipe_from_config
-    from nemofp4.training.parallel import parallelize
+    from nemofp4.models import lm_loss
 
-    cfg = compose_job_config(["precision=bf16"])
-    torch.manual_seed(0)
-    model = build_model(cfg.model, device="meta")
-    apply_recipe(model, recipe_from_config(cfg.precision), log=False)
-    model = parallelize(model, cfg.distributed, device_type="cpu")
-    model.to_empty(device="cpu")
-    model.init_weights()
+    cfg, model = _tiny_parallelized("bf16")
     ids = torch.randint(0, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     labels = ids.roll(-1, dims=1)
     out = {}
