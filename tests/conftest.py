@@ -330,3 +330,17 @@ def read_all(prefix):
 
     source = open_token_source(prefix, verify="full")
     return [source.get(d, 0, int(source.lengths_of(np.array([d]))[0])).tolist() for d in range(source.num_documents)]
+
+
+def perturbed_tiny(seed: int = 0, **overrides) -> nn.Module:
+    """The tiny model at random init, then every parameter moved off its init value (norm gains, D,
+    A_log, dt_bias, conv), so that a weight not loaded or mismatched shows in the logits."""
+    from nemofp4.models import build_model, get_model_config
+
+    torch.manual_seed(seed)
+    model = build_model(get_model_config("tiny", **overrides))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.03))
+    return model

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from nemofp4.models import build_model, get_model_config
+from nemofp4.models import get_model_config
 from nemofp4.models.nemotron_h import (
     export_hf,
     from_hf_config,
@@ -14,20 +14,13 @@ from nemofp4.models.nemotron_h import (
     to_hf_config,
     to_hf_state_dict,
 )
+from tests import conftest
 
 transformers = pytest.importorskip("transformers")
 
 
 def perturbed_tiny(seed=0, **overrides):
-    """tiny at random init, then every parameter moved off its init value (norm gains, D, A_log,
-    dt_bias, conv) so that a mismatch in any of them shows in the logits."""
-    torch.manual_seed(seed)
-    model = build_model(get_model_config("tiny", **overrides))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.03))
-    return model.eval()
+    return conftest.perturbed_tiny(seed, **overrides).eval()
 
 
 @pytest.fixture(scope="module")

@@ -26,19 +26,11 @@ from nemofp4.training.init_from import (
     write_record,
 )
 from nemofp4.training.run_identity import check_resume_config, validate_accept_list
+from tests.conftest import perturbed_tiny
 
 SHIPPED_TOKENIZER = REPO_ROOT / "data" / "tokenizer"
 
 
-def perturbed(seed=0, **overrides):
-    """A model whose every parameter is off its init value, so that a weight not loaded shows."""
-    torch.manual_seed(seed)
-    model = build_model(get_model_config("tiny", **overrides))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.03))
-    return model
 
 
 def folder_of(model, path, dtype=None, *, tokenizer=True):
@@ -73,7 +65,7 @@ def shard(folder):
 @pytest.mark.parametrize("dtype, sharded, tied", [(None, False, False), (torch.bfloat16, True, False),
                                                   (None, True, True)])
 def test_weights_load_exactly_from_one_file_or_shards_in_fp32_or_bf16(tmp_path, dtype, sharded, tied):
-    source = perturbed(tie_word_embeddings=tied)
+    source = perturbed_tiny(tie_word_embeddings=tied)
     folder = folder_of(source, tmp_path / "hf", dtype)
     if sharded:
         shard(folder)
@@ -104,7 +96,7 @@ def test_the_released_8b_config_is_the_nemotron_h_8b_preset():
 
 
 def test_weights_that_do_not_fit_are_refused_by_name(tmp_path):
-    source = perturbed()
+    source = perturbed_tiny()
     folder = folder_of(source, tmp_path / "hf")
     with pytest.raises(ValueError, match=r"differs from the run's in 2 field\(s\).*hidden_size: 128 -> 256.*"
                                          r"mamba_num_heads: 8 -> 16"):
@@ -145,7 +137,7 @@ def test_weights_that_do_not_fit_are_refused_by_name(tmp_path):
 
 
 def test_the_data_must_use_the_sources_tokenizer(tmp_path):
-    folder = folder_of(perturbed(), tmp_path / "hf")
+    folder = folder_of(perturbed_tiny(), tmp_path / "hf")
     source = resolve_source(str(folder))
     check_compatible(source, get_model_config("tiny"), DataConfig())  # the shipped tokenizer, copied
     check_compatible(source, get_model_config("tiny"), DataConfig(tokenizer=str(folder)))
@@ -155,13 +147,13 @@ def test_the_data_must_use_the_sources_tokenizer(tmp_path):
     with pytest.raises(ValueError, match=rf"trained with the tokenizer {other}.*EOD 'the'.*but data.tokenizer="
                                          rf"data/tokenizer is another one.*Pass data.tokenizer={other}"):
         check_compatible(resolve_source(str(other)), get_model_config("tiny"), DataConfig())
-    bare = folder_of(perturbed(), tmp_path / "bare", tokenizer=False)
+    bare = folder_of(perturbed_tiny(), tmp_path / "bare", tokenizer=False)
     with pytest.raises(ValueError, match="has no tokenizer.json"):
         check_compatible(resolve_source(str(bare)), get_model_config("tiny"), DataConfig())
 
 
 def test_identity_hashes_the_files_and_a_run_dir_keeps_to_its_source(tmp_path):
-    folder = shard(folder_of(perturbed(), tmp_path / "hf"))
+    folder = shard(folder_of(perturbed_tiny(), tmp_path / "hf"))
     source = resolve_source(str(folder))
     record = source_identity(source, "hf")
     for name, digest in record["files"].items():
@@ -172,7 +164,7 @@ def test_identity_hashes_the_files_and_a_run_dir_keeps_to_its_source(tmp_path):
     check_recorded_source(run_dir, source, record)  # nothing recorded yet
     write_record(run_dir, record)
     check_recorded_source(run_dir, source, record)
-    other = resolve_source(str(folder_of(perturbed(seed=5), tmp_path / "other")))
+    other = resolve_source(str(folder_of(perturbed_tiny(seed=5), tmp_path / "other")))
     with pytest.raises(ValueError, match=rf"started from {folder.resolve()}.*this start names {other.path}"):
         check_recorded_source(run_dir, other)
     changed = load_file(str(folder / "model-00001-of-00002.safetensors"))
