@@ -525,6 +525,27 @@ def _bash_array(name: str, items: list[str]) -> str:
     return f"{name}=(\n{body}\n)"
 
 
+RENDEZVOUS_STORE_BLOCK = """\
+# The rendezvous store lives in this shell's job step, not in a torchrun agent: the agent hosting it
+# would leave the exit barrier first and take the store down under the others, which then log a
+# traceback at the end of a successful run (pytorch/pytorch#69520). It ignores Slurm's signals and
+# is killed when this shell exits, after srun has returned. (In a container the batch host may lack
+# Python, so there the agents host the store as torchrun does by default.)
+rendezvous_ready="$(mktemp -u "${TMPDIR:-/tmp}/nemofp4-rendezvous.XXXXXX")"
+python -m nemofp4.cli.rendezvous_store --port "${rdzv_port}" --ready-file "${rendezvous_ready}" &
+rendezvous_store_pid=$!
+trap 'kill -KILL "${rendezvous_store_pid}" 2>/dev/null || true; rm -f "${rendezvous_ready}"' EXIT
+until [[ -f "${rendezvous_ready}" ]]; do
+  if ! kill -0 "${rendezvous_store_pid}" 2>/dev/null; then
+    log "the rendezvous store did not start on port ${rdzv_port} (is the port taken? set MASTER_PORT)"
+    exit 1
+  fi
+  sleep 0.2
+done
+log "rendezvous store: pid ${rendezvous_store_pid} on ${head_node}:${rdzv_port}"
+"""
+
+
 def _launch_block(config: LaunchConfig, workdir: Path) -> str:
     slurm = config.slurm
     train_args = train_arguments(config, "${run_dir}")
@@ -553,6 +574,7 @@ def _launch_block(config: LaunchConfig, workdir: Path) -> str:
         "--rdzv_backend=c10d",
         '--rdzv_endpoint="${head_node}:${rdzv_port}"',
         '--rdzv_id="${SLURM_JOB_ID}"',
+        *([] if slurm.container_image else ["--rdzv_conf=is_host=false"]),
         f"-m {TRAIN_MODULE}",
         *train_args,
     ]
@@ -560,6 +582,7 @@ def _launch_block(config: LaunchConfig, workdir: Path) -> str:
     agent_wrapper = f"bash -c 'trap \"\" {ignored}; exec \"$@\"' torchrun-agent"
     return "\n".join(
         [
+            *([] if slurm.container_image else [RENDEZVOUS_STORE_BLOCK.rstrip()]),
             _bash_array("train_cmd", train_cmd),
             "# The signals are meant for the workers (their preemption handler checkpoints). torchrun's agent",
             "# would die of SIGUSR1 and answer SIGTERM by killing the workers 30 s later, so the agent ignores",

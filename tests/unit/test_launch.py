@@ -107,9 +107,11 @@ def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, conta
     if mode is LaunchMode.torchrun:
         assert _array(script, "train_cmd") == [
             "torchrun", '--nnodes="${SLURM_NNODES}"', f"--nproc_per_node={gpus}", "--rdzv_backend=c10d",
-            '--rdzv_endpoint="${head_node}:${rdzv_port}"', '--rdzv_id="${SLURM_JOB_ID}"', "-m nemofp4.train",
-            *train_tail,
+            '--rdzv_endpoint="${head_node}:${rdzv_port}"', '--rdzv_id="${SLURM_JOB_ID}"',
+            *([] if container else ["--rdzv_conf=is_host=false"]), "-m nemofp4.train", *train_tail,
         ]  # fmt: skip
+        # the batch shell hosts the rendezvous store (where it has Python), so no agent takes it down
+        assert ('python -m nemofp4.cli.rendezvous_store --port "${rdzv_port}"' in script) is (container is None)
         assert srun[-2] == "bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun-agent"
         assert ('export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" '
                 'PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"') in script
@@ -204,7 +206,10 @@ FAKE_SRUN = FAKE_SRUN.replace('echo "$sig"', "echo USR1")
 
 FAKE_TASK = """#!{python}
 # Stands in for torchrun / python: records argv, ignored signals and the environment, then waits.
+# The batch shell's own rendezvous store is the real one.
 import json, os, sys, time
+if sys.argv[1:3] == ["-m", "nemofp4.cli.rendezvous_store"]:
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 ignored = int(next(l for l in open("/proc/self/status") if l.startswith("SigIgn:")).split()[1], 16)
 record = dict(argv=sys.argv[1:], ignored=[s for s in (10, 15) if ignored >> (s - 1) & 1],
               torchelastic_signals=[os.environ.get(n) for n in ("TORCHELASTIC_SIGNALS_TO_HANDLE", "PET_SIGNALS_TO_HANDLE")],
@@ -240,6 +245,18 @@ def _wait_for(path: Path, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists() or not path.read_text():
         assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _wait_for_exit(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                return  # dead, not yet reaped
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"process {pid} still runs"
         time.sleep(0.05)
 
 
@@ -279,7 +296,8 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
         assert srun_args[:4] == ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=16", "--kill-on-bad-exit=1"]
         assert task["argv"] == [
             "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d", f"--rdzv_endpoint=gpu-007:{port}",
-            "--rdzv_id=12345", "-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={run_dir}",
+            "--rdzv_id=12345", "--rdzv_conf=is_host=false", "-m", "nemofp4.train", "experiment=tiny_ue5m3",
+            f"run_dir={run_dir}",
         ]  # fmt: skip
         assert task["ignored"] == [10, 15]  # SIGUSR1 and SIGTERM are ignored by the agent
         assert task["torchelastic_signals"] == ["SIGINT,SIGHUP,SIGQUIT"] * 2
@@ -289,6 +307,12 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
         assert task["ignored"] == []  # python tasks receive the signals directly
     assert "git commit: 0123456789abcdef" in output
     assert f"rendezvous: gpu-007:{port}" in output
+    store = re.search(rf"rendezvous store: pid (\d+) on gpu-007:{port}", output)
+    if mode is LaunchMode.torchrun:  # started before srun, gone with the batch shell
+        assert store, output
+        _wait_for_exit(int(store.group(1)))
+    else:
+        assert store is None, output
     assert "received SIGTERM" in output and "received SIGUSR1" in output
     assert f"training step exited with status {step_status}" in output
 
