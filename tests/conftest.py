@@ -269,6 +269,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie not yet reaped by its parent counts as gone)."""
+    try:
+        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
 def launch(nproc: int, run_dir: Path, *overrides: str, expect_rc: int = 0) -> None:
     """``nemofp4.train`` with :data:`SMALL` in ``nproc`` processes (torchrun for more than one)."""
     if nproc == 1:

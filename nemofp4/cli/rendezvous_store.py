@@ -29,11 +29,11 @@ PARENT_POLL_S = 1.0
 
 def serve(port: int, ready_file: Path | None = None) -> None:
     """Host a TCPStore on ``port`` (every interface) until the parent process exits."""
-    for number in IGNORED_SIGNALS:  # before the slow torch import: a scancel may come at any time
+    parent = os.getppid()  # before the slow torch import, as are the signals: the shell may go meanwhile
+    for number in IGNORED_SIGNALS:  # a scancel may come at any time
         signal.signal(number, signal.SIG_IGN)
     import torch.distributed as dist
 
-    parent = os.getppid()
     # The server listens on every interface; host_name is only where its own client connects.
     store = dist.TCPStore(
         "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=60)

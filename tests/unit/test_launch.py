@@ -27,6 +27,7 @@ from nemofp4.cli.launch import (
     validate,
 )
 from nemofp4.training.dist_env import slurm_master_port
+from tests.conftest import process_gone
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -250,12 +251,7 @@ def _wait_for(path: Path, timeout_s: float = 20.0) -> None:
 
 def _wait_for_exit(pid: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
-                return  # dead, not yet reaped
-        except FileNotFoundError:
-            return
+    while not process_gone(pid):
         assert time.monotonic() < deadline, f"process {pid} still runs"
         time.sleep(0.05)
 
