@@ -11,7 +11,9 @@ code) and a plain ``activate``; only the README's own ``source .venv/bin/activat
 
 Two lanes share the checkout to halve the wall time (:data:`LANES`, ``NEMOFP4_DOCS_TEST_JOBS``,
 default 2; 1 runs all pages in one shell): both start from the shell the README's set-up block
-leaves. A page belongs in the lane of the pages whose files or run directories it uses, or waits
+leaves, each with its share of the cores as ``OMP_NUM_THREADS`` (two lanes of commands that each
+spin a thread per core used 1.5 times the CPU time, 637 s against 427 s, on two cores). A page
+belongs in the lane of the pages whose files or run directories it uses, or waits
 for them (:data:`AFTER`). Later pages reuse earlier ones' runs where the docs name the same run (a
 finished run is not trained again), which keeps the test as cheap as running pages apart.
 
@@ -270,24 +272,29 @@ class Shell:
     """A user's shell over several `bash -c` calls: exported variables and the working directory carry
     from one block to the next (each block runs under `bash -euo pipefail`, the fail-fast a test needs)."""
 
-    def __init__(self, state: Path):
+    def __init__(self, state: Path, threads: int | None = None):
         self.state = state
         """A script that restores the shell: `export -p` of the last block, and a `cd`."""
+        self.threads = threads
+        """Torch's intra-op threads for the commands (``OMP_NUM_THREADS``): the lane's share of the cores, so
+        that lanes side by side do not each spin a thread per core; None leaves torch's default."""
 
     @classmethod
     def fresh(cls, state: Path, cwd: Path) -> Shell:
         state.write_text(f"cd {shlex.quote(str(cwd))}\n")
         return cls(state)
 
-    def fork(self, state: Path) -> Shell:
+    def fork(self, state: Path, threads: int | None = None) -> Shell:
         """Another shell that carries on from where this one is."""
         shutil.copyfile(self.state, state)
-        return Shell(state)
+        return Shell(state, threads)
 
     def run(self, script: str) -> tuple[int, str]:
         state = shlex.quote(str(self.state))
         wrapped = f"source {state}\n{script}\n{{ export -p; printf 'cd %q\\n' \"$PWD\"; }} > {state}\n"
         env = {"HOME": os.environ.get("HOME", "/root"), **FRESH_SHELL}
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
         # A session of its own, so that a block that runs out of time is stopped with everything it started
         # (a trainer left running would hold its run directory and the machine).
         proc = subprocess.Popen(["bash", "--noprofile", "--norc", "-euo", "pipefail", "-c", wrapped], env=env,
@@ -361,7 +368,8 @@ def page_results(tmp_path_factory):
     jobs = int(os.environ.get("NEMOFP4_DOCS_TEST_JOBS", "2"))
     start = time.perf_counter()
     if jobs > 1:
-        shells = [setup.fork(root / f"shell-lane{i}.sh") for i in range(len(LANES))]
+        cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)  # this worker's share (tests/parallel.py)
+        shells = [setup.fork(root / f"shell-lane{i}.sh", max(1, cores // len(LANES))) for i in range(len(LANES))]
         with ThreadPoolExecutor(max_workers=len(LANES)) as pool:
             list(pool.map(lambda lane_shell: run_pages(*lane_shell), zip(LANES, shells)))
     else:

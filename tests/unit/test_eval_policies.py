@@ -10,6 +10,8 @@ from nemofp4.models import build_model, get_model_config
 from nemofp4.quant import quant_linears, reference_state_dict, reset_references, set_step
 from nemofp4.recipes import apply_recipe, get_recipe
 
+pytestmark = pytest.mark.usefixtures("eager_quantizer")
+
 SEQ = 32
 
 

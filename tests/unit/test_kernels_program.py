@@ -23,14 +23,19 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
+def slow(*values):
+    """A parameter set that runs only with the slow tests (each compiles a graph of its own)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-# Every case compiles a graph (seconds each): a representative third runs by default.
-FAST = {("e4m3", 16, True, "rne"), ("ue5m3", 16, False, "rne"), ("ue5m3_cuda", 16, True, "sr8"), ("ue5m3", 16, False, "sr8"),
-        ("e4m3", 16, False, "sr"), ("ue8m0", 32, False, "rne"), ("ue8m0", 32, True, "sr"),
-        ("e4m3", 16, False, "sr_exact")}  # fmt: skip
+# Every case compiles a graph (about 10 s each on a cold machine): by default every scale format,
+# every rounding, both block layouts and both scale targets once; the whole table as slow tests.
+FAST = {("e4m3", 16, False, "sr_exact"), ("ue5m3", 16, False, "sr8"), ("ue5m3_cuda", 16, True, "rne"),
+        ("ue8m0", 32, True, "sr")}  # fmt: skip
 COMPILED_CASES = [c if c[:4] in FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
@@ -65,7 +70,7 @@ def test_compiled_program_is_bitwise_the_reference_and_the_eager_program(fmt, bl
 
 
 @needs_compiler
-@pytest.mark.parametrize("rounding", ["rne", "sr8", "sr", "sr_exact"])
+@pytest.mark.parametrize("rounding", [slow("rne"), "sr8", "sr", slow("sr_exact")])
 def test_outputs_without_packing_or_statistics_are_the_same(rounding):
     """The cheaper variants (no codes, no counts) compute the same values."""
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * 3
@@ -196,7 +201,7 @@ def test_no_compiler_on_path_means_no_compiled_program(monkeypatch):
 
 @needs_compiler
 @pytest.mark.parametrize(
-    "shape,two_d", [((16, 16), True), ((5, 16), False), ((1, 32), False), ((1, 1), False), ((3, 7), True)]
+    "shape,two_d", [slow((16, 16), True), ((5, 16), False), slow((1, 32), False), ((1, 1), False), ((3, 7), True)]
 )
 def test_single_block_and_tiny_operands(shape, two_d):
     """One block row or column (size-1 dims, which the compiler specializes) and padding."""
@@ -279,7 +284,7 @@ def test_set_quant_backend_reaches_every_linear_and_refuses_unknown_names():
 
 
 @needs_compiler
-@pytest.mark.parametrize("shape", [(64, 48), (16, 16), (40, 1024), (64, 13)])
+@pytest.mark.parametrize("shape", [(64, 48), slow((16, 16)), slow((40, 1024)), (64, 13)])
 def test_compiled_hadamard_transform_is_bitwise_the_eager_one(shape):
     from nemofp4.formats import wgrad_hadamard_transform
     from nemofp4.kernels.program import compiled_hadamard_transform

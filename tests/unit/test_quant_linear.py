@@ -12,7 +12,7 @@ from nemofp4.quant import FP32Linear, GemmOperand, QuantLinear, reference_gemm
 from nemofp4.quant.linear import _mix_seed
 from nemofp4.recipes import get_recipe
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "eager_quantizer")
 
 FP4_RECIPES = ["nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4"]
 

@@ -8,7 +8,7 @@ from nemofp4.formats import quantize_blocks
 from nemofp4.quant import QuantLinear
 from nemofp4.recipes import get_recipe
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "eager_quantizer")
 
 T, K, N = 64, 32, 32
 
