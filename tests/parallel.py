@@ -17,19 +17,21 @@ import pytest
 
 LONGEST_FIRST = (
     "tests/integration/test_docs_commands.py",
-    "tests/unit/test_kernels_program.py",
-    "tests/integration/test_distributed.py",
-    "tests/integration/test_train.py",
     "tests/integration/test_slurm_cluster.py",
-    "tests/unit/test_quant_linear.py",
-    "tests/unit/test_recompiles.py",
-    "tests/integration/test_distributed_eval.py",
-    "tests/integration/test_eval_cli.py",
-    "tests/integration/test_async_checkpoint.py",
-    "tests/unit/test_eval_policies.py",
-    "tests/integration/test_eval_compare_recipes.py",
+    "tests/unit/test_kernels_program.py",
+    "tests/integration/test_train.py",
     "tests/integration/test_gradient_sync.py",
+    "tests/integration/test_distributed.py",
+    "tests/unit/test_recompiles.py",
+    "tests/integration/test_eval_cli.py",
     "tests/unit/test_numerics_oracle.py",
+    "tests/integration/test_head_loss_fsdp.py",
+    "tests/integration/test_async_checkpoint.py",
+    "tests/integration/test_eval_compare_recipes.py",
+    "tests/unit/test_launch.py",
+    "tests/integration/test_run_dirs.py",
+    "tests/integration/test_lr_sweep.py",
+    "tests/integration/test_distributed_eval.py",
 )
 """The modules that took longest in a measured CI run, longest first (``.ci/run`` prints the slowest)."""
 
