@@ -36,7 +36,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # every rounding, both block layouts and both scale targets once; the whole table as slow tests.
 FAST = {("e4m3", 16, False, "sr_exact"), ("ue5m3", 16, False, "sr8"), ("ue5m3_cuda", 16, True, "rne"),
         ("ue8m0", 32, True, "sr")}  # fmt: skip
-COMPILED_CASES = [c if c[:4] in FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
+COMPILED_CASES = [c if c[:4] in FAST else slow(*c) for c in CASES]
 
 
 @needs_compiler
