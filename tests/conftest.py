@@ -73,7 +73,8 @@ def eager_quantizer(monkeypatch):
     """'auto' takes the eager torch quantizer on CPU, as on a machine without a C++ compiler, for the
     modules whose subject is not the quantizer's path (``pytestmark = pytest.mark.usefixtures(...)``).
     The compiled program is bitwise the eager one (tests/unit/test_kernels_program.py); each of its
-    graphs costs a cold machine about 10 s to build (half of the unit tests' time, before)."""
+    graphs costs a cold machine about 10 s to build (test_quant_linear, test_eval_policies and
+    test_quant_sr on an empty cache: 263 s before they used it, 9.5 s after)."""
     from nemofp4.kernels import backend
 
     monkeypatch.setattr(backend, "cpu_compile_available", lambda: False)
