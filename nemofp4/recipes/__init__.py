@@ -19,7 +19,8 @@ from .config import (
     recipe_knobs,
     register_recipe,
 )
-from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4, emulated_config, part_kind
+from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4, part_kind
+from .registry import emulated_config
 from .rules import LayerSpan, Rule, first_layers, last_layers, layer_indices
 
 __all__ = [

@@ -9,7 +9,7 @@ from nemofp4.quant import LinearQuantConfig
 
 from .rules import Rule
 
-__all__ = ["HighPrecision", "Part", "Recipe", "TransformerEngineNVFP4", "emulated_config", "part_kind"]
+__all__ = ["HighPrecision", "Part", "Recipe", "TransformerEngineNVFP4", "part_kind"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,18 +64,6 @@ Part = LinearQuantConfig | HighPrecision | TransformerEngineNVFP4
 def part_kind(part: Part) -> str:
     """'fp4' (emulated), 'te_nvfp4' (native TE), 'fp32' or 'bf16' (model dtype): ``part.kind``."""
     return part.kind
-
-
-def emulated_config(part: Part) -> LinearQuantConfig | None:
-    """The emulated FP4 config whose numerics and saves stand for ``part``: itself for an FP4 part,
-    the nvfp4 recipe's for Transformer Engine's NVFP4 (what it runs natively), None for BF16/FP32."""
-    if part.kind == "fp4":
-        return part
-    if part.kind == "te_nvfp4":
-        from .registry import NVFP4
-
-        return NVFP4().build().parts["fp4"]
-    return None
 
 
 @dataclass(frozen=True, kw_only=True)

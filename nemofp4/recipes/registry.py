@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from nemofp4.quant import LinearQuantConfig, OperandQuant
 
 from .config import PrecisionConfig, description, register_recipe
-from .recipe import HighPrecision, Recipe, TransformerEngineNVFP4
+from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4
 from .rules import Rule, last_layers, layer_indices
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "NVFP4Delayed",
     "NVFP4TransformerEngine",
     "UE5M3TESettings",
+    "emulated_config",
 ]
 
 # Module globs of the model (nemofp4.models.nemotron_h): every eligible linear is a mixer projection.
@@ -299,3 +300,13 @@ class MXFP4(PrecisionConfig):
             wgrad_hadamard=True, scale_target=448.0, reference_interval=0, gemm=self.gemm,
         )  # fmt: skip
         return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
+
+
+def emulated_config(part: Part) -> LinearQuantConfig | None:
+    """The emulated FP4 config whose numerics and saves stand for ``part``: itself for an FP4 part,
+    the nvfp4 recipe's for Transformer Engine's NVFP4 (what it runs natively), None for BF16/FP32."""
+    if part.kind == "fp4":
+        return part
+    if part.kind == "te_nvfp4":
+        return NVFP4().build().parts["fp4"]
+    return None
