@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from nemofp4 import planning
 from nemofp4.cli.train import compose_job_config
@@ -35,6 +36,11 @@ def main() -> None:
     memory_rows, cost_rows = [], []
     for preset in args.presets:
         job = compose_job_config([f"experiment={preset}", *args.overrides])
+        if job.distributed.activation_checkpointing == "auto":  # the policy the trainer's start-up picks here
+            policy, _ = planning.choose_checkpointing(job, world_size=args.world_size, memory_gib=args.device_memory_gib,
+                                                      reserve_gib=job.distributed.memory_reserve_gib,
+                                                      mamba_scan=args.mamba_scan)  # fmt: skip
+            job = replace(job, distributed=replace(job.distributed, activation_checkpointing=policy))
         started = time.perf_counter()
         plan = planning.plan_for_job(job, world_size=args.world_size, device_memory_gib=args.device_memory_gib,
                                      mamba_scan=args.mamba_scan)  # fmt: skip

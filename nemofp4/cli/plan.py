@@ -8,7 +8,7 @@ device; `simulate=true` also runs the step on fake tensors over a fake process g
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from nemofp4.cli.errors import HydraApp, run_cli
 from nemofp4.cli.train import CONFIG_DIR
 from nemofp4.training.config import JobConfig
+from nemofp4.training.parallel import AC_AUTO
 
 
 @dataclass(kw_only=True)
@@ -68,12 +69,22 @@ def plan_report(job: JobConfig, *, world_size: int, device: str = "", device_mem
                          "measures FSDP2 runs; use distributed=fsdp")  # fmt: skip
     preset = planning.get_device(device) if device else None
     memory_gib = device_memory_gib if device_memory_gib is not None else (preset.memory_gib if preset else 80.0)
+    auto = job.distributed.activation_checkpointing == AC_AUTO
+    if auto:  # plan what the trainer's start-up would pick on this device (none while choosing)
+        job = replace(job, distributed=replace(job.distributed, activation_checkpointing="none"))
     plan = planning.plan_for_job(job, world_size=world_size, device_memory_gib=memory_gib, chunked_head=chunked_head,
                                  reserve_gib=reserve_gib, mamba_scan=mamba_scan)  # fmt: skip
-    sections = [plan.format()]
     recommendation = planning.recommend_checkpointing(job, plan, world_size=world_size, reserve_gib=reserve_gib,
                                                       chunked_head=chunked_head)  # fmt: skip
-    sections.append(recommendation.format())
+    if auto and recommendation.chosen is not None:
+        job = replace(job, distributed=replace(job.distributed, activation_checkpointing=recommendation.chosen))
+        plan = planning.plan_for_job(job, world_size=world_size, device_memory_gib=memory_gib, chunked_head=chunked_head,
+                                     reserve_gib=reserve_gib, mamba_scan=mamba_scan, measured=plan.measured)  # fmt: skip
+    sections = [plan.format(), recommendation.format()]
+    if auto:
+        picked = (f"picks {recommendation.chosen} at {memory_gib:g} GiB per GPU; the plan above is of that policy"
+                  if recommendation.chosen else f"fails at {memory_gib:g} GiB per GPU: no policy fits")
+        sections.append(f"distributed.activation_checkpointing=auto {picked}.")
     per_node = preset.gpus_per_node if preset else 8
     cost = planning.cost_for_job(job, world_size=world_size, gpus_per_node=per_node, chunked_head=chunked_head)
     sections.append(cost_table(cost, preset))

@@ -116,10 +116,11 @@ def compose_job_config(overrides: list[str] | tuple[str, ...] = ()) -> JobConfig
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
+    from nemofp4.planning import StartupPlanner
     from nemofp4.training.trainer import train
 
     logging.getLogger("nemofp4").setLevel(logging.INFO)
-    summary = train(sweep_job_run_dir(to_job_config(cfg)))
+    summary = train(sweep_job_run_dir(to_job_config(cfg)), planner=StartupPlanner())
     if summary.get("exit_code"):
         sys.exit(summary["exit_code"])
 

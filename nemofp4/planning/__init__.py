@@ -9,6 +9,8 @@ from .cost import COMPONENTS, Projection, StepCost, step_cost
 from .devices import DEVICES, Device, get_device
 from .job import (
     Recommendation,
+    StartupPlanner,
+    choose_checkpointing,
     cost_for_job,
     log_plan,
     plan_for_job,
@@ -21,7 +23,7 @@ from .standins import MAMBA_SCANS, mamba_scan_path
 
 __all__ = [
     "CATEGORIES", "COMPONENTS", "DEVICES", "MAMBA_SCANS", "Device", "MemoryPlan", "Moment", "Projection",
-    "Recommendation", "SimulatedMemory", "StepCost", "candidate_policies", "cost_for_job", "get_device", "log_plan",
+    "Recommendation", "SimulatedMemory", "StartupPlanner", "StepCost", "candidate_policies", "choose_checkpointing", "cost_for_job", "get_device", "log_plan",
     "mamba_scan_path", "plan_for_job", "plan_memory", "recommend_checkpointing", "simulate_for_job",
     "simulate_memory", "step_cost",
 ]  # fmt: skip

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -14,7 +15,8 @@ from .layers import head_precision_of
 from .memory import GIB, MemoryPlan, candidate_policies, plan_memory
 from .simulate import SimulatedMemory, simulate_memory
 
-__all__ = ["Recommendation", "cost_for_job", "log_plan", "plan_for_job", "recommend_checkpointing", "simulate_for_job"]
+__all__ = ["Recommendation", "StartupPlanner", "choose_checkpointing", "cost_for_job", "device_memory_gib", "log_plan",
+           "plan_for_job", "recommend_checkpointing", "simulate_for_job"]
 
 
 def _job(cfg, world_size: int) -> dict:
@@ -165,3 +167,89 @@ def log_plan(cfg, *, world_size: int, device: torch.device, log) -> MemoryPlan |
         log.warning("the memory plan needs %.1f GiB per GPU, more than this device's %.1f GiB; %s",
                     plan.total_bytes / GIB, plan.device_bytes / GIB, advice)  # fmt: skip
     return plan
+
+
+def device_memory_gib(cfg, device: torch.device) -> float:
+    """The memory per device a start-up plan fits in: ``distributed.device_memory_gib`` when set, else a
+    CUDA device's total (``torch.cuda.mem_get_info``); a CPU has none to read."""
+    if cfg.distributed.device_memory_gib:
+        return float(cfg.distributed.device_memory_gib)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1] / GIB
+    raise ValueError(f"distributed.activation_checkpointing=auto on a {device.type} device needs the memory to plan "
+                     "against: set distributed.device_memory_gib (e.g. 80 for an H100 80GB)")
+
+
+def _with_policy(cfg, policy: str):
+    return replace(cfg, distributed=replace(cfg.distributed, activation_checkpointing=policy))
+
+
+def _what_fits(cfg, plan: MemoryPlan, *, world_size: int, reserve_gib: float) -> str:
+    """Where this job fits when it does not at ``world_size``: the smallest larger world size that
+    divides the batch (the same measurements), and the largest smaller micro-batch (measured again)."""
+    from nemofp4.training.config import compute_budget
+
+    def fits(job, world, measured=None) -> bool:
+        base = plan_for_job(job, world_size=world, device_memory_gib=plan.device_bytes / GIB, reserve_gib=reserve_gib,
+                            activation_checkpointing="full", measured=measured)  # fmt: skip
+        return recommend_checkpointing(job, base, world_size=world, reserve_gib=reserve_gib).chosen is not None
+
+    def valid(train, world) -> bool:
+        try:
+            compute_budget(train, world)
+        except ValueError:
+            return False
+        return True
+
+    train = cfg.train
+    advice = []
+    worlds = [w for w in range(world_size + 1, train.global_batch // train.micro_batch + 1) if valid(train, w)]
+    world = next((w for w in worlds if fits(cfg, w, plan.measured)), None)
+    if world is not None:
+        advice.append(f"{world} GPUs (the smallest world size that divides train.global_batch and fits)")
+    for micro in range(train.micro_batch - 1, 0, -1):
+        smaller = replace(cfg, train=replace(train, micro_batch=micro))
+        if valid(smaller.train, world_size) and fits(smaller, world_size):
+            advice.append(f"train.micro_batch={micro} on {world_size} GPUs (the largest that fits)")
+            break
+    return ("it fits on " + " or with ".join(advice)) if advice else "no larger world size or smaller micro-batch fits either"
+
+
+def choose_checkpointing(cfg, *, world_size: int, memory_gib: float, reserve_gib: float,
+                         mamba_scan: str = "auto") -> tuple[str, Recommendation]:  # fmt: skip
+    """The activation-checkpointing policy with the fewest recompute FLOPs whose memory plan fits
+    ``memory_gib`` per GPU with ``reserve_gib`` kept free, and the table it was chosen from. The plan
+    measures one block of each kind at the real widths (no simulation of the step). When nothing fits:
+    a ValueError naming the smallest world size and the largest micro-batch that do."""
+    cfg = _with_policy(cfg, "none")  # the policy is what is being chosen; the cost model needs a concrete one
+    plan = plan_for_job(cfg, world_size=world_size, device_memory_gib=memory_gib, reserve_gib=reserve_gib,
+                        mamba_scan=mamba_scan)  # fmt: skip
+    recommendation = recommend_checkpointing(cfg, plan, world_size=world_size, reserve_gib=reserve_gib)
+    if recommendation.chosen is None:
+        smallest = min(total for _, total, _, _ in recommendation.rows)
+        raise ValueError(
+            f"distributed.activation_checkpointing=auto: no policy fits {memory_gib:g} GiB per GPU "
+            f"(distributed.memory_reserve_gib={reserve_gib:g} kept free) on {world_size} GPUs at "
+            f"train.micro_batch={cfg.train.micro_batch}: the smallest needs {smallest / GIB:.2f} GiB; "
+            f"{_what_fits(cfg, plan, world_size=world_size, reserve_gib=reserve_gib)}"
+        )
+    return recommendation.chosen, recommendation
+
+
+class StartupPlanner:
+    """The trainer's :class:`~nemofp4.training.job_plan.JobPlanner`, which nemofp4-train hands it."""
+
+    def choose(self, cfg, *, world_size: int, device: torch.device):
+        from nemofp4.training.job_plan import JobPlan
+
+        started = time.perf_counter()
+        memory, reserve = device_memory_gib(cfg, device), cfg.distributed.memory_reserve_gib
+        policy, recommendation = choose_checkpointing(cfg, world_size=world_size, memory_gib=memory, reserve_gib=reserve,
+                                                      mamba_scan="auto" if device.type == "cuda" else "torch")  # fmt: skip
+        _, total, recompute, _ = next(r for r in recommendation.rows if r[0] == policy)
+        reason = (f"+{recompute * 100:.1f}% FLOPs of recompute; plans {total / GIB:.2f} of {memory:.2f} GiB per device "
+                  f"with {reserve:g} GiB reserve on {world_size} ranks; planned in {time.perf_counter() - started:.1f} s")
+        return JobPlan(activation_checkpointing=policy, reason=reason, summary=recommendation.format())
+
+    def log_plan(self, cfg, *, world_size: int, device: torch.device, log) -> None:
+        log_plan(cfg, world_size=world_size, device=device, log=log)

@@ -107,6 +107,10 @@ class QuantLinearState:
         self.generator_seed: int | None = None
         self.stats: dict[str, OperandStats] = {}
         self.capture: list | None = None
+        self.weight_cache: dict[str, QuantizedBlocks] | None = None
+        """The weight's quantized operands of the current optimizer step ('w' for fprop, 'wt' for the
+        dgrad of a 1-D weight), reused by every micro-batch after the first; None: not cached
+        (:func:`nemofp4.quant.cached_weights` turns it on for the micro-batches of one step)."""
 
     def set_backend(self, backend: str) -> None:
         self.backend = kernels.check_backend(backend)
@@ -120,6 +124,8 @@ class QuantLinearState:
         return backend
 
     def set_step(self, step: int, *, seed: int = 0, rank: int = 0) -> None:
+        if self.weight_cache:  # a new step, new weights
+            self.weight_cache = {}
         self.references.step = step
         self.seed, self.rank = seed, rank
         self.generator_seed = _mix_seed(seed, rank, step, self.index)
@@ -187,6 +193,24 @@ class _Quantizer:
         self.record(role, q, self.held_source(role, x))
         return q
 
+    @property
+    def caches_weight(self) -> bool:
+        """Whether the weight's operands come from the step's cache: in training, when the trainer
+        keeps one, and only for a round-to-nearest weight, whose quantization draws no random bits
+        (so reusing it skips nothing the generator would have drawn)."""
+        return self.state.weight_cache is not None and self.call.training and self.config.w.rounding == "rne"
+
+    def weight(self, w: torch.Tensor, *, two_d: bool | None = None, pack: bool = False,
+               key: str = "w") -> QuantizedBlocks:  # fmt: skip
+        """W (``key`` 'w') or W^T ('wt'), quantized with role ``w``; while :attr:`caches_weight`, once
+        per optimizer step, packed (4.5 bits per element held until the step ends)."""
+        if not self.caches_weight:
+            return self(Role.W, w, two_d=two_d, pack=pack)
+        cache = self.state.weight_cache
+        if key not in cache:
+            cache[key] = self(Role.W, w, two_d=two_d, pack=True)
+        return cache[key]
+
     def tokens(self, role: Role, x_TD: torch.Tensor, *, pack: bool = False) -> QuantizedBlocks:
         """The wgrad operand of role ``role`` (X^T or dY^T) from the token-major ``x_TD``."""
         op: OperandQuant = self.config.operand(role)
@@ -252,7 +276,7 @@ class _QuantLinearFunction(torch.autograd.Function):
         else:
             qx = quantize(Role.X, x_TK)
             qxt = quantize.tokens(Role.X_WGRAD, x_TK, pack=True) if needs_dw else None  # after the RHT
-        qw = quantize(Role.W, weight, pack=needs_dx and config.w.two_d)
+        qw = quantize.weight(weight, pack=needs_dx and config.w.two_d)
         y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
         state.capture_gemm("fprop", qx, qw, False, y_TN)
         del qx
@@ -267,7 +291,8 @@ class _QuantLinearFunction(torch.autograd.Function):
             saved += qxt.tensors()
             ctx.xt_meta = qxt.meta()
         if needs_dx:
-            if qw.codes is not None:  # 16x16 tiles: W^T's quantization is this one, transposed
+            # 16x16 tiles: W^T's quantization is this one, transposed (a cached 1-D one is packed too)
+            if config.w.two_d if quantize.caches_weight else qw.codes is not None:
                 saved += qw.tensors()
                 ctx.w_meta = qw.meta()
             else:
@@ -300,7 +325,7 @@ class _QuantLinearFunction(torch.autograd.Function):
             if ctx.w_meta is not None:
                 wt = GemmOperand(_operand(QuantizedBlocks.from_tensors(tuple(saved[:4]), ctx.w_meta), config.gemm), transposed=True)
             else:
-                wt = GemmOperand(quantize(Role.W, saved[0].t(), two_d=False))
+                wt = GemmOperand(quantize.weight(saved[0].t(), two_d=False, key="wt"))
             dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
             state.capture_gemm("dgrad", qdy, wt.q, wt.transposed, dx_TK)
             del qdy, wt

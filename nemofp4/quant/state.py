@@ -4,6 +4,7 @@ The quant-state API: code outside this package (the trainer, evaluation) reads a
 tensor references of a model only through these functions, never through a module's fields.
 
 * :func:`set_step` once per optimizer step, before the forward pass (refreshes, SR seeds);
+* :func:`cached_weights` around the micro-batches of one step: each weight quantized once;
 * :func:`held_amaxes` / :func:`reference_state_dict`: the held references, read;
 * :func:`snapshot` / :func:`restore`: every module's held references and refresh intervals, taken
   and put back whole (evaluation leaves a model that goes on training as it found it);
@@ -20,7 +21,8 @@ whichever of them the new run turns on.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import contextlib
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,7 @@ __all__ = [
     "WRAPPER_SEGMENTS",
     "QuantSnapshot",
     "QuantState",
+    "cached_weights",
     "canonical_fqn",
     "held_amaxes",
     "hold",
@@ -90,6 +93,24 @@ def set_step(model: nn.Module, step: int, *, seed: int = 0, rank: int = 0) -> No
         raise ValueError(f"step must be a 1-based int >= 1, got {step!r}")
     for _, module in quant_linears(model):
         module.set_step(step, seed=seed, rank=rank)
+
+
+@contextlib.contextmanager
+def cached_weights(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Inside (the forward and backward passes of one optimizer step's micro-batches, the weights
+    unchanged): every FP4 linear quantizes its weight's fprop operand, and a 1-D weight's dgrad
+    operand, on first use and reuses them, packed, as Transformer Engine does with
+    ``is_first_microbatch``. Bit for bit what quantizing in every micro-batch gives: a weight is
+    rounded to nearest (one with stochastic rounding is not cached), and its reference is the same
+    all step. Freed on exit, before the optimizer step changes the weights."""
+    modules = [m for _, m in quant_linears(model)] if enabled else []
+    for module in modules:
+        module.quant_state.weight_cache = {}
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.quant_state.weight_cache = None
 
 
 def held_amaxes(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -68,6 +68,10 @@ class TrainConfig:
     else the eager torch program), 'triton', 'compiled' or 'eager'. Same numerics on every path
     (Triton's stochastic rounding draws its own random bits). 'reference' is a deprecated alias
     of 'eager'."""
+    weight_cache: bool = True
+    """With gradient accumulation, each FP4 linear quantizes its weight once per optimizer step, on
+    the first micro-batch, and reuses the packed operands on the others (:func:`nemofp4.quant.cached_weights`);
+    bit for bit the same training as false, which quantizes it in every micro-batch."""
     init_from: str = ""
     """Start from these weights instead of random ones: a transformers NemotronH folder (config.json,
     safetensors, tokenizer) or a nemofp4 run directory / step folder. Weights only (a new optimizer,

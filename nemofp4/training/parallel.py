@@ -35,7 +35,16 @@ class DistributedConfig:
     """Which blocks recompute their activations in backward instead of storing them: ``none``,
     ``full`` (every block), block types joined by ``+`` (``mlp``, ``mamba+mlp``, any of mamba,
     attention, mlp), or ``every_<k>`` (every k-th block: blocks k-1, 2k-1, ...). ``true`` and
-    ``false`` are accepted as ``full`` and ``none``."""
+    ``false`` are accepted as ``full`` and ``none``. ``auto``: at start-up the memory plan of this job
+    on this device picks the policy with the fewest recompute FLOPs that fits (with
+    ``memory_reserve_gib`` kept free); the run's config records the policy chosen, and a resume keeps
+    it unless the config names another. On the 8B presets by default."""
+    device_memory_gib: float = 0.0
+    """The memory per device that ``activation_checkpointing=auto`` plans against: 0 reads a CUDA
+    device's own (``torch.cuda.mem_get_info``); a CPU run with ``auto`` must set it."""
+    memory_reserve_gib: float = 4.0
+    """Memory per device that ``activation_checkpointing=auto`` keeps free of the plan's tensors: the
+    CUDA context, NCCL's buffers, allocator fragmentation (nemofp4-plan's ``reserve_gib``)."""
     compile: bool = False
     """torch.compile each block."""
     param_dtype: str = "bfloat16"
@@ -75,7 +84,14 @@ class DistributedConfig:
     the background); the background writes of async saves keep the start-up timeout."""
 
     def __post_init__(self) -> None:
-        self.activation_checkpointing = ac_policy(self.activation_checkpointing)
+        if str(self.activation_checkpointing).strip().lower() == AC_AUTO:
+            self.activation_checkpointing = AC_AUTO  # resolved at start-up (training/job_plan.py)
+        else:
+            self.activation_checkpointing = ac_policy(self.activation_checkpointing)
+        for name in ("device_memory_gib", "memory_reserve_gib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"distributed.{name}={value!r}; must be a number of GiB >= 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"distributed.backend={self.backend!r}; valid: {BACKENDS}")
         if self.gradient_sync not in GRADIENT_SYNC:
@@ -98,6 +114,8 @@ class DistributedConfig:
 
 
 AC_BLOCK_TYPES = ("mamba", "attention", "mlp")
+AC_AUTO = "auto"
+"""The config value the start-up plan resolves to a policy; never a policy itself."""
 _AC_TRUE, _AC_FALSE = ("true", "True", "1", "on", "yes"), ("false", "False", "0", "off", "no", "")
 
 
@@ -118,8 +136,10 @@ def ac_policy(value: str | bool) -> str:
         kinds = text.split("+")
         if kinds and set(kinds) <= set(AC_BLOCK_TYPES) and len(set(kinds)) == len(kinds):
             return "+".join(t for t in AC_BLOCK_TYPES if t in kinds)
-    raise ValueError(f"distributed.activation_checkpointing={value!r}; valid: none, full, block types joined by '+' "
-                     f"({', '.join(AC_BLOCK_TYPES)}; e.g. mamba+mlp), every_<k> (k >= 1), or true/false")
+    unresolved = " (auto is resolved at start-up, before anything is checkpointed)" if text == AC_AUTO else ""
+    raise ValueError(f"distributed.activation_checkpointing={value!r}{unresolved}; valid: none, full, block types "
+                     f"joined by '+' ({', '.join(AC_BLOCK_TYPES)}; e.g. mamba+mlp), every_<k> (k >= 1), true/false, "
+                     "or auto (in a config)")
 
 
 def checkpointed_blocks(policy: str, block_types: list[str]) -> list[bool]:

@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.models import build_model, lm_loss, param_groups
-from nemofp4.planning import log_plan
 from nemofp4.quant import (
     QuantState,
+    cached_weights,
     quant_stats,
     set_held_reference_reduce_group,
     set_quant_backend,
@@ -49,6 +49,7 @@ from nemofp4.training.dist_env import (
 )
 from nemofp4.training.faults import Faults
 from nemofp4.training.init_from import initialize_from, starts_fresh, write_record
+from nemofp4.training.job_plan import JobPlanner, resolve_activation_checkpointing
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
@@ -58,7 +59,7 @@ from nemofp4.training.nonfinite import (
     first_nonfinite_state,
 )
 from nemofp4.training.optim import build_optimizer, set_lr
-from nemofp4.training.parallel import parallelize, set_gradient_sync
+from nemofp4.training.parallel import AC_AUTO, parallelize, set_gradient_sync
 from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler, flush_and_exit
 from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
@@ -106,11 +107,15 @@ def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, 
 
 
 class Trainer:
-    """One training run; `run()` trains to the budget (or until preempted) and returns a summary."""
+    """One training run; `run()` trains to the budget (or until preempted) and returns a summary.
+    ``planner`` (from whoever builds the job: nemofp4-train passes the memory planner's) resolves
+    ``distributed.activation_checkpointing=auto`` and logs the plan of a GPU run; without one, ``auto``
+    is an error and no plan is logged."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, *, planner: JobPlanner | None = None):
         self._started = time.perf_counter()
         self.cfg = cfg
+        self.planner = planner
         # the long timeout until the first step is done (index build, first checkpoint load, compilation)
         self.env = init_distributed(detect_dist_env(), timeout_s=cfg.distributed.startup_timeout_s)
         self.rank, self.world = self.env.rank, self.env.world_size
@@ -160,6 +165,9 @@ class Trainer:
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
         set_quant_backend(model, cfg.train.kernels)
         plan = self._log_plan_in_background()
+        # auto becomes a policy here, before anything is wrapped; the config and checkpoints record it
+        cfg = self.cfg = resolve_activation_checkpointing(cfg, self.planner, rank=self.rank, world_size=self.world,
+                                                          device=self.device)  # fmt: skip
         if self.rank == 0 and self.layer_table.count("fp4"):
             log.info("%s", kernels.describe(self.device, cfg.train.kernels))
         dist_cfg = cfg.distributed
@@ -230,11 +238,12 @@ class Trainer:
             plan.join()  # logged before training starts; the build above normally outlasts it
 
     def _log_plan_in_background(self) -> threading.Thread | None:
-        """Rank 0 logs the memory plan (seconds of meta-device tracing at 8B) in a thread, while every
-        rank builds, shards and loads: the others never wait for it in a collective."""
-        if self.rank != 0:
+        """Rank 0 logs the memory plan of a configured policy (seconds of meta-device tracing at 8B) in
+        a thread, while every rank builds, shards and loads: the others never wait for it in a
+        collective. (``auto`` logs the plan that chose its policy instead.)"""
+        if self.rank != 0 or self.planner is None or self.cfg.distributed.activation_checkpointing == AC_AUTO:
             return None
-        thread = threading.Thread(target=log_plan, args=(self.cfg,), name="nemofp4-memory-plan", daemon=True,
+        thread = threading.Thread(target=self.planner.log_plan, args=(self.cfg,), name="nemofp4-memory-plan", daemon=True,
                                   kwargs={"world_size": self.world, "device": self.device, "log": log})  # fmt: skip
         thread.start()
         return thread
@@ -524,24 +533,26 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
         forward = self.engine if self.engine is not None else self.model
-        for micro in range(self.budget.grad_accum):
-            set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
-            batch = next(data_iter)
-            input_ids = batch["input_ids"].to(self.device, non_blocking=True)
-            labels = batch["labels"].to(self.device, non_blocking=True)
-            first_batch = first_batch or (input_ids, labels)
-            with self.autocast():
-                loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
-                               head_precision=cfg.model.head_precision)
-            loss = self.faults.loss(step, loss)
-            if self.engine is not None:
-                self.engine.backward(loss)  # scales by 1/grad_accum itself
-                self.engine.step()  # clips and steps at the accumulation boundary
-            else:
-                # this rank's share of the global mean loss (FSDP sums gradients over ranks): dY, and so the
-                # held dY references, do not depend on how the batch is split over ranks
-                (loss / (self.budget.grad_accum * self.world)).backward()
-            loss_sum += loss.detach()
+        # each FP4 weight quantized once per step: the weights change only in the optimizer step below
+        with cached_weights(self.model, enabled=cfg.train.weight_cache and self.budget.grad_accum > 1):
+            for micro in range(self.budget.grad_accum):
+                set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
+                batch = next(data_iter)
+                input_ids = batch["input_ids"].to(self.device, non_blocking=True)
+                labels = batch["labels"].to(self.device, non_blocking=True)
+                first_batch = first_batch or (input_ids, labels)
+                with self.autocast():
+                    loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
+                                   head_precision=cfg.model.head_precision)
+                loss = self.faults.loss(step, loss)
+                if self.engine is not None:
+                    self.engine.backward(loss)  # scales by 1/grad_accum itself
+                    self.engine.step()  # clips and steps at the accumulation boundary
+                else:
+                    # this rank's share of the global mean loss (FSDP sums gradients over ranks): dY, and so the
+                    # held dY references, do not depend on how the batch is split over ranks
+                    (loss / (self.budget.grad_accum * self.world)).backward()
+                loss_sum += loss.detach()
         loss_avg = _all_reduce_mean(loss_sum / self.budget.grad_accum)
         if self.engine is not None:
             grad_norm = torch.as_tensor(float(self.engine.get_global_grad_norm()))
@@ -609,8 +620,8 @@ class Trainer:
         destroy_distributed()
 
 
-def train(cfg: JobConfig) -> dict[str, Any]:
-    trainer = Trainer(cfg)
+def train(cfg: JobConfig, *, planner: JobPlanner | None = None) -> dict[str, Any]:
+    trainer = Trainer(cfg, planner=planner)
     try:
         return trainer.run()
     finally:

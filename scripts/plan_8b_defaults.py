@@ -1,0 +1,67 @@
+"""The 8B presets' defaults: the policy ``distributed.activation_checkpointing=auto`` picks for each
+preset and device at a world size, its recompute share, and the step-cost model's projected step
+time and MFU against the presets' former fixed policy (``full``).
+
+    python scripts/plan_8b_defaults.py --world-size 64 --devices h100 h200
+
+Every figure is the analytical plan (one block of each kind measured at the real widths on fake
+tensors) and the step-cost model's roofline: a formula, not measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from nemofp4 import planning
+from nemofp4.cli.train import compose_job_config
+from nemofp4.planning.memory import GIB
+
+PRESETS = ("nemotron_h_8b_bf16", "nemotron_h_8b_nvfp4", "nemotron_h_8b_ue5m3", "nemotron_h_8b_ue5m3_te_settings")
+FORMER = "full"
+"""The presets' policy before ``auto`` (``activation_checkpointing: true``)."""
+
+
+def _with_policy(job, policy: str):
+    return replace(job, distributed=replace(job.distributed, activation_checkpointing=policy))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS))
+    parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--devices", nargs="+", default=["h100", "h200"])
+    parser.add_argument("--mamba-scan", default="mamba_ssm", help="the scan the GPU runs take (the gpu extra's)")
+    parser.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every preset")
+    args = parser.parse_args()
+    header = ["preset", "device", "auto picks", "recompute", "planned GiB per GPU", f"step s ({FORMER})",
+              "MFU", "step s (auto)", "MFU", "plan s"]  # fmt: skip
+    rows = []
+    for preset in args.presets:
+        job = compose_job_config([f"experiment={preset}", *args.overrides])
+        for name in args.devices:
+            device = planning.get_device(name)
+            started = time.perf_counter()
+            policy, recommendation = planning.choose_checkpointing(
+                job, world_size=args.world_size, memory_gib=device.memory_gib,
+                reserve_gib=job.distributed.memory_reserve_gib, mamba_scan=args.mamba_scan,
+            )
+            plan_s = time.perf_counter() - started
+            _, total, recompute, _ = next(r for r in recommendation.rows if r[0] == policy)
+            projected = []
+            for chosen in (FORMER, policy):
+                cost = planning.cost_for_job(_with_policy(job, chosen), world_size=args.world_size,
+                                             gpus_per_node=device.gpus_per_node)  # fmt: skip
+                p = cost.project(device, cost.configured)
+                projected += [f"{p.step_s:.2f}", f"{p.mfu * 100:.1f}%"]
+            rows.append([preset, device.name, policy, f"+{recompute * 100:.1f}% FLOPs", f"{total / GIB:.1f}", *projected,
+                         f"{plan_s:.0f}"])  # fmt: skip
+            print(f"{preset} on {device.name}: {policy}", flush=True)
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
