@@ -1,6 +1,8 @@
 """The 8B presets' defaults: the policy ``distributed.activation_checkpointing=auto`` picks for each
-preset and device at a world size, its recompute share, and the step-cost model's projected step
-time and MFU against the presets' former fixed policy (``full``).
+preset and device at a world size, its recompute share, the bytes of the step's weight cache
+(``train.weight_cache``), and the step-cost model's projected step time and MFU before (the former
+fixed policy ``full``, each weight quantized in every micro-batch) and after (auto's policy, each
+weight quantized once per step).
 
     python scripts/plan_8b_defaults.py --world-size 64 --devices h100 h200
 
@@ -16,15 +18,18 @@ from dataclasses import replace
 
 from nemofp4 import planning
 from nemofp4.cli.train import compose_job_config
+from nemofp4.planning.layers import cached_weight_bytes, linear_specs
 from nemofp4.planning.memory import GIB
+from nemofp4.recipes import recipe_from_config
 
 PRESETS = ("nemotron_h_8b_bf16", "nemotron_h_8b_nvfp4", "nemotron_h_8b_ue5m3", "nemotron_h_8b_ue5m3_te_settings")
 FORMER = "full"
 """The presets' policy before ``auto`` (``activation_checkpointing: true``)."""
 
 
-def _with_policy(job, policy: str):
-    return replace(job, distributed=replace(job.distributed, activation_checkpointing=policy))
+def _with(job, policy: str, weight_cache: bool):
+    return replace(job, distributed=replace(job.distributed, activation_checkpointing=policy),
+                   train=replace(job.train, weight_cache=weight_cache))
 
 
 def main() -> None:
@@ -35,11 +40,12 @@ def main() -> None:
     parser.add_argument("--mamba-scan", default="mamba_ssm", help="the scan the GPU runs take (the gpu extra's)")
     parser.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every preset")
     args = parser.parse_args()
-    header = ["preset", "device", "auto picks", "recompute", "planned GiB per GPU", f"step s ({FORMER})",
-              "MFU", "step s (auto)", "MFU", "plan s"]  # fmt: skip
+    header = ["preset", "device", "auto picks", "recompute", "planned GiB per GPU", "weight cache GiB",
+              "step s before", "MFU before", "step s after", "MFU after", "plan s"]  # fmt: skip
     rows = []
     for preset in args.presets:
         job = compose_job_config([f"experiment={preset}", *args.overrides])
+        cache = sum(sum(cached_weight_bytes(s)) for s in linear_specs(job.model, recipe_from_config(job.precision)))
         for name in args.devices:
             device = planning.get_device(name)
             started = time.perf_counter()
@@ -50,12 +56,13 @@ def main() -> None:
             plan_s = time.perf_counter() - started
             _, total, recompute, _ = next(r for r in recommendation.rows if r[0] == policy)
             projected = []
-            for chosen in (FORMER, policy):
-                cost = planning.cost_for_job(_with_policy(job, chosen), world_size=args.world_size,
+            for chosen, weight_cache in ((FORMER, False), (policy, True)):
+                cost = planning.cost_for_job(_with(job, chosen, weight_cache), world_size=args.world_size,
                                              gpus_per_node=device.gpus_per_node)  # fmt: skip
                 p = cost.project(device, cost.configured)
                 projected += [f"{p.step_s:.2f}", f"{p.mfu * 100:.1f}%"]
-            rows.append([preset, device.name, policy, f"+{recompute * 100:.1f}% FLOPs", f"{total / GIB:.1f}", *projected,
+            rows.append([preset, device.name, policy, f"+{recompute * 100:.1f}% FLOPs", f"{total / GIB:.1f}",
+                         f"{cache / GIB:.2f}", *projected,
                          f"{plan_s:.0f}"])  # fmt: skip
             print(f"{preset} on {device.name}: {policy}", flush=True)
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))

@@ -178,11 +178,12 @@ def _collective_bytes(groups, *, replicate: int, shard: int, grad_accum: int, di
 def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int, seq_len: int,
               micro_batch: int, grad_accum: int, head_chunk_tokens: int = 0, head_precision: str = "fp32",
               keep_head_gathered: bool = False, gpus_per_node: int = 8, compute_dtype: str = "bfloat16",
-              policies: tuple[str, ...] = ()) -> StepCost:  # fmt: skip
+              policies: tuple[str, ...] = (), weight_cache: bool = True) -> StepCost:  # fmt: skip
     """The cost of one optimizer step per rank (see the module docstring). ``head_precision``: how the
     LM head's GEMMs compute (fp32, tf32 or bf16); ``keep_head_gathered``: the head and final norm stay
     gathered from forward to backward. The HSDP layout shards within ``gpus_per_node`` ranks and
-    replicates across nodes; ``policies`` adds the recompute FLOPs of other checkpointing policies."""
+    replicates across nodes; ``policies`` adds the recompute FLOPs of other checkpointing policies;
+    ``weight_cache``: each FP4 weight quantized once per step (``train.weight_cache``)."""
     if head_precision not in HEAD_PRECISIONS:
         raise ValueError(f"head_precision={head_precision!r}; valid: {', '.join(HEAD_PRECISIONS)}")
     tokens = micro_batch * seq_len
@@ -191,6 +192,7 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     forward = block_forward_flops(model, recipe, batch=micro_batch, seq_len=seq_len)
     chosen = checkpointed_blocks(dist_cfg.activation_checkpointing, [t.block_type for t in model.layer_types])
     recompute_native = 0.0
+    weights = 0.0  # weight elements through the quantizer per micro-batch (fprop, its recompute, 1-D dgrad)
     for spec in specs:
         if spec.layer is None:
             continue
@@ -202,10 +204,13 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
                 recompute_native += gemm / 3
         if spec.kind == "fp4":
             k, n = spec.in_features, spec.out_features
-            forward_elements = tokens * k + n * k  # X (with X^T from the same read) and W
             two_d = getattr(spec.part, "w", None) is not None and spec.part.w.two_d
-            backward_elements = 2 * tokens * n + (0 if two_d else n * k)
-            quantized += forward_elements * (2 if chosen[spec.layer] else 1) + backward_elements
+            # X (with X^T from the same read) and dY twice; the weight apart: W, again when recomputed, W^T if 1-D
+            quantized += tokens * k * (2 if chosen[spec.layer] else 1) + 2 * tokens * n
+            w_passes = (2 if chosen[spec.layer] else 1) + (0 if two_d else 1)
+            cached = weight_cache and grad_accum > 1 and spec.part.w.rounding == "rne"
+            # cached: W (and W^T) once per step, the recompute reading the cache
+            weights += n * k * ((1 if two_d else 2) / grad_accum if cached else w_passes)
     attention = ssd = 0.0
     for t in model.layer_types:
         if t.block_type == "attention":
@@ -237,6 +242,6 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     return StepCost(world_size=world_size, tokens=tokens * grad_accum, flops=flops, precision=precision,
                     configured=configured,
                     fp4_native_flops=(native + recompute_native) * grad_accum,
-                    quantized_elements=quantized * grad_accum, collectives=collectives, layouts=layouts,
+                    quantized_elements=(quantized + weights) * grad_accum, collectives=collectives, layouts=layouts,
                     model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,
                     recompute_by_policy=recompute_by_policy)  # fmt: skip

@@ -57,7 +57,7 @@ def plan_for_job(cfg, *, world_size: int, device_memory_gib: float, chunked_head
                        activation_checkpointing=activation_checkpointing, head_chunk_tokens=chunk,
                        head_precision=job["head_precision"], keep_head_gathered=job["keep_head_gathered"],
                        mamba_scan=mamba_scan, quantizer=job["quantizer"], reserve_gib=reserve_gib,
-                       measured=measured)  # fmt: skip
+                       measured=measured, weight_cache=cfg.train.weight_cache)  # fmt: skip
 
 
 def simulate_for_job(cfg, *, world_size: int, mamba_scan: str = "auto",
@@ -68,7 +68,8 @@ def simulate_for_job(cfg, *, world_size: int, mamba_scan: str = "auto",
     return simulate_memory(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
                            micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
                            compute_dtype=job["compute_dtype"], head_chunk_tokens=_head_chunk_tokens(cfg, chunked_head),
-                           optim=cfg.optim, mamba_scan=mamba_scan, quantizer=job["quantizer"])  # fmt: skip
+                           optim=cfg.optim, mamba_scan=mamba_scan, quantizer=job["quantizer"],
+                           weight_cache=cfg.train.weight_cache)  # fmt: skip
 
 
 def cost_for_job(cfg, *, world_size: int, gpus_per_node: int = 8, policies: tuple[str, ...] = (),
@@ -83,7 +84,8 @@ def cost_for_job(cfg, *, world_size: int, gpus_per_node: int = 8, policies: tupl
                      micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
                      head_chunk_tokens=_head_chunk_tokens(cfg, chunked_head), head_precision=job["head_precision"],
                      keep_head_gathered=job["keep_head_gathered"], gpus_per_node=gpus_per_node,
-                     compute_dtype=job["compute_dtype"], policies=policies)  # fmt: skip
+                     compute_dtype=job["compute_dtype"], policies=policies,
+                     weight_cache=cfg.train.weight_cache)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +139,7 @@ def recommend_checkpointing(cfg, plan: MemoryPlan, *, world_size: int, reserve_g
                             micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
                             device_memory_gib=plan.device_bytes / GIB, activation_checkpointing=policy,
                             keep_head_gathered=job["keep_head_gathered"], mamba_scan=plan.mamba_scan, quantizer=plan.quantizer, reserve_gib=reserve_gib,
-                            measured=plan.measured)  # fmt: skip
+                            measured=plan.measured, weight_cache=cfg.train.weight_cache)  # fmt: skip
         rows.append((policy, other.total_bytes, cost.recompute_by_policy[policy] / base, other.fits))
     rows.sort(key=lambda r: r[2])
     chosen = next((p for p, _, _, ok in rows if ok), None)
@@ -191,7 +193,7 @@ def _what_fits(cfg, plan: MemoryPlan, *, world_size: int, reserve_gib: float) ->
 
     def fits(job, world, measured=None) -> bool:
         base = plan_for_job(job, world_size=world, device_memory_gib=plan.device_bytes / GIB, reserve_gib=reserve_gib,
-                            activation_checkpointing="full", measured=measured)  # fmt: skip
+                            activation_checkpointing="full", mamba_scan=plan.mamba_scan, measured=measured)  # fmt: skip
         return recommend_checkpointing(job, base, world_size=world, reserve_gib=reserve_gib).chosen is not None
 
     def valid(train, world) -> bool:

@@ -68,3 +68,24 @@ def head_precision_of(job) -> str:
 
     head = [s for s in linear_specs(job.model, recipe_from_config(job.precision)) if s.block_type == "head"]
     return "fp32" if head and head[0].kind == "fp32" else "bf16"
+
+
+def _packed_bytes(rows: int, cols: int, block: int, two_d: bool) -> int:
+    """A packed FP4 operand [rows, cols] in blocks along cols (16x16 tiles when ``two_d``): the E2M1
+    codes (two per byte, dims padded to whole blocks), one scale code per block, and two FP32 scalars."""
+    cols_padded = -(-cols // block) * block
+    rows_padded = -(-rows // block) * block if two_d else rows
+    scales = (rows_padded // block if two_d else rows_padded) * (cols_padded // block)
+    return rows_padded * cols_padded // 2 + scales + 8
+
+
+def cached_weight_bytes(spec: LinearSpec) -> tuple[int, int]:
+    """Bytes an FP4 linear keeps in the weight cache of a step (``train.weight_cache``): W packed
+    (made in forward) and a 1-D weight's W^T for dgrad (made in backward; a 2-D weight's W^T is W's
+    tiles transposed); (0, 0) for a linear that caches nothing (not emulated FP4, or a
+    stochastically rounded weight)."""
+    if spec.kind != "fp4" or spec.part.w.rounding != "rne":
+        return 0, 0
+    w, n, k = spec.part.w, spec.out_features, spec.in_features
+    fprop = _packed_bytes(n, k, w.block_size, w.two_d)
+    return fprop, 0 if w.two_d else _packed_bytes(k, n, w.block_size, False)

@@ -17,7 +17,7 @@ Not counted: the CUDA context, NCCL's own buffers and allocator fragmentation (`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -92,6 +92,9 @@ class MemoryPlan:
     quantizer: str
     measured: Measured
     """The measurements behind it, for planning other policies or world sizes of the same job."""
+    weight_cache_bytes: int = 0
+    """The step's cached FP4 weight operands (``train.weight_cache``), counted from the first
+    micro-batch on: W as made in forward (activations), a 1-D weight's W^T in backward (temporaries)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -121,6 +124,9 @@ class MemoryPlan:
         lines += [f"| {name} | {nbytes / GIB:.2f} | {how} |" for name, nbytes, how in self.rows]
         lines.append(f"| **total** | **{self.total_bytes / GIB:.2f}** | |")
         lines += ["", f"Mamba scan: {self.mamba_scan} ({_SCAN_NOTE[self.mamba_scan]}); FP4 quantizer: {self.quantizer}."]
+        if self.weight_cache_bytes:
+            lines.append(f"FP4 weights quantized once per step (train.weight_cache): {self.weight_cache_bytes / GIB:.2f} GiB "
+                         "of packed operands held through the step.")  # fmt: skip
         lines += list(self.notes)
         verdict = "fits" if self.fits else "does not fit"
         lines += ["", f"{self.total_bytes / GIB:.2f} GiB of {self.device_bytes / GIB:.2f} GiB per GPU "
@@ -207,7 +213,7 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
                 activation_checkpointing: str | bool | None = None, chunked_head: bool = False,
                 head_chunk_tokens: int | None = None, head_precision: str = "fp32", keep_head_gathered: bool = False,
                 mamba_scan: str = "torch", quantizer: str = "triton", reserve_gib: float = 4.0,
-                measured: Measured | None = None) -> MemoryPlan:  # fmt: skip
+                measured: Measured | None = None, weight_cache: bool = True) -> MemoryPlan:  # fmt: skip
     """The per-GPU memory of training ``model`` under ``recipe`` and ``dist_cfg`` on ``world_size`` GPUs.
 
     ``activation_checkpointing`` defaults to the config's policy; ``compute_dtype`` is the dtype blocks
@@ -217,6 +223,8 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
     (which follow each other: no change at the peak). ``mamba_scan`` and ``quantizer`` are the paths the
     run takes (:func:`nemofp4.planning.standins.mamba_scan_path`, :func:`~nemofp4.planning.measure.gpu_quantizer_path`).
     ``measured`` reuses the measurements (:func:`measure`) of an earlier plan of the same model and batch.
+    ``weight_cache``: with gradient accumulation, each FP4 weight's packed operands are kept from its
+    first use in the step to the optimizer step (``train.weight_cache``).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; must be >= 1")
@@ -230,6 +238,9 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
     blocks, head = measured.blocks, measured.head
     moments = _moments(model, dist_cfg, policy, measured, world_size=world_size, grad_accum=grad_accum,
                        tokens=micro_batch * seq_len, keep_head_gathered=keep_head_gathered)  # fmt: skip
+    cache = _weight_cache(model, recipe) if weight_cache and grad_accum > 1 else None
+    if cache is not None:
+        moments = [_with_weight_cache(m, *cache) for m in moments]
     peak = max(moments, key=lambda m: m.total)
     by_layer = {i: b for b in blocks for i in b.layers}
     chosen = checkpointed_blocks(policy, [t.block_type for t in model.layer_types])
@@ -240,8 +251,43 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
                  "fake implementations); train.kernels=eager plans the torch program's.",)  # fmt: skip
     return MemoryPlan(peak=peak, moments=tuple(moments), layers=tuple(blocks), head=head, activation_checkpointing=policy,
                       activations_after_forward=after_forward, reserve_bytes=int(reserve_gib * GIB),
+                      weight_cache_bytes=sum(map(sum, cache)) if cache else 0,
                       device_bytes=int(device_memory_gib * GIB), mamba_scan=scan, quantizer=quantizer,
                       measured=measured, notes=notes)  # fmt: skip
+
+
+def _weight_cache(model: NemotronHConfig, recipe: Recipe) -> tuple[list[int], list[int]]:
+    """Per block: the bytes of its FP4 weights' cached fprop operands (made in forward) and of the
+    dgrad operands of 1-D weights (made in backward)."""
+    from .layers import cached_weight_bytes, linear_specs
+
+    made_in_forward, made_in_backward = [0] * model.num_layers, [0] * model.num_layers
+    for spec in linear_specs(model, recipe):
+        if spec.layer is not None:
+            fprop, dgrad = cached_weight_bytes(spec)
+            made_in_forward[spec.layer] += fprop
+            made_in_backward[spec.layer] += dgrad
+    return made_in_forward, made_in_backward
+
+
+def _with_weight_cache(m: Moment, made_in_forward: list[int], made_in_backward: list[int]) -> Moment:
+    """``m`` with the cached weight operands alive then: none before a block's first forward in the
+    step or after the last backward; a 1-D weight's W^T from its block's first backward."""
+    if m.phase == "optimizer step":
+        return m
+    first = m.micro_batch == "first"
+    layer = int(m.group.split(".")[1]) if m.group.startswith("layers.") else None
+    if m.phase == "forward":
+        w = sum(made_in_forward[: layer + 1]) if first and layer is not None else sum(made_in_forward)
+        wt = 0 if first else sum(made_in_backward)
+    else:
+        w = sum(made_in_forward)
+        start = layer if layer is not None else (0 if m.group == "root" else len(made_in_backward))
+        wt = sum(made_in_backward[start:]) if first else sum(made_in_backward)
+    items = dict(m.items)
+    items["activations"] += w
+    items["temporaries"] += wt
+    return replace(m, items=items)
 
 
 def _head_is_fp32(model: NemotronHConfig, recipe: Recipe) -> bool:

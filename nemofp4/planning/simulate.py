@@ -29,7 +29,13 @@ import torch.distributed as dist
 from torch import nn
 
 from nemofp4.models import NemotronHConfig, build_model, lm_loss, param_groups
-from nemofp4.quant import set_held_reference_reduce_group, set_quant_backend, set_quant_stats, set_step
+from nemofp4.quant import (
+    cached_weights,
+    set_held_reference_reduce_group,
+    set_quant_backend,
+    set_quant_stats,
+    set_step,
+)
 from nemofp4.recipes import Recipe, apply_recipe
 from nemofp4.training.optim import OptimConfig, build_optimizer
 from nemofp4.training.parallel import DistributedConfig, parallelize, set_gradient_sync
@@ -245,7 +251,7 @@ def _fake_process_group(world_size: int):
 def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int,
                     seq_len: int, micro_batch: int, grad_accum: int, compute_dtype: str = "bfloat16",
                     head_chunk_tokens: int = 0, optim: OptimConfig | None = None, mamba_scan: str = "torch",
-                    quantizer: str = "triton") -> SimulatedMemory:  # fmt: skip
+                    quantizer: str = "triton", weight_cache: bool = True) -> SimulatedMemory:  # fmt: skip
     """Run one training step of ``model`` under ``recipe`` and ``dist_cfg`` as rank 0 of ``world_size``
     on fake tensors and return its per-GPU memory peak (see the module docstring).
 
@@ -253,6 +259,7 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
     bfloat16 runs under autocast with FSDP2's BF16 mixed precision. ``mamba_scan``: ``torch`` or
     ``mamba_ssm`` (the CUDA kernels' stand-ins, :mod:`nemofp4.planning.standins`). ``quantizer``: the
     FP4 quantizer path of the GPU run, ``triton`` (``train.kernels`` auto/triton on CUDA) or ``eager``.
+    ``weight_cache``: the micro-batches run inside :func:`nemofp4.quant.cached_weights`, as the trainer's.
     """
     if quantizer not in ("triton", "eager"):
         raise ValueError(f"quantizer={quantizer!r}; valid: triton, eager")
@@ -295,19 +302,20 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
         stack.enter_context(tracker)
         set_step(net, 1, seed=0, rank=0)
         set_quant_stats(net, False)  # statistics are kept on logging steps only
-        for i, micro in enumerate(micro_batches):
-            if i:
-                # Workaround for a torch limitation: FSDPMemTracker refuses a second forward of the root
-                # module in one tracking ("multiple iterative calls"); its per-module statistics are
-                # cleared between micro-batches, the global peak it keeps is not.
-                tracker.reset_mod_stats()
-            set_gradient_sync(net, dist_cfg, micro_batch=micro, grad_accum=grad_accum)
-            collectives.kind = _micro_batch_kind(micro, grad_accum)
-            tracker.micro_batch = collectives.kind
-            with autocast():
-                loss = lm_loss(net, ids, ids, head_chunk_tokens=head_chunk_tokens)
-            (loss / (grad_accum * world_size)).backward()
-            del loss
+        with cached_weights(net, enabled=weight_cache and grad_accum > 1):  # freed before the optimizer step
+            for i, micro in enumerate(micro_batches):
+                if i:
+                    # Workaround for a torch limitation: FSDPMemTracker refuses a second forward of the root
+                    # module in one tracking ("multiple iterative calls"); its per-module statistics are
+                    # cleared between micro-batches, the global peak it keeps is not.
+                    tracker.reset_mod_stats()
+                set_gradient_sync(net, dist_cfg, micro_batch=micro, grad_accum=grad_accum)
+                collectives.kind = _micro_batch_kind(micro, grad_accum)
+                tracker.micro_batch = collectives.kind
+                with autocast():
+                    loss = lm_loss(net, ids, ids, head_chunk_tokens=head_chunk_tokens)
+                (loss / (grad_accum * world_size)).backward()
+                del loss
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         optimizer.step()
         del fake

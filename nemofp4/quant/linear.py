@@ -203,13 +203,16 @@ class _Quantizer:
     def weight(self, w: torch.Tensor, *, two_d: bool | None = None, pack: bool = False,
                key: str = "w") -> QuantizedBlocks:  # fmt: skip
         """W (``key`` 'w') or W^T ('wt'), quantized with role ``w``; while :attr:`caches_weight`, once
-        per optimizer step, packed (4.5 bits per element held until the step ends)."""
+        per optimizer step: the cache keeps the packed codes only (4.5 bits per element, held until
+        the step ends), and later uses decode them (exactly) for their GEMM."""
         if not self.caches_weight:
             return self(Role.W, w, two_d=two_d, pack=pack)
         cache = self.state.weight_cache
-        if key not in cache:
-            cache[key] = self(Role.W, w, two_d=two_d, pack=True)
-        return cache[key]
+        if key in cache:
+            return _operand(cache[key], self.config.gemm)
+        q = self(Role.W, w, two_d=two_d, pack=True)
+        cache[key] = QuantizedBlocks.from_tensors(q.tensors(), q.meta())
+        return q
 
     def tokens(self, role: Role, x_TD: torch.Tensor, *, pack: bool = False) -> QuantizedBlocks:
         """The wgrad operand of role ``role`` (X^T or dY^T) from the token-major ``x_TD``."""
