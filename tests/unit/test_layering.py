@@ -38,21 +38,24 @@ ALLOWED = {
 def _imports(path: Path):
     """Every nemofp4 module ``path`` imports, absolute, including ``from nemofp4 import kernels``
     (which names the subpackage only in the imported names)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                # resolve relative imports against the module's package
-                pkg = path.relative_to(ROOT.parent).with_suffix("").parts[: -node.level]
-                module = ".".join(pkg + ((node.module,) if node.module else ()))
-            else:
-                module = node.module or ""
+            module = _from_module(path, node)
             yield module
             for alias in node.names:
                 yield f"{module}.{alias.name}"
+
+
+def _from_module(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module of ``from <module> import ...`` in ``path`` (relative ones resolved against
+    the module's package)."""
+    if not node.level:
+        return node.module or ""
+    package = path.relative_to(ROOT.parent).with_suffix("").parts[: -node.level]
+    return ".".join(package + ((node.module,) if node.module else ()))
 
 
 def _project_imports(package: str):
@@ -131,16 +134,11 @@ def _import_targets(path: Path, modules) -> set[str]:
     """The nemofp4 modules ``path`` imports: ``from m import name`` counts the submodule ``m.name``
     when there is one, else ``m`` itself (so ``from . import program`` does not count the package)."""
     targets = set()
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                pkg = path.relative_to(ROOT.parent).with_suffix("").parts[: -node.level]
-                module = ".".join(pkg + ((node.module,) if node.module else ()))
-            else:
-                module = node.module or ""
+            module = _from_module(path, node)
             for alias in node.names:
                 targets.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module)
     return targets & set(modules)
