@@ -56,8 +56,10 @@ class Ablation:
         total = change(both)
         if total == 0:
             return {}
+        interaction = total - change(rht) - change(tail)
+        interaction = 0.0 if abs(interaction) < 1e-9 * base else interaction
         return {"without the RHT": change(rht) / total, "all eligible linears in FP4": change(tail) / total,
-                "interaction": (total - change(rht) - change(tail)) / total}  # fmt: skip
+                "interaction": interaction / total}  # fmt: skip
 
     def format(self) -> str:
         native = "native FP4 GEMMs" if self.recipe == "nvfp4_te" else "emulated: BF16 GEMMs and the quantizer"

@@ -178,3 +178,10 @@ def test_recipe_ablation(device, recipe):
     else:  # emulated: every FP4 linear adds quantizer passes to a BF16 GEMM; the RHT adds passes
         assert no_rht < base < all_fp4 and shares["interaction"] > 0
     assert "| both changes | 112 |" in ablation.format()
+
+
+def test_the_recommendation_names_every_kth_block_in_english():
+    from nemofp4.planning.job import _policy_words
+
+    assert [_policy_words(f"every_{k}") for k in (2, 3, 4, 11, 21)] == [
+        f"with checkpointing on every {k} block" for k in ("2nd", "3rd", "4th", "11th", "21st")]  # fmt: skip
