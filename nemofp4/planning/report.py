@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cost import StepCost
+from .cost import ROLES, StepCost
 from .devices import Device
 from .memory import CATEGORIES, GIB, MemoryPlan
 from .simulate import SimulatedMemory
@@ -24,7 +24,7 @@ def cost_table(cost: StepCost, device: Device | None) -> str:
             precision = f"FP4 (Transformer Engine, {native_share * 100:.0f}%) where the device has it, else {precision}"
         lines.append(f"| {name} | {flops / 1e12:,.1f} | {precision} |")
     lines.append(f"| **total** | **{cost.total_flops / 1e12:,.1f}** | |")
-    traffic = {role: 0.0 for role in ("x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad")}
+    traffic = dict.fromkeys(ROLES, 0.0)
     for p in cost.quant_passes:
         traffic[p.role] += p.count * p.nbytes
     rht = sum(p.count * p.hadamard_flops for p in cost.quant_passes)
