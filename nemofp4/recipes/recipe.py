@@ -74,7 +74,7 @@ def emulated_config(part: Part) -> LinearQuantConfig | None:
     if part.kind == "te_nvfp4":
         from .registry import NVFP4
 
-        return NVFP4().build().parts["fp4"]
+        return NVFP4(disable_rht=part.disable_rht).build().parts["fp4"]
     return None
 
 
