@@ -50,8 +50,9 @@ test-all: setup
 lock: setup
 	$(if $(TORCH_CPU_INDEX),TORCH_CPU_INDEX=$(TORCH_CPU_INDEX)) UV=$(VENV)/bin/uv bash scripts/lock.sh
 
+# RESOLUTION=lowest-direct: the oldest releases the ranges admit instead of the newest.
 drift:
-	PYTHON=$(PYTHON) bash scripts/check_drift.sh
+	PYTHON=$(PYTHON) RESOLUTION=$(or $(RESOLUTION),highest) bash scripts/check_drift.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
 # Drift check (`make drift`): a throwaway virtual environment with the newest releases that
-# pyproject.toml's ranges admit (PyTorch kept at the lock's CPU build: it is the platform, chosen apart),
-# then the tests that touch outside packages: transformers (parity, export, import), datasets and
-# tokenizers (loading), lm-eval, DeepSpeed, Hydra composition, torchao, mamba_ssm. It needs the
-# registries, so it is not part of CI; its last result goes in docs/benchmarks.md ("Dependency drift").
-# Prints the versions that differ from requirements/dev.txt, then pytest's summary; exits as pytest did.
+# pyproject.toml's ranges admit (RESOLUTION=lowest-direct: the oldest, to check the lower bounds),
+# PyTorch kept at the lock's CPU build (the platform, chosen apart), then the tests that touch outside
+# packages: transformers (parity, export, import), datasets and tokenizers (loading), lm-eval,
+# DeepSpeed, Hydra composition, torchao, mamba_ssm. It needs the registries, so it is not part of CI;
+# its last results are in docs/benchmarks.md ("Dependency drift"). Prints the resolved versions that
+# differ from requirements/dev.txt, then pytest's summary; exits as pytest did.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+RESOLUTION=${RESOLUTION:-highest}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$PYTHON" -m venv "$work/venv"
 py=$work/venv/bin/python
-torch=$(grep -oE '^torch==[^ ]+' requirements/dev.txt)
-"$py" -m pip install -q "$torch" ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"}
-"$py" -m pip install -q -e ".[dev]"
-MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$py" -m pip install -q --no-build-isolation --no-deps mamba-ssm
-echo "drift check $(date -u +%Y-%m-%d), $("$PYTHON" --version); newest allowed vs requirements/dev.txt:"
-"$py" -m pip list --format=freeze 2>/dev/null | "$py" -c '
+uv_pin=$(grep -oE '^uv==[^ ]+' requirements/dev.txt)
+"$py" -m pip install -q "$uv_pin" wheel  # wheel: source builds without isolation (DeepSpeed)
+wheel_dir=${FIND_LINKS:-${PIP_FIND_LINKS:-$("$py" -m pip config get global.find-links 2>/dev/null || true)}}
+links=()
+[ -n "$wheel_dir" ] && links+=(--find-links "$wheel_dir")
+[ -n "${TORCH_CPU_INDEX:-}" ] && links+=(--extra-index-url "$TORCH_CPU_INDEX")
+"$work/venv/bin/uv" pip compile pyproject.toml --extra dev -c requirements/torch-cpu.in "${links[@]}" \
+  --resolution "$RESOLUTION" --python-version 3.11 --no-header --no-annotate --quiet -o "$work/resolved.txt"
+"$py" -m pip install -q --no-deps --no-build-isolation \
+  -r <(awk '/^torch==/' "$work/resolved.txt") ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"}
+"$py" -m pip install -q --no-deps --no-build-isolation -r "$work/resolved.txt"
+"$py" -m pip install -q --no-deps --no-build-isolation -e .
+MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$py" -m pip install -q --no-build-isolation --no-deps \
+  "mamba-ssm$([ "$RESOLUTION" = highest ] || grep -oE '==[^ ]+' requirements/mamba-ssm.txt)"
+echo "drift check ($RESOLUTION) $(date -u +%Y-%m-%d), $("$py" --version); resolved vs requirements/dev.txt:"
+"$py" -c '
 import re, sys
-locked = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^ \\]+)", open("requirements/dev.txt").read(), re.M))
-norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
-locked = {norm(k): v for k, v in locked.items()}
-for line in sys.stdin:
-    name, _, version = line.strip().partition("==")
-    if norm(name) in locked and locked[norm(name)] != version:
-        print(f"  {name}: {locked[norm(name)]} -> {version}")
-'
+pins = lambda path: {re.sub(r"[-_.]+", "-", n).lower(): v
+                     for n, v in re.findall(r"^([A-Za-z0-9_.-]+)==([^ \\\n]+)", open(path).read(), re.M)}
+locked, resolved = pins("requirements/dev.txt"), pins(sys.argv[1])
+for name in sorted(resolved):
+    if locked.get(name) != resolved[name]:
+        print(f"  {name}: {locked.get(name)} -> {resolved[name]}")
+' "$work/resolved.txt"
 "$py" -m pytest -q -p no:cacheprovider -m "not slow" \
   tests/unit/test_hf_parity.py tests/unit/test_init_from.py tests/integration/test_export_hf.py \
   tests/unit/test_data_loader.py tests/unit/test_preprocess_inputs.py tests/unit/test_data_checks.py \
