@@ -1,36 +1,30 @@
 # Two entry points: `make train` (the main job) and `make test` (lint + tests).
-# Both create or reuse a virtual environment in $(VENV) and install the project into it.
-#
-# Torch: on a machine without an NVIDIA GPU we install a CPU build ($(TORCH_CPU_SPEC),
-# optionally from $(TORCH_CPU_INDEX)); with a GPU we keep an installed CUDA build or take
-# PyPI's default (a CUDA build).
+# Both create or reuse a virtual environment in $(VENV) and install into it the committed lock
+# requirements/$(LOCK).txt (hash-checked, nothing resolved) and then the project itself:
+# `dev` (CPU PyTorch) on a machine without an NVIDIA GPU, `gpu` (PyPI's CUDA PyTorch and the gpu
+# extra) with one. `make lock` regenerates the locks from pyproject.toml's ranges; `make drift`
+# tries the newest releases those ranges admit in a throwaway environment.
 
+PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
-TORCH_CPU_SPEC ?= torch==2.13.0
+LOCK ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo gpu; else echo dev; fi)
+# A pip index that serves PyTorch's CPU wheels (torch==2.13.0+cpu), for machines whose configured
+# indexes and wheel folders do not: e.g. TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_CPU_INDEX ?=
-EXTRAS ?= dev
 TRAIN_ARGS ?=
 PYTEST_ARGS ?= -m "not slow"
 # Test modules run in parallel worker processes, one module per worker at a time (tests/parallel.py).
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 PYTEST_PARALLEL ?= -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: setup train test test-all lint clean
+.PHONY: setup train test test-all lint lock drift clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	@if $(PY) -c "import torch" 2>/dev/null; then \
-		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
-	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PIP) install torch; \
-	else \
-		$(PIP) install "$(TORCH_CPU_SPEC)" $(if $(TORCH_CPU_INDEX),--index-url $(TORCH_CPU_INDEX)); \
-	fi
-	$(PIP) install -e ".[$(EXTRAS)]"
+$(VENV)/.installed: pyproject.toml requirements/$(LOCK).txt requirements/mamba-ssm.txt scripts/install_lock.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_CPU_INDEX),PIP_EXTRA_INDEX_URL=$(TORCH_CPU_INDEX)) bash scripts/install_lock.sh $(PY) $(LOCK)
 	touch $@
 
 # A trainer stopped by SIGINT checkpoints and exits 130; make would report any failed recipe as its
@@ -52,6 +46,13 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m ""
+
+lock: setup
+	$(if $(TORCH_CPU_INDEX),TORCH_CPU_INDEX=$(TORCH_CPU_INDEX)) UV=$(VENV)/bin/uv bash scripts/lock.sh
+
+# RESOLUTION=lowest-direct: the oldest releases the ranges admit instead of the newest.
+drift:
+	PYTHON=$(PYTHON) RESOLUTION=$(or $(RESOLUTION),highest) bash scripts/check_drift.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

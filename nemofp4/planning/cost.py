@@ -25,15 +25,51 @@ from nemofp4.recipes import Recipe
 from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
 
 from .devices import Device
-from .layers import HEAD_PRECISIONS, linear_specs
+from .layers import HEAD_PRECISIONS, LinearSpec, linear_specs
+from .te_nvfp4 import HADAMARD_FLOPS_PER_ELEMENT, te_quantizations
 
-__all__ = ["COMPONENTS", "Projection", "StepCost", "block_forward_flops", "step_cost"]
+__all__ = ["COMPONENTS", "BODY_COMPONENTS", "Projection", "QuantPass", "StepCost", "block_forward_flops", "step_cost"]
 
 COMPONENTS = ("linear GEMMs", "attention", "SSD scan", "head and loss", "recompute")
+BODY_COMPONENTS = ("linear GEMMs", "attention", "SSD scan", "recompute")
+"""The model body's: everything but the embedding, the LM head and loss, the optimizer and communication."""
 QUANT_BYTES_PER_ELEMENT = 12.5
 """HBM bytes per quantized operand element on the Triton path: the BF16 input read (2), the FP32
 scaled values written (4), packed codes and scales (0.5625), and the GEMM's read of the scaled values
 and their BF16 copy (6)."""
+HADAMARD_REFERENCE_BYTES_PER_ELEMENT = 10
+"""The emulated recipes' current amax of a transformed wgrad operand: the token-major tensor read and its
+transpose written (4), the transform read and written (4), the amax's read (2), in BF16."""
+ROLES = ("x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantPass:
+    """A pass over memory a quantizer makes, ``count`` times per step on this rank."""
+
+    role: str
+    """The operand role it serves (:data:`ROLES`)."""
+    nbytes: float
+    """HBM bytes read and written."""
+    hadamard_flops: float
+    """FLOPs of the random Hadamard transform in it."""
+    count: float
+    hadamard_only: bool = False
+    """The pass exists only for the transform (without the RHT it is not made)."""
+    emulated: bool = False
+    """A pass of the emulated quantizer (:data:`QUANT_BYTES_PER_ELEMENT` per element)."""
+
+    def seconds(self, device: Device) -> float:
+        """Roofline: the larger of its memory and its transform time, ``count`` times."""
+        return self.count * max(self.nbytes / (device.hbm_tb_s * 1e12),
+                                self.hadamard_flops / (device.matmul_tflops("bf16") * 1e12))  # fmt: skip
+
+    def hadamard_seconds(self, device: Device) -> float:
+        """What the transform adds: the whole pass if it exists for it, else its FLOPs' excess over its
+        memory time."""
+        if self.hadamard_only:
+            return self.seconds(device)
+        return max(0.0, self.seconds(device) - self.count * self.nbytes / (device.hbm_tb_s * 1e12))
 
 
 def _attention_forward(model: NemotronHConfig, batch: int, seq_len: int) -> float:
@@ -76,6 +112,15 @@ class Projection:
     comm_s: float
     step_s: float
     mfu: float
+    quant_s_by_role: dict[str, float] = field(default_factory=dict)
+    """Of ``quant_s``: each operand role's passes."""
+    hadamard_s: float = 0.0
+    """Of ``quant_s``: what the random Hadamard transform adds (:meth:`QuantPass.hadamard_seconds`)."""
+    body_s: float = 0.0
+    """The model body's time: ``compute_s`` of :data:`BODY_COMPONENTS` plus ``quant_s`` (no head and
+    loss, optimizer or communication)."""
+    body_tokens_per_s: float = 0.0
+    """This rank's tokens over ``body_s``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +137,9 @@ class StepCost:
     fp4_native_flops: float
     """Of the linear GEMMs and their recompute, the FLOPs of native FP4 GEMMs (TE's NVFP4)."""
     quantized_elements: float
-    """Operand elements through the FP4 quantizer (forward, recompute and backward)."""
+    """Operand elements through the emulated FP4 quantizer (forward, recompute and backward)."""
+    quant_passes: tuple[QuantPass, ...] = ()
+    """Every quantizer pass of the step (emulated and Transformer Engine's), by role."""
     collectives: dict[str, dict[str, float]]
     """Layout name -> collective -> bytes this rank sends per step (ring algorithms)."""
     layouts: dict[str, tuple[int, int]]
@@ -120,7 +167,13 @@ class StepCost:
                 compute[name] = (native / device.matmul_tflops("fp4") + (flops - native) / device.matmul_tflops(precision)) / 1e12
             else:
                 compute[name] = flops / device.matmul_tflops(precision) / 1e12
-        quant = self.quantized_elements * QUANT_BYTES_PER_ELEMENT / (device.hbm_tb_s * 1e12)
+        by_role = dict.fromkeys(ROLES, 0.0)
+        hadamard = 0.0
+        for p in self.quant_passes:
+            by_role[p.role] += p.seconds(device)
+            hadamard += p.hadamard_seconds(device)
+        quant = sum(by_role.values())
+        body = sum(compute[name] for name in BODY_COMPONENTS) + quant
         _, shard = self.layouts[layout]
         comm = 0.0
         for collective, nbytes in self.collectives[layout].items():
@@ -131,7 +184,8 @@ class StepCost:
         step = max(sum(compute.values()) + quant, comm)
         mfu = self.model_flops / (step * device.bf16_tflops * 1e12)
         return Projection(device=device, layout=layout, compute_s=compute, quant_s=quant, comm_s=comm, step_s=step,
-                          mfu=mfu)  # fmt: skip
+                          mfu=mfu, quant_s_by_role=by_role, hadamard_s=hadamard, body_s=body,
+                          body_tokens_per_s=self.tokens / body if body else 0.0)  # fmt: skip
 
 
 def _fsdp_groups(model: NemotronHConfig, recipe: Recipe, *, head_precision: str, param_bytes: int) -> list[tuple[str, int, int]]:
@@ -175,6 +229,49 @@ def _collective_bytes(groups, *, replicate: int, shard: int, grad_accum: int, di
     return out
 
 
+def _current(op) -> bool:
+    """The operand's tensor amax is measured at every quantization (a held one is measured once in D steps)."""
+    return op.uses_tensor_reference and op.reference_interval == 0
+
+
+def _quant_passes(spec: LinearSpec, tokens: int, *, forward_count: int, backward_count: int,
+                  weight_count: int | None = None) -> list[QuantPass]:  # fmt: skip
+    """The quantizer passes of one linear, per step: its forward's ``forward_count`` times (activation
+    checkpointing recomputes it), its backward's ``backward_count`` times; an emulated FP4 weight's
+    (W, and a 1-D weight's W^T) ``weight_count`` times when given (``train.weight_cache``: once)."""
+    k, n = spec.in_features, spec.out_features
+    if spec.kind == "te_nvfp4":
+        return [QuantPass(role=role, nbytes=nbytes, hadamard_flops=flops, hadamard_only=only,
+                          count=forward_count if q.phase == "forward" else backward_count)
+                for q in te_quantizations(tokens, k, n, spec.part)
+                for role, nbytes, flops, only in q.passes()]  # fmt: skip
+    if spec.kind != "fp4":
+        return []
+    config = spec.part
+
+    def emulated(role: str, elements: float, count: int, *, hadamard: bool = False, only: bool = False) -> QuantPass:
+        flops = elements * HADAMARD_FLOPS_PER_ELEMENT if hadamard else 0.0
+        return QuantPass(role=role, nbytes=elements * QUANT_BYTES_PER_ELEMENT, hadamard_flops=flops, count=count,
+                         hadamard_only=only, emulated=True)  # fmt: skip
+
+    def reference(role: str, elements: float, count: int) -> QuantPass:  # the transformed copy's current amax
+        return QuantPass(role=role, nbytes=elements * HADAMARD_REFERENCE_BYTES_PER_ELEMENT,
+                         hadamard_flops=elements * HADAMARD_FLOPS_PER_ELEMENT, count=count, hadamard_only=True)
+
+    out = [emulated("x", tokens * k, forward_count), emulated("w", n * k, weight_count or forward_count)]  # X (with X^T without RHT)
+    if config.x_wgrad.hadamard:  # X^T quantized on its own, through the transform
+        out.append(emulated("x_wgrad", tokens * k, forward_count, hadamard=True, only=True))
+        if _current(config.x_wgrad):
+            out.append(reference("x_wgrad", tokens * k, forward_count))
+    out.append(emulated("dy_dgrad", tokens * n, backward_count))
+    out.append(emulated("dy_wgrad", tokens * n, backward_count, hadamard=config.dy_wgrad.hadamard))
+    if config.dy_wgrad.hadamard and _current(config.dy_wgrad):
+        out.append(reference("dy_wgrad", tokens * n, backward_count))
+    if not config.w.two_d:  # W^T quantized afresh for dgrad
+        out.append(emulated("w", n * k, weight_count or backward_count))
+    return out
+
+
 def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int, seq_len: int,
               micro_batch: int, grad_accum: int, head_chunk_tokens: int = 0, head_precision: str = "fp32",
               keep_head_gathered: bool = False, gpus_per_node: int = 8, compute_dtype: str = "bfloat16",
@@ -183,16 +280,16 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     LM head's GEMMs compute (fp32, tf32 or bf16); ``keep_head_gathered``: the head and final norm stay
     gathered from forward to backward. The HSDP layout shards within ``gpus_per_node`` ranks and
     replicates across nodes; ``policies`` adds the recompute FLOPs of other checkpointing policies;
-    ``weight_cache``: each FP4 weight quantized once per step (``train.weight_cache``)."""
+    ``weight_cache``: each emulated FP4 weight quantized once per step (``train.weight_cache``)."""
     if head_precision not in HEAD_PRECISIONS:
         raise ValueError(f"head_precision={head_precision!r}; valid: {', '.join(HEAD_PRECISIONS)}")
     tokens = micro_batch * seq_len
     specs = linear_specs(model, recipe)
-    linear = native = quantized = 0.0
+    linear = native = 0.0
+    passes: list[QuantPass] = []
     forward = block_forward_flops(model, recipe, batch=micro_batch, seq_len=seq_len)
     chosen = checkpointed_blocks(dist_cfg.activation_checkpointing, [t.block_type for t in model.layer_types])
     recompute_native = 0.0
-    weights = 0.0  # weight elements through the quantizer per micro-batch (fprop, its recompute, 1-D dgrad)
     for spec in specs:
         if spec.layer is None:
             continue
@@ -202,15 +299,10 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
             native += gemm
             if chosen[spec.layer]:
                 recompute_native += gemm / 3
-        if spec.kind == "fp4":
-            k, n = spec.in_features, spec.out_features
-            two_d = getattr(spec.part, "w", None) is not None and spec.part.w.two_d
-            # X (with X^T from the same read) and dY twice; the weight apart: W, again when recomputed, W^T if 1-D
-            quantized += tokens * k * (2 if chosen[spec.layer] else 1) + 2 * tokens * n
-            w_passes = (2 if chosen[spec.layer] else 1) + (0 if two_d else 1)
-            cached = weight_cache and grad_accum > 1 and spec.part.w.rounding == "rne"
-            # cached: W (and W^T) once per step, the recompute reading the cache
-            weights += n * k * ((1 if two_d else 2) / grad_accum if cached else w_passes)
+        # the weight cache: a round-to-nearest FP4 weight quantized once per step, its recompute reading the cache
+        once = weight_cache and grad_accum > 1 and spec.kind == "fp4" and spec.part.w.rounding == "rne"
+        passes += _quant_passes(spec, tokens, forward_count=(2 if chosen[spec.layer] else 1) * grad_accum,
+                                backward_count=grad_accum, weight_count=1 if once else None)  # fmt: skip
     attention = ssd = 0.0
     for t in model.layer_types:
         if t.block_type == "attention":
@@ -242,6 +334,7 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     return StepCost(world_size=world_size, tokens=tokens * grad_accum, flops=flops, precision=precision,
                     configured=configured,
                     fp4_native_flops=(native + recompute_native) * grad_accum,
-                    quantized_elements=(quantized + weights) * grad_accum, collectives=collectives, layouts=layouts,
+                    quantized_elements=sum(p.count * p.nbytes / QUANT_BYTES_PER_ELEMENT for p in passes if p.emulated),
+                    quant_passes=tuple(passes), collectives=collectives, layouts=layouts,
                     model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,
                     recompute_by_policy=recompute_by_policy)  # fmt: skip

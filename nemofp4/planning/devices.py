@@ -4,15 +4,22 @@ NVIDIA lists tensor-core throughput "with sparsity"; the dense figures here are 
 sources (checked 2026):
 
 * H100 SXM5: https://www.nvidia.com/en-us/data-center/h100/ (datasheet table "H100 SXM"): FP32
-  67 TFLOPS, TF32 989 / BF16 1,979 TFLOPS with sparsity, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
+  67 TFLOPS, TF32 989 / BF16 1,979 / FP8 3,958 TFLOPS with sparsity, 80 GB HBM3 at 3.35 TB/s, NVLink
+  900 GB/s. No FP4 tensor cores.
 * H200 SXM: https://www.nvidia.com/en-us/data-center/h200/ ("H200 SXM"): the H100's compute, 141 GB
-  HBM3e at 4.8 TB/s, NVLink 900 GB/s.
-* GB200 (one Blackwell GPU of a GB200 NVL72): https://www.nvidia.com/en-us/data-center/gb200-nvl72/
-  (per GB200 Grace Blackwell Superchip, two GPUs): FP4 40, BF16 10, TF32 5 PFLOPS with sparsity,
-  FP32 160 TFLOPS, 372 GB HBM3e at 16 TB/s, NVLink 3.6 TB/s; halved per GPU. The NVL72's NVLink
-  domain is 72 GPUs.
+  HBM3e at 4.8 TB/s, NVLink 900 GB/s. No FP4 tensor cores.
+* B200 (one GPU of an HGX B200, 1,000 W): https://www.nvidia.com/en-us/data-center/hgx/ ("HGX
+  B200", eight GPUs): FP4 144, FP8 72, BF16 36, TF32 18 PFLOPS with sparsity, 1,440 GB HBM3e at
+  64 TB/s, NVLink 1.8 TB/s per GPU; per GPU and dense: FP4 9, FP8 4.5, BF16 2.25, TF32 1.1 PFLOPS,
+  180 GB at 8 TB/s. FP32 80 TFLOPS: NVIDIA's Blackwell architecture technical brief (HGX B200
+  table, https://resources.nvidia.com/en-us-blackwell-architecture).
+* GB200 (one Blackwell GPU of a GB200 NVL72, 1,200 W): https://www.nvidia.com/en-us/data-center/gb200-nvl72/
+  (per GB200 Grace Blackwell Superchip, two GPUs): FP4 40, FP8 20, BF16 10, TF32 5 PFLOPS with
+  sparsity, FP32 180 TFLOPS (6,480 per NVL72 rack), 372 GB HBM3e at 16 TB/s, NVLink 3.6 TB/s;
+  halved per GPU: FP32 90 TFLOPS (the technical brief's GB200 table says the same; 80 is the
+  1,000 W HGX B200's). The NVL72's NVLink domain is 72 GPUs.
 * Scale-out between NVLink domains: one 400 Gb/s NDR InfiniBand NIC per GPU (ConnectX-7, the HGX
-  H100/H200 reference design: https://www.nvidia.com/en-us/data-center/hgx/), 50 GB/s per direction.
+  H100/H200/B200 reference design: https://www.nvidia.com/en-us/data-center/hgx/), 50 GB/s per direction.
 
 NVLink figures are bidirectional in the datasheets; a collective's per-direction bandwidth is half.
 """
@@ -38,7 +45,10 @@ class Device:
     tf32_tflops: float
     fp32_tflops: float
     fp4_tflops: float
-    """0: no FP4 tensor cores (FP4 recipes run their GEMMs in BF16 on dequantized operands)."""
+    """Dense NVFP4 tensor-core peak; 0: no FP4 tensor cores (FP4 recipes run their GEMMs in BF16 on
+    dequantized operands)."""
+    fp8_tflops: float = 0.0
+    """Dense FP8 tensor-core peak; 0: none (no recipe runs FP8 GEMMs today: a field for plans)."""
     hbm_tb_s: float
     nvlink_gb_s: float
     """Per direction, per GPU."""
@@ -51,9 +61,10 @@ class Device:
     source: str
 
     def matmul_tflops(self, precision: str) -> float:
-        """Dense peak of a GEMM computed in ``precision`` ('bf16', 'tf32', 'fp32' or 'fp4')."""
+        """Dense peak of a GEMM computed in ``precision`` ('bf16', 'tf32', 'fp32', 'fp8' or 'fp4'); a
+        device without FP8 or FP4 tensor cores runs those GEMMs at its BF16 peak."""
         peaks = {"bf16": self.bf16_tflops, "tf32": self.tf32_tflops, "fp32": self.fp32_tflops,
-                 "fp4": self.fp4_tflops or self.bf16_tflops}  # fmt: skip
+                 "fp8": self.fp8_tflops or self.bf16_tflops, "fp4": self.fp4_tflops or self.bf16_tflops}  # fmt: skip
         if precision not in peaks:
             raise ValueError(f"precision={precision!r}; valid: {tuple(peaks)}")
         return peaks[precision]
@@ -61,19 +72,22 @@ class Device:
 
 DEVICES: dict[str, Device] = {
     "h100": Device(name="H100 SXM5 80GB", memory_gib=80, bf16_tflops=989.5, tf32_tflops=494.5, fp32_tflops=67,
-                   fp4_tflops=0, hbm_tb_s=3.35, nvlink_gb_s=450, scale_out_gb_s=50, nvlink_domain=8, gpus_per_node=8,
+                   fp4_tflops=0, fp8_tflops=1979, hbm_tb_s=3.35, nvlink_gb_s=450, scale_out_gb_s=50, nvlink_domain=8, gpus_per_node=8,
                    source="https://www.nvidia.com/en-us/data-center/h100/"),
     "h200": Device(name="H200 SXM 141GB", memory_gib=141, bf16_tflops=989.5, tf32_tflops=494.5, fp32_tflops=67,
-                   fp4_tflops=0, hbm_tb_s=4.8, nvlink_gb_s=450, scale_out_gb_s=50, nvlink_domain=8, gpus_per_node=8,
+                   fp4_tflops=0, fp8_tflops=1979, hbm_tb_s=4.8, nvlink_gb_s=450, scale_out_gb_s=50, nvlink_domain=8, gpus_per_node=8,
                    source="https://www.nvidia.com/en-us/data-center/h200/"),
-    "gb200": Device(name="GB200 (NVL72) 186GB", memory_gib=186, bf16_tflops=2500, tf32_tflops=1250, fp32_tflops=80,
-                    fp4_tflops=10000, hbm_tb_s=8.0, nvlink_gb_s=900, scale_out_gb_s=50, nvlink_domain=72, gpus_per_node=4,
+    "b200": Device(name="B200 (HGX) 180GB", memory_gib=180, bf16_tflops=2250, tf32_tflops=1100, fp32_tflops=80,
+                   fp4_tflops=9000, fp8_tflops=4500, hbm_tb_s=8.0, nvlink_gb_s=900, scale_out_gb_s=50, nvlink_domain=8,
+                   gpus_per_node=8, source="https://www.nvidia.com/en-us/data-center/hgx/"),
+    "gb200": Device(name="GB200 (NVL72) 186GB", memory_gib=186, bf16_tflops=2500, tf32_tflops=1250, fp32_tflops=90,
+                    fp4_tflops=10000, fp8_tflops=5000, hbm_tb_s=8.0, nvlink_gb_s=900, scale_out_gb_s=50, nvlink_domain=72, gpus_per_node=4,
                     source="https://www.nvidia.com/en-us/data-center/gb200-nvl72/"),
 }  # fmt: skip
 
 
 def get_device(name: str) -> Device:
-    """The preset ``name`` (case-insensitive): h100, h200 or gb200."""
+    """The preset ``name`` (case-insensitive): h100, h200, b200 or gb200."""
     key = name.strip().lower()
     if key not in DEVICES:
         raise ValueError(f"device={name!r}; valid presets: {', '.join(DEVICES)}")

@@ -120,7 +120,9 @@ def _policy_words(policy: str) -> str:
     if policy == "full":
         return "with checkpointing on every block"
     if policy.startswith("every_"):
-        return f"with checkpointing on every {policy.removeprefix('every_')}th block"
+        k = int(policy.removeprefix("every_"))
+        suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+        return f"with checkpointing on every {k}{suffix} block"
     kinds = [{"mamba": "Mamba", "attention": "attention", "mlp": "MLP"}[k] for k in policy.split("+")]
     return f"with checkpointing on the {' and '.join(kinds)} blocks only"
 

@@ -3,8 +3,8 @@
 The plan's activation and temporary figures are measured, not modelled: each distinct block (layer
 kind and recipe selection, with and without activation checkpointing), the final norm with the head
 loss, and the optimizer step run at the config's real widths under ``FakeTensorMode`` (shapes and
-dtypes only), with the quantizer and Mamba scan a GPU run takes (:func:`gpu_quantizer_path`,
-:mod:`nemofp4.planning.standins`). :class:`LiveBytes` follows every storage they create until it is
+dtypes only), with the quantizer, Mamba scan and Transformer Engine linears a GPU run takes (:func:`gpu_quantizer_path`,
+:mod:`nemofp4.planning.standins`, :mod:`nemofp4.planning.te_nvfp4`). :class:`LiveBytes` follows every storage they create until it is
 freed and labels it as FSDPMemTracker does: an *activation* when made in forward, a *temporary* when
 made in backward (a checkpointed block's recompute included: the tracker sees it as backward work).
 """
@@ -27,6 +27,7 @@ from nemofp4.recipes import Recipe, apply_recipe
 from nemofp4.training.parallel import checkpoint_block
 
 from .standins import mamba_kernel_standins
+from .te_nvfp4 import te_linear_standins
 
 __all__ = ["BlockMeasure", "HeadMeasure", "LiveBytes", "LiveTensorBytes", "gpu_quantizer_path", "measure_blocks",
            "measure_head", "measure_optimizer_step", "warm_format_tables"]
@@ -122,7 +123,8 @@ def warm_format_tables(recipe: Recipe) -> None:
         return
     _WARMED.add(key)
     tiny = build_model(get_model_config("tiny", vocab_size=256), device="cpu")
-    apply_recipe(tiny, recipe, log=False)
+    with te_linear_standins(recipe.needs_transformer_engine):
+        apply_recipe(tiny, recipe, log=False)
     set_quant_backend(tiny, "eager")
     set_step(tiny, 1)
     ids = torch.zeros(1, 32, dtype=torch.long)
@@ -231,7 +233,8 @@ def measure_blocks(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micr
     for i, layer_type in enumerate(model.layer_types):
         groups.setdefault((layer_type.block_type, _selection(specs, i)), []).append(i)
     meta = build_model(model, device="meta")
-    apply_recipe(meta, recipe, log=False)
+    with te_linear_standins(recipe.needs_transformer_engine):  # TE's linears as allocated on a GPU
+        apply_recipe(meta, recipe, log=False)
     set_quant_backend(meta, quantizer)
     out = []
     for (kind, selection), layers in groups.items():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cost import StepCost
+from .cost import ROLES, StepCost
 from .devices import Device
 from .memory import CATEGORIES, GIB, MemoryPlan
 from .simulate import SimulatedMemory
@@ -13,14 +13,26 @@ _PRECISION = {"bf16": "BF16", "fp32": "FP32", "tf32": "TF32", "fp4": "FP4"}
 
 
 def cost_table(cost: StepCost, device: Device | None) -> str:
-    """FLOPs by component, quantizer traffic and collective bytes per rank and step; with a device,
-    the projected step time and MFU of each layout."""
+    """FLOPs by component, quantizer traffic by operand role and collective bytes per rank and step;
+    with a device, the projected step time, MFU and model-body throughput of each layout."""
     lines = [f"Step cost per rank and optimizer step ({cost.tokens:,} tokens per rank):", "",
              "| component | TFLOP | GEMMs in |", "|---|---|---|"]  # fmt: skip
+    native_share = cost.fp4_native_flops / max(cost.flops["linear GEMMs"] + cost.flops["recompute"], 1)
     for name, flops in cost.flops.items():
-        lines.append(f"| {name} | {flops / 1e12:,.1f} | {_PRECISION[cost.precision[name]]} |")
+        precision = _PRECISION[cost.precision[name]]
+        if name in ("linear GEMMs", "recompute") and cost.fp4_native_flops:
+            precision = f"FP4 (Transformer Engine, {native_share * 100:.0f}%) where the device has it, else {precision}"
+        lines.append(f"| {name} | {flops / 1e12:,.1f} | {precision} |")
     lines.append(f"| **total** | **{cost.total_flops / 1e12:,.1f}** | |")
-    lines.append(f"| quantization passes | {cost.quantized_elements / 1e9:,.2f} G elements | memory-bound |")
+    traffic = dict.fromkeys(ROLES, 0.0)
+    for p in cost.quant_passes:
+        traffic[p.role] += p.count * p.nbytes
+    rht = sum(p.count * p.hadamard_flops for p in cost.quant_passes)
+    by_role = ", ".join(f"{role} {nbytes / 1e9:,.0f}" for role, nbytes in traffic.items() if nbytes)
+    lines.append(f"| quantization passes (amax, cast) | {sum(traffic.values()) / 1e9:,.1f} GB of HBM traffic"
+                 f"{f' ({by_role})' if by_role else ''} | memory-bound |")  # fmt: skip
+    if rht:
+        lines.append(f"| random Hadamard transform (wgrad operands) | {rht / 1e12:,.2f} | BF16, in the quantization passes |")
     lines.append(f"| model FLOPs (the trainer's MFU numerator) | {cost.model_flops / 1e12:,.1f} | |")
     layouts = list(cost.collectives)
     names = sorted({c for layout in layouts for c in cost.collectives[layout]}, key=("all-gather", "reduce-scatter",
@@ -32,12 +44,15 @@ def cost_table(cost: StepCost, device: Device | None) -> str:
         lines.append(f"| {name} | {row} |")
     if device is not None:
         lines += ["", f"Projected on {device.name} (peak numbers, {device.source}; a lower bound on the step time):",
-                  "", "| layout | compute s | quantization s | communication s | step s | MFU |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "", "| layout | compute s | quantization s | communication s | step s | MFU | model body tokens/s |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for layout in layouts:
             p = cost.project(device, layout)
             lines.append(f"| {layout} | {sum(p.compute_s.values()):.2f} | {p.quant_s:.2f} | {p.comm_s:.2f} | "
-                         f"{p.step_s:.2f} | {p.mfu * 100:.1f}% |")  # fmt: skip
+                         f"{p.step_s:.2f} | {p.mfu * 100:.1f}% | {p.body_tokens_per_s:,.0f} |")  # fmt: skip
+        if cost.fp4_native_flops and not device.fp4_tflops:
+            lines += ["", f"{device.name} has no FP4 tensor cores: Transformer Engine's NVFP4 does not run there "
+                          "(its GEMMs are costed at the BF16 peak)."]  # fmt: skip
     return "\n".join(lines)
 
 

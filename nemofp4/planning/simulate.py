@@ -43,6 +43,7 @@ from nemofp4.training.parallel import DistributedConfig, parallelize, set_gradie
 from .measure import gpu_quantizer_path, warm_format_tables
 from .memory import CATEGORIES
 from .standins import mamba_kernel_standins, mamba_scan_path
+from .te_nvfp4 import te_linear_standins
 
 __all__ = ["SimulatedMemory", "simulate_memory"]
 
@@ -277,7 +278,8 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
     with contextlib.ExitStack() as stack:
         stack.enter_context(_fake_process_group(world_size))
         net = build_model(model, device="meta")
-        apply_recipe(net, recipe, log=False)
+        with te_linear_standins(recipe.needs_transformer_engine):
+            apply_recipe(net, recipe, log=False)
         set_quant_backend(net, quantizer)
         # the device mesh reads host data: it is built outside the fake mode, on the meta model
         net = parallelize(net, dist_cfg, device_type="cpu", mixed_precision=compute_dtype == "bfloat16")

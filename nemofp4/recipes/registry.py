@@ -109,11 +109,14 @@ class _NVFP4Knobs(PrecisionConfig):
     """Pattern layers at the end of the stack kept in BF16 (at most a fifth of the layers)."""
     gemm: str = "scaled"
     """'scaled' (block-scaled operands, BF16-speed), 'decoded' (FP32 dequantized) or 'hardware'."""
+    disable_rht: bool = False
+    """No random Hadamard transform on the wgrad operands (TE's ``NVFP4BlockScaling.disable_rht``)."""
 
     def build(self) -> Recipe:
         fp4 = _fp4_linear(
-            scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr", wgrad_hadamard=True,
-            scale_target=self.scale_target, reference_interval=self.reference_interval, gemm=self.gemm,
+            scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr",
+            wgrad_hadamard=not self.disable_rht, scale_target=self.scale_target,
+            reference_interval=self.reference_interval, gemm=self.gemm,
         )  # fmt: skip
         return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
 
@@ -161,9 +164,12 @@ class NVFP4TransformerEngine(PrecisionConfig):
     name: str = "nvfp4_te"
     num_bf16_last_layers: int = 8
     """Pattern layers at the end of the stack kept in BF16 (at most a fifth of the layers)."""
+    disable_rht: bool = False
+    """No random Hadamard transform on the wgrad operands (``NVFP4BlockScaling(disable_rht=True)``)."""
 
     def build(self) -> Recipe:
-        return _recipe(self, {"fp4": TransformerEngineNVFP4(), **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
+        part = TransformerEngineNVFP4(disable_rht=self.disable_rht)
+        return _recipe(self, {"fp4": part, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
 
 
 @register_recipe
@@ -308,5 +314,5 @@ def emulated_config(part: Part) -> LinearQuantConfig | None:
     if part.kind == "fp4":
         return part
     if part.kind == "te_nvfp4":
-        return NVFP4().build().parts["fp4"]
+        return NVFP4(disable_rht=part.disable_rht).build().parts["fp4"]
     return None

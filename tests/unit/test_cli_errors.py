@@ -65,8 +65,8 @@ def test_an_unknown_key_is_named_with_the_nearest_valid_key_and_a_recipe_knob_wi
         "trian.max_steps is not a key of this config; the nearest valid key is train.max_steps")
     knob = unknown_key_message("precision.gemmm", keys, recipe="nvfp4", value="decoded")
     assert knob.startswith("precision.gemmm='decoded': recipe 'nvfp4' has no such knob (the nearest valid key is "
-                           "precision.gemm); its knobs are ['gemm', 'num_bf16_last_layers', 'reference_interval', "
-                           "'scale_target']")
+                           "precision.gemm); its knobs are ['disable_rht', 'gemm', 'num_bf16_last_layers', "
+                           "'reference_interval', 'scale_target']")
 
 
 _NOTICES = r"""

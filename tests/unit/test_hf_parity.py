@@ -18,6 +18,12 @@ from tests import conftest
 
 transformers = pytest.importorskip("transformers")
 
+LOGIT_TOL = 1e-5
+"""Both models compute in float32 but sum in different orders (their chunked einsum scan against our
+scan, fused against split projections): about 1e-6 apart at logits of magnitude ~2 (transformers
+5.25, the perturbed tiny model), a few float32 ulps per layer. A real mismatch (a weight not loaded,
+dt clamped differently) moves them by 1e-4 or more."""
+
 
 def perturbed_tiny(seed=0, **overrides):
     return conftest.perturbed_tiny(seed, **overrides).eval()
@@ -44,7 +50,7 @@ def test_logits_match_transformers(exported):
     with torch.no_grad():
         ours, theirs = model(ids), hf(ids).logits
     assert theirs.abs().max() > 1.0  # a meaningful scale, not an all-near-zero output
-    assert (ours - theirs).abs().max() <= 1e-4
+    assert (ours - theirs).abs().max() <= LOGIT_TOL
 
 
 def test_state_dict_round_trip_is_exact(exported):
@@ -95,13 +101,40 @@ def test_import_rejects_mismatched_weights(tmp_path):
         import_hf(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("clamp_dt_to_min", [True, False])
+def test_dt_clamp_exports_as_time_step_limit(tmp_path, clamp_dt_to_min):
+    """Both dt conventions survive export: the clamp at time_step_min, and the released checkpoints'
+    time_step_limit (0, inf), which transformers >= 5.25 honours as the published NemotronH does."""
+    model = perturbed_tiny(seed=5, clamp_dt_to_min=clamp_dt_to_min)
+    other = perturbed_tiny(seed=5, clamp_dt_to_min=not clamp_dt_to_min)
+    out = export_hf(model, tmp_path)
+    limit = json.loads((out / "config.json").read_text())["time_step_limit"]
+    assert limit == [model.config.time_step_min if clamp_dt_to_min else 0.0, float("inf")]
+    hf = transformers.NemotronHForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 150))
+    with torch.no_grad():
+        ours, theirs, flipped = model(ids), hf(ids).logits, other(ids)
+    assert (ours - flipped).abs().max() > 20 * LOGIT_TOL  # the clamp is exercised by these weights
+    assert (ours - theirs).abs().max() <= LOGIT_TOL
+    assert import_hf(out).config == model.config
+
+
+def test_released_time_step_limits_import():
+    released = to_hf_config(get_model_config("nemotron_h_8b")) | {"time_step_limit": [0.0, float("inf")]}
+    assert from_hf_config(released).clamp_dt_to_min is False
+    del released["time_step_limit"]  # configs that predate the key: the (0, inf) default
+    assert from_hf_config(released).clamp_dt_to_min is False
+    with pytest.raises(ValueError, match=r"time_step_limit=\[0.0, 0.1\]"):
+        from_hf_config(released | {"time_step_limit": [0.0, 0.1]})
+
+
 def test_tied_model_exports_and_matches(tmp_path):
     model = perturbed_tiny(seed=3, tie_word_embeddings=True)
     out = export_hf(model, tmp_path)
     hf = transformers.NemotronHForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 40))
     with torch.no_grad():
-        assert (model(ids) - hf(ids).logits).abs().max() <= 1e-4
+        assert (model(ids) - hf(ids).logits).abs().max() <= LOGIT_TOL
     back = import_hf(out)
     assert back.lm_head.weight is back.embeddings.weight
     assert torch.equal(back.embeddings.weight, model.embeddings.weight)

@@ -54,6 +54,8 @@ def _compare(recipe_name: str, world_size: int, checkpointing: str, **dist_kwarg
     pytest.param("bf16", 8, "full", marks=pytest.mark.slow),
     pytest.param("bf16", 64, "full", marks=pytest.mark.slow),
     pytest.param("bf16", 8, "none", marks=pytest.mark.slow),
+    pytest.param("nvfp4_te", 8, "none", marks=pytest.mark.slow),  # TE's linears by their stand-ins
+    pytest.param("nvfp4_te", 64, "full", marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_the_plan_matches_the_simulation_item_by_item(recipe_name, world_size, checkpointing):
     sim, _ = _compare(recipe_name, world_size, checkpointing)

@@ -99,9 +99,10 @@ class NemotronHConfig:
     time_step_floor: float = 1e-4
     """dt_bias init: dt ~ log-uniform[time_step_min, time_step_max], clamped >= time_step_floor."""
     clamp_dt_to_min: bool = True
-    """Clamp softplus(dt + dt_bias) from below at time_step_min in the forward pass, as
-    transformers' NemotronH does (mamba_ssm's Mamba2 default clamps at 0). Keep True for
-    checkpoints that must behave identically after export to transformers."""
+    """Clamp softplus(dt + dt_bias) from below at time_step_min in the forward pass. Exported as
+    NemotronH's ``time_step_limit`` ([time_step_min, inf] when True, the released checkpoints'
+    [0, inf] when False), which transformers >= 5.25 applies, so either exports faithfully.
+    Imported released checkpoints get False (docs/model.md, "dt clamp")."""
 
     # --- LM head ---
     head_precision: str = "fp32"
@@ -329,6 +330,7 @@ PRESETS: dict[str, NemotronHConfig] = {
         ssm_state_size=128,
         mamba_num_groups=8,
         chunk_size=256,
+        clamp_dt_to_min=False,  # its time_step_limit is (0, inf)
     ),
 }
 # The 8B of the NVFP4 and UE5M3 papers: the released 8B with 4 KV heads, 8.08B parameters.

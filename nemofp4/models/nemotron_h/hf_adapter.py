@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -58,12 +58,6 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
 # ---------------------------------------------------------------------------- config
 def to_hf_config(config: NemotronHConfig, dtype: torch.dtype = torch.float32) -> dict:
     """The ``config.json`` dict transformers' NemotronHConfig reads (legacy-compatible keys)."""
-    if not config.clamp_dt_to_min:
-        warnings.warn(
-            "clamp_dt_to_min=False, but transformers' NemotronH always clamps dt at time_step_min: "
-            "the exported model's outputs can differ from ours",
-            stacklevel=2,
-        )
     dtype_name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["NemotronHForCausalLM"],
@@ -93,6 +87,7 @@ def to_hf_config(config: NemotronHConfig, dtype: torch.dtype = torch.float32) ->
         "time_step_min": config.time_step_min,
         "time_step_max": config.time_step_max,
         "time_step_floor": config.time_step_floor,
+        "time_step_limit": list(_time_step_limit(config)),
         "mamba_hidden_act": "silu",
         "use_bias": False,
         "mamba_proj_bias": False,
@@ -101,6 +96,26 @@ def to_hf_config(config: NemotronHConfig, dtype: torch.dtype = torch.float32) ->
         "rescale_prenorm_residual": config.rescale_prenorm_residual,
         "dtype": dtype_name,
     }
+
+
+def _time_step_limit(config: NemotronHConfig) -> tuple[float, float]:
+    """The range our forward clamps softplus(dt + dt_bias) to, as NemotronH's ``time_step_limit``.
+
+    The released checkpoints' (0, inf) means no clamp; transformers >= 5.25 applies the configured
+    limit, as the published NemotronH implementation does, so an export behaves there as here."""
+    return (config.time_step_min if config.clamp_dt_to_min else 0.0, math.inf)
+
+
+def _clamps_dt_to_min(hf: dict) -> bool:
+    """Inverse of :func:`_time_step_limit`. A config without the key is a released one: (0, inf)."""
+    low, high = (float(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
+    time_step_min = float(hf.get("time_step_min", hf.get("mamba_dt_min", 0.001)))
+    if high != math.inf or low not in (0.0, time_step_min):
+        raise ValueError(
+            f"HF config has time_step_limit={[low, high]}; supported: [0.0, inf] (no clamp, the released "
+            f"checkpoints) or [time_step_min, inf] = [{time_step_min}, inf]"
+        )
+    return low > 0.0
 
 
 def _pattern_from_hf(hf: dict) -> str:
@@ -160,7 +175,7 @@ def from_hf_config(hf_config) -> NemotronHConfig:
         time_step_min=float(pick("time_step_min", "mamba_dt_min", default=0.001)),
         time_step_max=float(pick("time_step_max", "mamba_dt_max", default=0.1)),
         time_step_floor=float(pick("time_step_floor", "mamba_dt_init_floor", default=1e-4)),
-        clamp_dt_to_min=True,  # transformers' forward always clamps dt at time_step_min
+        clamp_dt_to_min=_clamps_dt_to_min(hf),
         init_std=float(pick("initializer_range", default=0.02)),
         rescale_prenorm_residual=bool(pick("rescale_prenorm_residual", default=True)),
     )
