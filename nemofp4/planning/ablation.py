@@ -92,6 +92,12 @@ def recipe_ablation(cfg, *, device: Device, world_size: int, recipe: str | None 
     from .layers import linear_specs
 
     recipe = recipe or ("nvfp4_te" if device.fp4_tflops else "nvfp4")
+    if cfg.distributed.activation_checkpointing == "auto":  # what the preset's start-up picks on this device
+        from .job import choose_checkpointing
+
+        policy, _ = choose_checkpointing(cfg, world_size=world_size, memory_gib=device.memory_gib,
+                                         reserve_gib=cfg.distributed.memory_reserve_gib, mamba_scan="mamba_ssm")  # fmt: skip
+        cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, activation_checkpointing=policy))
     rows = []
     for label, knobs in ABLATION_VARIANTS:
         job = dataclasses.replace(cfg, precision=precision_config(recipe, **knobs))
