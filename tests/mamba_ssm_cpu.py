@@ -54,6 +54,7 @@ def mamba_ssm_kernels() -> Iterator[types.ModuleType]:
     installation as it is (no CUDA extension: mamba_ssm does not import)."""
     from nemofp4.models.nemotron_h import ssd
 
+    ssd._import_chunk_scan_kernel()  # what this installation imports, cached before the stand-ins exist
     before = set(sys.modules)
     stub_added = "selective_scan_cuda" not in sys.modules
     if stub_added:
