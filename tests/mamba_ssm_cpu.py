@@ -7,7 +7,7 @@ in for what a CPU process lacks, while :func:`mamba_ssm_kernels` is open:
   which the SSD kernels never call; an empty module satisfies the import;
 * ``torch.cuda.device(t.device.index)`` (``None`` for a CPU tensor) and
   ``torch.cuda.get_device_properties(...).multi_processor_count``, which the launchers call around
-  every kernel: a no-op context and a fixed SM count (132, an H100's);
+  every kernel: a no-op context and the SM count the planner's stand-in assumes (``standins.SM_COUNT``);
 * autotuning, whose benchmarker needs a device: every autotuned kernel keeps its first config.
 
 The kernels run in the interpreter only when ``TRITON_INTERPRET=1`` was set before triton was first
@@ -25,19 +25,18 @@ from collections.abc import Iterator
 
 import torch
 
+from nemofp4.planning.standins import SM_COUNT
+
 HAVE_MAMBA_SSM = importlib.util.find_spec("mamba_ssm") is not None
 """The mamba-ssm package is installed (with or without its CUDA build)."""
 
 _SSD_MODULES = ("ssd_bmm", "ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan", "ssd_combined")
-SM_COUNT = 132
+_cuda_device = torch.cuda.device
+_cuda_properties = torch.cuda.get_device_properties
 
 
 def _cpu_device(index):
     return contextlib.nullcontext() if index is None else _cuda_device(index)
-
-
-_cuda_device = torch.cuda.device
-_cuda_properties = torch.cuda.get_device_properties
 
 
 def _cpu_properties(device=None):

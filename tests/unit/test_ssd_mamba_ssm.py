@@ -1,6 +1,7 @@
 """mamba_ssm's Triton SSD kernels called from our scan, mixer and model, run by Triton's CPU interpreter
 (stand-ins in tests/mamba_ssm_cpu.py), against the torch scan: outputs, final state, loss and every
-gradient agree within 2e-5 of each tensor's largest magnitude (float32; measured: below 2e-6).
+gradient agree within 2e-5 of each tensor's largest magnitude (float32; measured: below 3e-7 for the
+scan and the mixer, 6.4e-6 at most in the tiny model, an ``A_log`` gradient).
 
 The real ``MambaChunkScanCombinedFn`` also measures the plan's stand-in
 (:mod:`nemofp4.planning.standins`): what it saves for backward and the bytes it holds, byte for byte.
