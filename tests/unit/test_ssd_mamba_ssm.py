@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import importlib.util
 
 import pytest
 import torch
@@ -81,18 +80,6 @@ def test_the_kernel_scan_matches_the_torch_scan_with_an_initial_state_and_a_part
     assert kernel.keys() == torch_scan.keys() and len(kernel) == 8
     for name in kernel:
         assert_close(name, kernel[name], torch_scan[name])
-
-
-@pytest.mark.skipif(importlib.util.find_spec("selective_scan_cuda") is not None, reason="mamba-ssm has its CUDA build")
-def test_without_its_cuda_build_mamba_ssm_is_unavailable_and_forcing_it_names_why():
-    from nemofp4.models.nemotron_h import ssd
-
-    kernel, why = ssd._import_chunk_scan_kernel()  # not the stand-ins': what this installation imports
-    assert kernel is None and "selective_scan_cuda" in why
-    inputs = scan_inputs()
-    ssd_scan(*(inputs[k] for k in ("x", "dt", "A", "B", "C")), 4, impl="auto")  # the torch scan: no error
-    with pytest.raises(ValueError, match="impl='mamba_ssm' needs .*selective_scan_cuda"):
-        ssd.ssd_scan(*(inputs[k] for k in ("x", "dt", "A", "B", "C")), 4, impl="mamba_ssm")
 
 
 def _mixer_config(**overrides):
