@@ -4,10 +4,12 @@ On CUDA with mamba-ssm and causal-conv1d installed the mixer runs ``mamba_chunk_
 ``causal_conv1d_fn`` (:mod:`nemofp4.models.nemotron_h.ssd`, ``model.causal_depthwise_conv1d``); on
 CPU it runs the pure-PyTorch scan, which saves far more for backward (every chunk's decay matrix).
 Neither kernel runs on CPU, so the planner measures the GPU path with the stand-ins here: autograd
-Functions that allocate and save exactly the tensors the kernels allocate and save (read from
-mamba_ssm ``ssd_combined.py`` ``MambaChunkScanCombinedFn`` / ``_mamba_chunk_scan_combined_fwd`` /
+Functions that allocate, free and save exactly the tensors the kernels do, in the same order (read from
+mamba-ssm 2.3.2 ``ssd_combined.py`` ``MambaChunkScanCombinedFn`` / ``_mamba_chunk_scan_combined_fwd`` /
 ``_bwd`` and causal-conv1d ``CausalConv1dFn``, as called by our mixer: no D, no z, no dt bias, no
 initial state), with empty values. They are memory models for FakeTensorMode, not computations.
+``tests/unit/test_ssd_mamba_ssm.py`` holds the scan's stand-in to the real kernels, run by Triton's
+interpreter: the same saved tensors, and the same bytes alive at every peak, byte for byte.
 """
 
 from __future__ import annotations
@@ -60,31 +62,74 @@ class _ChunkScanStandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dfinal):
+        # _mamba_chunk_scan_combined_bwd, allocation by allocation (non-deterministic reductions, the
+        # default); a name rebound or deleted where the kernel's code drops its last reference.
         out, x, dt, dA_cumsum, A, B, C = ctx.saved_tensors
         batch, seq_len, heads, head_dim = x.shape
         groups, state = B.shape[2], B.shape[3]
         chunk = ctx.chunk_size
         chunks = math.ceil(seq_len / chunk)
         f32 = dict(dtype=torch.float32, device=x.device)
+        per_chunk = (batch, heads, chunks, chunk)
         dB_given, dC_given, ddt_given = torch.empty_like(B), torch.empty_like(C), torch.empty_like(dt)
-        dt_in = torch.empty_like(dt)
-        dA_cs, dt_c = torch.empty(batch, heads, chunks, chunk, **f32), torch.empty(batch, heads, chunks, chunk, **f32)
+        dt_in = torch.empty_like(dt)  # dt.clone()
+        # the forward recomputed: _chunk_cumsum_fwd, _bmm_chunk_fwd, _chunk_state_fwd, _state_passing_fwd
+        dt_c, dA_cs = torch.empty(per_chunk, **f32), torch.empty(per_chunk, **f32)
         CB = torch.empty(batch, chunks, groups, chunk, chunk, **f32)
+        chunk_states = torch.empty(batch, chunks, heads, head_dim, state, **f32)
         states = torch.empty(batch, chunks, heads, head_dim * state, **f32)
-        dstates = torch.empty(batch, chunks, heads, head_dim, state, **f32)
-        # _state_passing_bwd: dstates and states in x's dtype, the fp32 ones freed
-        dstates, states = (torch.empty(batch, chunks, heads, head_dim * state, dtype=x.dtype, device=x.device)
-                           for _ in range(2))  # fmt: skip
+        unused_final = torch.empty(batch, heads, head_dim * state, **f32)  # bound to `_` until the end
+        del chunk_states
+        dstates = torch.empty(batch, chunks, heads, head_dim, state, **f32)  # _chunk_scan_bwd_dstates
+        # _state_passing_bwd: dstates and states in x's dtype; ddA per 64-wide block of p*n, then summed
+        dstates_x, states_x = (torch.empty(batch, chunks, heads, head_dim * state, dtype=x.dtype, device=x.device)
+                               for _ in range(2))  # fmt: skip
+        ddA_blocks = torch.empty(batch, heads, chunks, math.ceil(head_dim * state / 64), **f32)
         ddA_chunk = torch.empty(batch, heads, chunks, **f32)
-        dx, ddt = torch.empty_like(x), torch.empty(batch, heads, chunks, chunk, **f32)
-        dB, ddA_next = torch.empty(batch, seq_len, groups, state, **f32), torch.empty(batch, heads, chunks, chunk, **f32)
-        dC, ddA_prev = torch.empty(batch, seq_len, groups, state, **f32), torch.empty(batch, heads, chunks, chunk, **f32)
+        del ddA_blocks
+        dstates, states = dstates_x, states_x
+        dx, ddt = torch.empty_like(x), torch.empty(per_chunk, **f32)  # _chunk_scan_chunk_state_bwd_dx
+        splits = _head_splits(batch, chunks, heads, groups)
+        # _chunk_state_bwd_db, _chunk_scan_bwd_dC, _chunk_scan_bwd_dcb: partial sums per split of a
+        # group's heads, then their sum
+        ddA_next = torch.empty(per_chunk, **f32)
+        parts = torch.empty(batch, seq_len, splits, groups, state, **f32)
+        dB = torch.empty(batch, seq_len, groups, state, **f32)
+        del parts
+        ddA_cumsum_prev = torch.empty(per_chunk, **f32)
+        parts = torch.empty(batch, seq_len, splits, groups, state, **f32)
+        dC = torch.empty(batch, seq_len, groups, state, **f32)
+        del parts
+        parts = torch.empty(batch, chunks, splits, groups, chunk, chunk, **f32)
         dCB = torch.empty(batch, chunks, groups, chunk, chunk, **f32)
-        del dB, dC, dCB, states, dstates, CB, ddA_chunk, ddt
-        ddA = torch.empty(batch, heads, chunks, chunk, **f32)
-        dA = torch.empty_like(A)
-        del ddA, ddA_next, ddA_prev, dA_cs, dt_c, dt_in
+        del parts
+        flipped = torch.empty(per_chunk, **f32)  # ddA_prev = ddA_cumsum_prev.flip(-1).cumsum(-1).flip(-1)
+        summed = torch.empty(per_chunk, **f32)
+        del flipped
+        ddA_prev = torch.empty(per_chunk, **f32)
+        del summed
+        # _chunk_scan_bwd_ddAcs_stable
+        blocks = torch.empty(*per_chunk[:3], math.ceil(chunk / 32), chunk, **f32)
+        ddA = torch.empty(per_chunk, **f32)
+        del blocks
+        ddA_sum = torch.empty(per_chunk, **f32)  # ddA += ddA_next + ddA_prev
+        del ddA_sum
+        dA = torch.empty_like(A)  # _chunk_cumsum_bwd, into ddt_given
+        del dt_in, dt_c, dA_cs, CB, unused_final, dstates, states, ddA_chunk, ddt, ddA_next  # fmt: skip
+        del dB, ddA_cumsum_prev, dC, dCB, ddA_prev, ddA
         return dx, ddt_given, dA, dB_given, dC_given, None
+
+
+SM_COUNT = 132
+"""Streaming multiprocessors of the GPU a plan is for (H100 and H200: 132). mamba_ssm's backward splits
+each group's heads over programs by it, and keeps a partial dB, dC and dCB per split."""
+
+
+def _head_splits(batch: int, chunks: int, heads: int, groups: int) -> int:
+    """``nsplits`` of ``_chunk_state_bwd_db`` / ``_chunk_scan_bwd_dC`` / ``_chunk_scan_bwd_dcb``."""
+    per_group = heads // groups
+    per_program = max(min(math.ceil(batch * chunks * heads / SM_COUNT), per_group), 1)
+    return math.ceil(per_group / per_program)
 
 
 def _scan_standin(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, initial_state_BHPN=None, impl="auto"):

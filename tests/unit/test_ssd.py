@@ -1,5 +1,6 @@
 """The chunked SSD scan against the step-by-step float64 recurrence, and its own invariants."""
 
+import importlib.util
 import math
 
 import pytest
@@ -145,3 +146,19 @@ def test_dispatch():
             ssd_scan(x, dt, A, B, C, 4, impl="mamba_ssm")
     with pytest.raises(ValueError, match="chunk_size"):
         ssd_chunked(x, dt, A, B, C, 0)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mamba_ssm") is None or importlib.util.find_spec("selective_scan_cuda") is not None,
+    reason="needs mamba-ssm installed without its CUDA build",
+)
+def test_mamba_ssm_without_its_cuda_build_is_unavailable_and_forcing_it_names_why():
+    from nemofp4.models.nemotron_h import ssd
+
+    assert not mamba_ssm_available()
+    assert "selective_scan_cuda" in ssd._import_chunk_scan_kernel()[1]
+    x, dt, A, B, C, _ = make_inputs(seq_len=10)
+    y, _ = ssd_scan(x, dt, A, B, C, 4)  # auto: the torch scan
+    assert torch.equal(y, ssd_chunked(x, dt, A, B, C, 4)[0])
+    with pytest.raises(ValueError, match="impl='mamba_ssm' needs .*selective_scan_cuda"):
+        ssd_scan(x, dt, A, B, C, 4, impl="mamba_ssm")

@@ -146,7 +146,9 @@ class Mamba2Mixer(nn.Module):
             dt_BLH = dt_BLH.clamp(min=self.dt_min_clamp)
         A_H = -torch.exp(self.A_log.float())
         y_BLHP, _ = ssd_scan(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, self.chunk_size)
-        y_BLHP = y_BLHP.float() + self.D.float()[:, None] * x_BLHP.float()
+        # x stays in its dtype: the product promotes to float32 (the same bits as x.float()), and autograd
+        # keeps x itself for D's gradient, already saved by the scan, not a float32 copy (256 MiB a layer at 8B).
+        y_BLHP = y_BLHP.float() + self.D.float()[:, None] * x_BLHP
         y_BLE = self.norm(y_BLHP.flatten(-2), z_BLE)
         return self.out_proj(y_BLE.to(x_BLD.dtype))
 

@@ -15,13 +15,10 @@ T chunks, Q chunk length, R heads per group.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-
-try:  # optional CUDA kernels; never required
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as _mamba_chunk_scan_combined
-except Exception:  # ImportError, or a broken CUDA/Triton install
-    _mamba_chunk_scan_combined = None
 
 
 def _check_shapes(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, initial_state_BHPN):
@@ -168,9 +165,26 @@ def ssd_chunked(
     return y_BLHP[:, :seq_len].to(x_BLHP.dtype), state_BHPN
 
 
+@functools.cache
+def _import_chunk_scan_kernel():
+    """(mamba_ssm's ``mamba_chunk_scan_combined`` or None, why it did not import). Imported on first
+    use, not with the model: the import loads triton, whose first import fixes for the process
+    whether kernels compile or run in the interpreter."""
+    try:  # optional CUDA kernels; never required
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available", e.g. ImportError, or
+        # mamba-ssm built without CUDA (its __init__ imports the selective_scan_cuda extension)
+        return None, f"{type(exc).__name__}: {exc}"
+    return mamba_chunk_scan_combined, ""
+
+
+def _chunk_scan_kernel():
+    return _import_chunk_scan_kernel()[0]
+
+
 def mamba_ssm_available() -> bool:
-    """True when mamba_ssm's Triton SSD kernel imported (it still needs CUDA tensors)."""
-    return _mamba_chunk_scan_combined is not None
+    """True when mamba_ssm's Triton SSD kernel imports (it still needs CUDA tensors)."""
+    return _chunk_scan_kernel() is not None
 
 
 def ssd_scan(
@@ -192,10 +206,12 @@ def ssd_scan(
     use_kernel = impl == "mamba_ssm" or (impl == "auto" and x_BLHP.is_cuda and mamba_ssm_available())
     if not use_kernel:
         return ssd_chunked(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, initial_state_BHPN)
-    if not mamba_ssm_available():
-        raise ValueError("impl='mamba_ssm' needs the mamba_ssm package, which did not import")
+    kernel = _chunk_scan_kernel()
+    if kernel is None:
+        why = _import_chunk_scan_kernel()[1]
+        raise ValueError(f"impl='mamba_ssm' needs mamba_ssm's Triton SSD kernel, which did not import: {why}")
     # The kernel takes dt already processed (no softplus, no bias, no limit) exactly like ours.
-    y_BLHP, final_state_BHPN = _mamba_chunk_scan_combined(
+    y_BLHP, final_state_BHPN = kernel(
         x_BLHP,
         dt_BLH,
         A_H.float(),
