@@ -1,18 +1,26 @@
-"""Throughput of FP4 block quantize -> dequantize on CPU, next to torchao's NVFP4 reference.
+"""CPU FP4 quantize -> dequantize on the training step's path, against the copy floor and torchao.
 
-    python scripts/bench_quant.py [--size 4096] [--repeats 7]
+    python scripts/bench_quant.py [--size 4096] [--repeats 7] [--threads 1 2]
 
-Each variant quantizes a bf16 [size, size] Gaussian tensor (measuring its amax) and
-dequantizes it back to float32. Variants run interleaved, round after round, and the
-median time is reported, because the CPU is shared and timings drift. Ratios are against
-torchao's ``NVFP4Tensor.to_nvfp4(..., per_tensor_scale)`` + ``dequantize`` measured in the
-same run. SQNR (dB) of the round trip is printed alongside as a sanity check.
+Each case quantizes a bf16 [size, size] Gaussian tensor with the quantizer a training step on CPU
+takes (``kernels.backend_for("auto", "cpu")``: the compiled program where a C++ compiler is present,
+current scaling, so the amax is measured inside) and dequantizes it back to float32. The cases are
+the issue's: NVFP4 in 1-D blocks of 16, in 16x16 weight tiles, and the wgrad operand after the 16x16
+Hadamard transform (``quantize_tokens``); UE5M3 with RNE and with the paper's 8-bit stochastic
+rounding. The floor is ``x.clone()`` of the same tensor (one read, one write); the baseline
+torchao's NVFP4 reference (``NVFP4Tensor.to_nvfp4(x, per_tensor_scale)`` + ``dequantize``).
+
+Every case and thread count runs interleaved, round after round, in one process, and the table
+reports each case's median time over the clone's median (``x floor``, lower is better) and
+torchao's median over the case's (``vs torchao``, higher is better) at each thread count. The
+machine is shared and absolute times drift: compare ratios from one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
 import statistics
 import time
@@ -20,7 +28,8 @@ import warnings
 
 import torch
 
-from nemofp4.formats import quantize_blocks
+from nemofp4.formats.spec import BlockSpec
+from nemofp4.kernels import backend_for, resolve_backend
 
 
 def _torchao_nvfp4():
@@ -33,53 +42,65 @@ def _torchao_nvfp4():
     return run
 
 
-def _ours(scale_format: str, block_size: int):
-    def run(x: torch.Tensor) -> torch.Tensor:
-        return quantize_blocks(x, scale_format=scale_format, block_size=block_size).dequantize()
+def _cases(backend) -> dict:
+    """The issue's cases, each a function of x: quantize on the training step's path, then dequantize."""
+    generator = torch.Generator().manual_seed(1)
 
-    return run
+    def operand(spec: BlockSpec):
+        return lambda x: backend.quantize(x, spec, generator=generator).dequantize()
 
+    def wgrad(spec: BlockSpec):
+        return lambda x: backend.quantize_tokens(x, spec, generator=generator).dequantize()
 
-def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    ref = reference.double()
-    return float(10 * torch.log10(ref.pow(2).mean() / (ref - approx.double()).pow(2).mean()))
+    return {
+        "nvfp4 1x16": operand(BlockSpec(scale_format="e4m3")),
+        "nvfp4 16x16 tiles": operand(BlockSpec(scale_format="e4m3", two_d=True)),
+        "nvfp4 1x16 + Hadamard": wgrad(BlockSpec(scale_format="e4m3", hadamard=True)),
+        "ue5m3 1x16 rne": operand(BlockSpec(scale_format="ue5m3")),
+        "ue5m3 1x16 sr8": operand(BlockSpec(scale_format="ue5m3", rounding="sr8")),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
 
     logging.disable(logging.WARNING)  # torchao logs about its optional CUDA extensions
     warnings.filterwarnings("ignore")
-    variants = {
-        "torchao NVFP4 (reference)": _torchao_nvfp4(),
-        "nemofp4 NVFP4 (e4m3, 1x16)": _ours("e4m3", 16),
-        "nemofp4 UE5M3 (1x16)": _ours("ue5m3", 16),
-        "nemofp4 MXFP4 (ue8m0, 1x32)": _ours("ue8m0", 32),
-    }
+    variants = {"clone (floor)": lambda x: x.clone(), "torchao NVFP4": _torchao_nvfp4(), **_cases(backend_for("auto", "cpu"))}
     x = torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(0)).bfloat16()
-    quality = {name: sqnr_db(x.float(), fn(x)) for name, fn in variants.items()}  # also warms up
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
+    for threads in args.threads:  # warm-up: builds (or loads) the compiled programs
+        torch.set_num_threads(threads)
+        for fn in variants.values():
             fn(x)
-            times[name].append(time.perf_counter() - start)
+    times = {(name, t): [] for name in variants for t in args.threads}
+    for _ in range(args.repeats):
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for name, fn in variants.items():
+                start = time.perf_counter()
+                fn(x)
+                times[name, threads].append(time.perf_counter() - start)
+    median = {key: statistics.median(values) for key, values in times.items()}
 
-    base = statistics.median(times["torchao NVFP4 (reference)"])
     print(
-        f"quantize->dequantize, bf16 [{args.size}, {args.size}], {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, {platform.machine()}, median of {args.repeats} interleaved rounds"
+        f"quantize->dequantize, bf16 [{args.size}, {args.size}], path {resolve_backend('auto', 'cpu')!r}, "
+        f"torch {torch.__version__}, {platform.machine()}, median of {args.repeats} interleaved rounds, "
+        f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}"
     )
-    print(f"{'variant':<30} {'median s':>9} {'Melem/s':>9} {'vs torchao':>11} {'SQNR dB':>8}")
+    header = "".join(f" | {t} thr: x floor | vs torchao" for t in args.threads)
+    print(f"| case{header} |")
+    print("|---" + "|---:" * 2 * len(args.threads) + "|")
     for name in variants:
-        median = statistics.median(times[name])
-        print(
-            f"{name:<30} {median:9.3f} {x.numel() / median / 1e6:9.1f} {base / median:10.2f}x "
-            f"{quality[name]:8.2f}"
+        cells = "".join(
+            f" | {median[name, t] / median['clone (floor)', t]:.1f}x | {median['torchao NVFP4', t] / median[name, t]:.2f}x"
+            for t in args.threads
         )
+        print(f"| {name}{cells} |")
+    print("clone median ms: " + ", ".join(f"{t} thr {median['clone (floor)', t] * 1e3:.1f}" for t in args.threads))
 
 
 if __name__ == "__main__":

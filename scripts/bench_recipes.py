@@ -14,7 +14,8 @@ Two workloads, all recipes side by side in one run:
 
 Time: float32 on CPU (the trainer's CPU default), recipes interleaved round after round, median
 of ``--repeats`` rounds after a warm-up round (which also compiles the CPU quantizer); ratios are
-against bf16 in the same run. ``--kernels eager`` times the torch quantization program run
+against bf16 in the same run. "quantizing" is the median share of a tiny step spent inside the
+kernels backend's quantizers (:func:`timing_quantizers`). ``--kernels eager`` times the torch quantization program run
 eagerly instead of compiled, as ``train.kernels=eager`` does. Threads
 default to 1: the CI machine's 2 cores are shared, and with 2 intra-op threads many small ops
 mostly wait on each other.
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nemofp4.kernels import backend_for
 from nemofp4.models import build_model, get_model_config
 from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
@@ -103,7 +105,39 @@ def _tiny_step(model, optimizer, ids, step):
     optimizer.step()
 
 
-def time_tiny(args) -> dict[str, float]:
+@contextmanager
+def timing_quantizers(kernels: str):
+    """Yields a one-element list that accumulates the seconds spent inside the quantizers of the
+    ``kernels`` backend (quantize, quantize_tokens, quantize_pair, amax, hadamard_transform; an
+    outer call's inner calls are not counted twice): the quantization share of a step."""
+    backend = backend_for(kernels, "cpu")
+    spent, depth = [0.0], [0]
+
+    def timed(method):
+        def run(*args, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.perf_counter() - start
+
+        return run
+
+    names = ("quantize", "quantize_tokens", "quantize_pair", "amax", "hadamard_transform")
+    for name in names:  # instance attributes shadow the class's methods (the backends are singletons)
+        setattr(backend, name, timed(getattr(backend, name)))
+    try:
+        yield spent
+    finally:
+        for name in names:
+            delattr(backend, name)
+
+
+def time_tiny(args) -> tuple[dict[str, float], dict[str, float]]:
+    """(recipe -> median step seconds, recipe -> median share of the step spent quantizing)."""
     vocab = get_model_config("tiny").vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
     runs = {}
@@ -113,13 +147,18 @@ def time_tiny(args) -> dict[str, float]:
         set_quant_backend(model, args.kernels)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     times = {name: [] for name in RECIPES}
-    for round_index in range(args.repeats + 1):
-        for name, (model, optimizer) in runs.items():
-            start = time.perf_counter()
-            _tiny_step(model, optimizer, ids, round_index + 1)
-            if round_index:  # round 0 warms up
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    shares = {name: [] for name in RECIPES}
+    with timing_quantizers(args.kernels) as spent:
+        for round_index in range(args.repeats + 1):
+            for name, (model, optimizer) in runs.items():
+                quantizing = spent[0]
+                start = time.perf_counter()
+                _tiny_step(model, optimizer, ids, round_index + 1)
+                if round_index:  # round 0 warms up
+                    times[name].append(time.perf_counter() - start)
+                    shares[name].append((spent[0] - quantizing) / times[name][-1])
+    return ({name: statistics.median(t) for name, t in times.items()},
+            {name: statistics.median(s) for name, s in shares.items()})  # fmt: skip
 
 
 def time_run(args) -> None:
@@ -272,7 +311,7 @@ def main() -> None:
         profile_step(args)
         return
 
-    tiny_time = time_tiny(args)
+    tiny_time, tiny_share = time_tiny(args)
     linear_time = time_linear(args)
     vocab = get_model_config("tiny").vocab_size
     tiny_ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(3))
@@ -280,15 +319,16 @@ def main() -> None:
     linear_mem = memory(lambda n: build_linear(n, args.width), torch.randn(args.memory_tokens, args.width))
 
     print(f"\n## tiny model, {args.batch}x{args.seq_len} tokens, training step (median of {args.repeats})")
-    print("| recipe | FP4 linears | step s | vs bf16 | saved MiB (all) | saved MiB (linears) | FP4 linears vs bf16 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| recipe | FP4 linears | step s | vs bf16 | quantizing | saved MiB (all) | saved MiB (linears) "
+          "| FP4 linears vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in RECIPES:
         _, table, knobs = build_tiny(name, args.tiny_bf16_last_layers)
         total, lin, _, _ = tiny_mem[name]
         label = name + (f" ({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else "")
         print(
             f"| {label} | {table.count('fp4')} | {tiny_time[name]:.3f} | {tiny_time[name] / tiny_time['bf16']:.2f}x | "
-            f"{total / 2**20:.2f} | {lin / 2**20:.2f} | {_fp4_ratio(tiny_mem, name)} |"
+            f"{tiny_share[name]:.0%} | {total / 2**20:.2f} | {lin / 2**20:.2f} | {_fp4_ratio(tiny_mem, name)} |"
         )
     print(f"\n## one {args.width}x{args.width} linear, {args.linear_tokens} tokens, forward+backward "
           f"(memory at {args.memory_tokens} tokens)")

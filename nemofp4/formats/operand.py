@@ -154,7 +154,9 @@ class QuantizedBlocks:
             values = self._blocks(self.values())
         else:  # E2M1 value = (value x scale) / scale, exact; a zero scale only scales zeros
             values = self._blocks(self.scaled_values()) / self._per_block(torch.where(scales > 0, scales, 1.0))
-        return (values * self._per_block(factor)).view(self.padded_shape)
+        # in place: ``values`` is a fresh tensor either way (one allocation fewer; on CPU a fresh
+        # tensor's first touch of its pages costs as much as the arithmetic)
+        return values.mul_(self._per_block(factor)).view(self.padded_shape)
 
     def _blocks(self, t: torch.Tensor) -> torch.Tensor:
         """The padded elements shaped so that a per-block tensor (:meth:`_per_block`) broadcasts

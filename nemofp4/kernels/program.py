@@ -129,9 +129,10 @@ def _materialized(t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
 def _quantize_core(
     blocks: torch.Tensor, g: torch.Tensor, target: torch.Tensor, draws: torch.Tensor | None, spec: _Spec
 ):
-    """Quantize ``blocks``, padded float32 ``x`` viewed as [R, 1, C/b, b] (1-D blocks), [R/b, b, C/b, b]
-    (2-D tiles) or [R/b, b, C, 1] (``spec.columns``: blocks down the columns), so that a block is
-    dims 1 and 3.
+    """Quantize ``blocks``, padded ``x`` (float32, or the BF16/FP16 input itself, converted exactly in
+    the loop that reads it: no float32 copy is made) viewed as [R, 1, C/b, b] (1-D blocks),
+    [R/b, b, C/b, b] (2-D tiles) or [R/b, b, C, 1] (``spec.columns``: blocks down the columns), so
+    that a block is dims 1 and 3.
 
     ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
     0-d float32; ``draws`` the random bits (sr/sr8: int32 words; sr_exact: float64 uniforms shaped like
@@ -140,6 +141,7 @@ def _quantize_core(
     codes shaped like ``blocks`` | None, scale codes [R or R/b, C/b] or [R/b, C] | None, counts [3]:
     saturated, underflowed and zero blocks).
     """
+    blocks = blocks.float()
     if spec.hadamard:  # along the columns: groups of 16 consecutive rows
         blocks = _materialized(wgrad_hadamard_transform(blocks.view(-1, blocks.shape[2]), dim=0).view(blocks.shape))
     block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
@@ -206,7 +208,9 @@ def _quantize_core(
     else:
         scale_codes = encode_scales(block_scale, grid)
     scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
-    counts = torch.stack((saturated, underflow, block_amax == 0)).view(3, -1).sum(1)
+    # three reductions fused into the loop over the blocks (stacked boolean masks would be stored
+    # byte by byte first, a scalar loop as long as the vector one that quantizes)
+    counts = torch.stack([mask.sum(dtype=torch.int32) for mask in (saturated, underflow, block_amax == 0)]).long()
     return values, tensor_scale, g, codes, scale_codes, counts
 
 
@@ -310,10 +314,10 @@ def quantize_operand(
     two_d = op.two_d if two_d is None else two_d
     b = op.block_size
     rows, cols = x.shape
-    x32 = _padded(x, -rows % b if two_d else 0, -cols % b)
-    rows_p, cols_p = x32.shape
+    xp = _padded(x, -rows % b if two_d else 0, -cols % b)
+    rows_p, cols_p = xp.shape
     row_block = b if two_d else 1
-    blocks = x32.view(rows_p // row_block, row_block, cols_p // b, b)
+    blocks = xp.view(rows_p // row_block, row_block, cols_p // b, b)
     spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None)
     values, tensor_scale, g, codes, scale_codes, counts = _run(
         spec, blocks, op, tensor_amax, generator, (rows_p, cols_p), compiled
@@ -354,9 +358,9 @@ def quantize_tokens_operand(
     b = op.block_size
     tokens, features = x_TD.shape
     padded_tokens = tokens + -tokens % TOKEN_MULTIPLE
-    x32 = _padded(x_TD, padded_tokens - tokens + -padded_tokens % b, 0)
-    rows_p = x32.shape[0]  # tokens padded to 16, then to the block
-    blocks = x32.view(rows_p // b, b, features, 1)
+    xp = _padded(x_TD, padded_tokens - tokens + -padded_tokens % b, 0)
+    rows_p = xp.shape[0]  # tokens padded to 16, then to the block
+    blocks = xp.view(rows_p // b, b, features, 1)
     spec = _Spec(op.scale_format, b, False, op.rounding, pack, measure=tensor_amax is None, columns=True,
                  hadamard=op.hadamard)  # fmt: skip
     values, tensor_scale, g, codes, scale_codes, counts = _run(
@@ -371,11 +375,12 @@ def quantize_tokens_operand(
 
 
 def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
-    """float32 ``x`` zero-padded at the end of both dims, contiguous."""
-    x32 = x.detach().float()
+    """``x`` zero-padded at the end of both dims, contiguous, in its own dtype (the core converts it
+    to float32 exactly where it reads it)."""
+    x = x.detach()
     if pad_rows or pad_cols:
-        x32 = F.pad(x32, (0, pad_cols, 0, pad_rows))
-    return x32.contiguous()
+        x = F.pad(x, (0, pad_cols, 0, pad_rows))
+    return x.contiguous()
 
 
 def _run(spec: _Spec, blocks: torch.Tensor, op, tensor_amax, generator, operand_shape: tuple[int, int], compiled: bool):
