@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import ROOT
 
 
-@pytest.mark.slow  # the check's every stage: about 45 s on 2 cores
+@pytest.mark.slow  # the check's every stage: 45 s to 3 min on the shared 2 cores
 def test_the_rehearsal_runs_every_stage_and_prints_one_table(tmp_path):
     wheels = ROOT / ".wheelhouse"
     if not list(wheels.glob("*.whl")):
