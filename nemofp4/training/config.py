@@ -28,6 +28,7 @@ from nemofp4.training.schedule import ScheduleConfig
 log = logging.getLogger("nemofp4")
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+SYNC_DEBUG_MODES = ("off", "warn", "error")
 CHECKPOINT_STALL_S = 300.0
 
 
@@ -72,6 +73,11 @@ class TrainConfig:
     """With gradient accumulation, each FP4 linear quantizes its weight once per optimizer step, on
     the first micro-batch, and reuses the packed operands on the others (:func:`nemofp4.quant.cached_weights`);
     bit for bit the same training as false, which quantizes it in every micro-batch."""
+    sync_debug: str = "off"
+    """CUDA only: from the second step of each process on, run forward/backward, gradient clipping and
+    the optimizer step under ``torch.cuda.set_sync_debug_mode`` ('warn' or 'error'), so a host
+    synchronization there warns or raises. The once-per-step read of loss and gradient norm (the
+    non-finite policy) and the metrics stay outside. 'off': no check; on CPU any mode is a no-op."""
     init_from: str = ""
     """Start from these weights instead of random ones: a transformers NemotronH folder (config.json,
     safetensors, tokenizer) or a nemofp4 run directory / step folder. Weights only (a new optimizer,
@@ -93,6 +99,8 @@ class TrainConfig:
             self.kernels = "eager"
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"train.kernels={self.kernels!r}; valid: {', '.join(KERNEL_BACKENDS)}")
+        if self.sync_debug not in SYNC_DEBUG_MODES:
+            raise ValueError(f"train.sync_debug={self.sync_debug!r}; valid: {', '.join(SYNC_DEBUG_MODES)}")
         if self.tokens < 0 or self.max_steps < 0:
             raise ValueError(f"train.tokens={self.tokens} and train.max_steps={self.max_steps} must be >= 0")
 

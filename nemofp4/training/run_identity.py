@@ -36,7 +36,7 @@ __all__ = [
 
 SAFE_KEYS = ("name", "run_dir", "resume", "resume_accept", "overwrite", "logging", "eval", "checkpoint", "debug",
              "train.micro_batch", "train.max_skipped_steps", "train.head_chunk_tokens", "train.kernels", "train.weight_cache",
-             "distributed")
+             "train.sync_debug", "distributed")
 """Keys (or sections) that change how a run is observed, saved or laid out over processes, not what it
 trains. Checkpoints reshard between world sizes and between one process and FSDP2, so `distributed`
 and `train.micro_batch` (another world size with the same global batch) may change: only the order of

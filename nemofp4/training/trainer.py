@@ -71,6 +71,17 @@ log = logging.getLogger("nemofp4")
 COLLECTIVE_TIMEOUT_EXIT_CODE = 1
 
 
+@contextlib.contextmanager
+def cuda_sync_debug(mode: str):
+    """``torch.cuda.set_sync_debug_mode(mode)`` for the block; the previous mode is restored after."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
@@ -120,6 +131,10 @@ class Trainer:
         self.env = init_distributed(detect_dist_env(), timeout_s=cfg.distributed.startup_timeout_s)
         self.rank, self.world = self.env.rank, self.env.world_size
         self.device = local_device(self.env)
+        self.sync_debug = cfg.train.sync_debug if self.device.type == "cuda" else "off"
+        if cfg.train.sync_debug != "off" and self.device.type != "cuda" and self.rank == 0:
+            log.warning("train.sync_debug=%s has no effect on %s: it checks CUDA host synchronizations",
+                        cfg.train.sync_debug, self.device.type)
         self.run_dir = Path(cfg.run_dir)
         self.budget = compute_budget(cfg.train, self.world)
         validate_accept_list(cfg.resume_accept, cfg)
@@ -534,7 +549,7 @@ class Trainer:
         first_batch = None
         forward = self.engine if self.engine is not None else self.model
         # each FP4 weight quantized once per step: the weights change only in the optimizer step below
-        with cached_weights(self.model, enabled=cfg.train.weight_cache and self.budget.grad_accum > 1):
+        with self._sync_free(), cached_weights(self.model, enabled=cfg.train.weight_cache and self.budget.grad_accum > 1):
             for micro in range(self.budget.grad_accum):
                 set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
                 batch = next(data_iter)
@@ -553,17 +568,19 @@ class Trainer:
                     # held dY references, do not depend on how the batch is split over ranks
                     (loss / (self.budget.grad_accum * self.world)).backward()
                 loss_sum += loss.detach()
-        loss_avg = _all_reduce_mean(loss_sum / self.budget.grad_accum)
+            loss_avg = _all_reduce_mean(loss_sum / self.budget.grad_accum)
+            if self.engine is None:
+                max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
         if self.engine is not None:
             grad_norm = torch.as_tensor(float(self.engine.get_global_grad_norm()))
-        else:
-            max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+        # the step's one host read of loss and gradient norm (the non-finite policy), outside the check
         finite = bool(torch.isfinite(loss_avg)) and bool(torch.isfinite(grad_norm))
         if finite and self.engine is None:
-            self.optimizer.step()
+            with self._sync_free():
+                self.optimizer.step()
         elif not finite:
             self._handle_nonfinite(loss_avg, grad_norm, first_batch)
         if self.device.type == "cuda":
@@ -589,6 +606,13 @@ class Trainer:
         if cfg.logging.quant_stats_interval and step % cfg.logging.quant_stats_interval == 0:
             layers = quant_stats(self.model)
             self.metrics.log("quant", step, {"layers": layers, "roles": quant_role_summary(layers)})
+
+    def _sync_free(self) -> contextlib.AbstractContextManager:
+        """``train.sync_debug`` around a part of the step that must not synchronize with the host, from the
+        second step of this process on (the first compiles, autotunes and allocates)."""
+        if self.sync_debug == "off" or not self._steady:
+            return contextlib.nullcontext()
+        return cuda_sync_debug(self.sync_debug)
 
     def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch) -> None:
         if self.cfg.train.nonfinite == "skip":
