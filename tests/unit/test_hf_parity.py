@@ -119,11 +119,16 @@ def test_dt_clamp_exports_as_time_step_limit(tmp_path, clamp_dt_to_min):
     assert import_hf(out).config == model.config
 
 
-def test_released_time_step_limits_import():
+def test_released_time_step_limits_import(tmp_path):
     released = to_hf_config(get_model_config("nemotron_h_8b")) | {"time_step_limit": [0.0, float("inf")]}
     assert from_hf_config(released).clamp_dt_to_min is False
     del released["time_step_limit"]  # configs that predate the key: the (0, inf) default
     assert from_hf_config(released).clamp_dt_to_min is False
+    saved = transformers.NemotronHConfig(**released)  # as save_pretrained writes it: inf as {"__float__": ...}
+    saved.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["time_step_limit"][1] == {"__float__": "Infinity"}
+    assert from_hf_config(written).clamp_dt_to_min is False
     with pytest.raises(ValueError, match=r"time_step_limit=\[0.0, 0.1\]"):
         from_hf_config(released | {"time_step_limit": [0.0, 0.1]})
 

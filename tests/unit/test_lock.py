@@ -55,9 +55,17 @@ def test_the_locks_share_versions():
     assert pins("mamba-ssm") == {"mamba-ssm": gpu["mamba-ssm"]}
 
 
+def installed(name: str) -> str | None:
+    """The version an import would load: the first on sys.path (setuptools puts the .dist-info of the
+    packages it vendors on sys.path too once it is imported, so listing every distribution misleads)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def test_this_environment_is_the_lock():
     lock = "gpu" if torch.version.cuda else "dev"
     expected = pins(lock) | (pins("mamba-ssm") if lock == "dev" else {})
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
-    differ = {n: f"{installed.get(n)} installed, {v} locked" for n, v in expected.items() if installed.get(n) != v}
+    differ = {n: f"{installed(n)} installed, {v} locked" for n, v in expected.items() if installed(n) != v}
     assert differ == {}, f"this environment is not requirements/{lock}.txt (make setup installs it): {differ}"

@@ -108,7 +108,8 @@ def _time_step_limit(config: NemotronHConfig) -> tuple[float, float]:
 
 def _clamps_dt_to_min(hf: dict) -> bool:
     """Inverse of :func:`_time_step_limit`. A config without the key is a released one: (0, inf)."""
-    low, high = (float(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
+    # transformers >= 5.25 writes a non-finite float as {"__float__": "Infinity"} in config.json
+    low, high = (float(v["__float__"] if isinstance(v, dict) else v) for v in hf.get("time_step_limit") or (0, math.inf))
     time_step_min = float(hf.get("time_step_min", hf.get("mamba_dt_min", 0.001)))
     if high != math.inf or low not in (0.0, time_step_min):
         raise ValueError(
