@@ -387,7 +387,7 @@ def check_job_shape(config: LaunchConfig, job: JobConfig) -> None:
     if replicate > 1 and world % replicate:
         raise ValueError(f"{shape}: distributed.replicate_degree={replicate} does not divide the {world} ranks; "
                          f"use a divisor such as the node count {config.slurm.nodes}")
-    if config.slurm.gpus_per_node == 0 and job.distributed.backend.startswith("deepspeed"):
+    if config.slurm.gpus_per_node == 0 and job.distributed.engine == "deepspeed":
         raise ValueError(f"distributed.backend={job.distributed.backend} needs GPUs; CPU nodes train with fsdp or none")
     workdir = _workdir(config)
     missing = [

@@ -311,7 +311,7 @@ def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_ac
     shards = world_size // dist_cfg.replicate_degree if backend == "fsdp" else (world_size if backend == "deepspeed_zero3" else 1)
     param_shards = shards
     grad_shards = world_size if backend in ("deepspeed_zero2", "deepspeed_zero3") else shards
-    optim_shards = world_size if backend.startswith("deepspeed") else shards
+    optim_shards = world_size if dist_cfg.engine == "deepspeed" else shards
     sharded = {g.name: _shard_bytes(g, param_shards) for g in groups}
     params = sum(sharded.values())
     optim = 2 * sum(_shard_bytes(g, optim_shards) for g in groups)

@@ -20,8 +20,16 @@ from nemofp4.training.dist_env import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_STAR
 log = logging.getLogger("nemofp4")
 
 BACKENDS = ("none", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+ENGINES = ("torch", "deepspeed")
 GRADIENT_SYNC = ("per_step", "per_micro_batch")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_kind(backend: object) -> str:
+    """The engine a ``distributed.backend`` value trains with: ``deepspeed`` for ``deepspeed_zero*``,
+    else ``torch`` (autograd and a torch optimizer, under FSDP2 or not). The one place the backend's
+    name is interpreted; a saved config's raw value may be anything."""
+    return "deepspeed" if isinstance(backend, str) and backend.startswith("deepspeed") else "torch"
 
 
 @dataclass(kw_only=True)
@@ -111,6 +119,11 @@ class DistributedConfig:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"distributed.{name}={getattr(self, name)!r}; valid: {tuple(_DTYPES)}")
+
+    @property
+    def engine(self) -> str:
+        """The engine of this backend (:func:`engine_kind`)."""
+        return engine_kind(self.backend)
 
 
 AC_BLOCK_TYPES = ("mamba", "attention", "mlp")

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 from omegaconf import OmegaConf
 
+from nemofp4.training.parallel import engine_kind
+
 log = logging.getLogger("nemofp4")
 
 __all__ = [
@@ -143,16 +145,12 @@ def validate_accept_list(accept: list[str], current: Any) -> None:
                              f"{', '.join(FIXED_KEYS)}); a change there is a new run: use another run_dir")
 
 
-def _is_deepspeed(backend: Any) -> bool:
-    return isinstance(backend, str) and backend.startswith("deepspeed")
-
-
 def refused_changes(changes: list[ConfigChange], accept: list[str]) -> tuple[list[ConfigChange], list[ConfigChange]]:
     """(refused, accepted) among `changes`: safe and budget keys are neither (the caller handles the
     budget); fixed keys are always refused; other keys are refused unless named in `accept`."""
     refused, accepted = [], []
     for change in changes:
-        if change.key == "distributed.backend" and _is_deepspeed(change.saved) != _is_deepspeed(change.current):
+        if change.key == "distributed.backend" and engine_kind(change.saved) != engine_kind(change.current):
             refused.append(change)
             continue
         if _matches(change.key, SAFE_KEYS) or _matches(change.key, BUDGET_KEYS):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from dataclasses import asdict
@@ -23,6 +22,7 @@ from omegaconf import OmegaConf
 
 from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
+from nemofp4.evaluation.nll import validation_nll
 from nemofp4.models import build_model, lm_loss, param_groups
 from nemofp4.quant import (
     QuantState,
@@ -34,7 +34,6 @@ from nemofp4.quant import (
     set_step,
 )
 from nemofp4.recipes import apply_recipe, recipe_from_config
-from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step_of
 from nemofp4.training.config import JobConfig, compute_budget
 from nemofp4.training.console import memory_record, run_summary
@@ -47,6 +46,7 @@ from nemofp4.training.dist_env import (
     require_process_group,
     set_collective_timeout,
 )
+from nemofp4.training.engine import build_engine
 from nemofp4.training.faults import Faults
 from nemofp4.training.init_from import initialize_from, starts_fresh, write_record
 from nemofp4.training.job_plan import JobPlanner, resolve_activation_checkpointing
@@ -58,7 +58,7 @@ from nemofp4.training.nonfinite import (
     first_nonfinite_module,
     first_nonfinite_state,
 )
-from nemofp4.training.optim import build_optimizer, set_lr
+from nemofp4.training.optim import build_optimizer
 from nemofp4.training.parallel import AC_AUTO, parallelize, set_gradient_sync
 from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler, flush_and_exit
@@ -90,31 +90,16 @@ def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
              autocast: Any, head_chunk_tokens: int = 0) -> dict[str, float]:
-    """Token-weighted mean loss over a fixed list of batches, data-parallel: each rank evaluates
-    every world-th batch and the NLL sums and token counts are all-reduced."""
+    """The model's validation NLL in eval mode (:func:`~nemofp4.evaluation.nll.validation_nll`,
+    data-parallel over the ranks)."""
     was_training = model.training
     model.eval()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # NLL sum, token count
-    for index in range(rank, -(-len(batches) // world) * world, world):
-        # a rank past the end re-runs the last batch uncounted: every rank makes the same number of
-        # forward calls, so FSDP's / ZeRO-3's collectives stay matched
-        batch = batches[min(index, len(batches) - 1)]
-        input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        with autocast():
-            loss = lm_loss(model, input_ids, labels, head_chunk_tokens=head_chunk_tokens)
-        if index < len(batches):
-            sums[0] += loss.double() * labels.numel()
-            sums[1] += labels.numel()
-    if world > 1:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    model.train(was_training)
-    total, count = sums.tolist()
-    val_loss = total / max(count, 1)
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(count)}
+    try:
+        return validation_nll(model, batches, device=device, autocast=autocast, head_chunk_tokens=head_chunk_tokens)
+    finally:
+        model.train(was_training)
 
 
 class Trainer:
@@ -214,22 +199,10 @@ class Trainer:
         self.quant = QuantState(model, replicated=self.world == 1 or dist_cfg.reduce_references,
                                 restore=cfg.precision.restore_references)  # fmt: skip
         self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
-        self.engine = None  # a DeepSpeed engine when distributed.backend=deepspeed_zero*
-        if dist_cfg.backend.startswith("deepspeed"):
-            if cfg.train.nonfinite == "skip":
-                raise ValueError("train.nonfinite=skip is not supported with DeepSpeed (its step cannot be "
-                                 "undone after the fact); use train.nonfinite=stop")
-            ds_config = deepspeed_engine.deepspeed_config(
-                stage=deepspeed_engine.zero_stage(dist_cfg.backend), micro_batch=cfg.train.micro_batch,
-                grad_accum=self.budget.grad_accum, world_size=self.world, grad_clip=cfg.train.grad_clip,
-                bf16=cfg.train.dtype == "bfloat16" and self.device.type == "cuda",
-            )
-            self.engine = deepspeed_engine.initialize(model, self.optimizer, ds_config)
+        self.engine = build_engine(model, self.optimizer, cfg, grad_accum=self.budget.grad_accum, world_size=self.world,
+                                   device_type=self.device.type, rank=self.rank)  # fmt: skip
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint,
                                       group_timeout_s=cfg.distributed.startup_timeout_s)
-        if cfg.checkpoint.async_save and self.engine is not None and self.rank == 0:
-            log.warning("checkpoint.async_save=true has no effect with distributed.backend=%s: DeepSpeed writes "
-                        "its checkpoints synchronously", dist_cfg.backend)
         self.ckpt.remove_incomplete()
         if cfg.train.dtype == "bfloat16":
             self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -264,18 +237,10 @@ class Trainer:
         return thread
 
     def _dcp_state(self, *, for_load: bool = False) -> dict[str, Any] | None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        state: dict[str, Any] = {}
-        if self.engine is None:  # DeepSpeed writes model and optimizer in its own format
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-        state.update(self.quant.dcp_entries(for_load=for_load))
+        state = {**self.engine.dcp_state(), **self.quant.dcp_entries(for_load=for_load)}
         return state or None
 
     def _maybe_resume(self) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         cfg = self.cfg
         used = describe_used(self.run_dir)
         if cfg.resume == "none" and used:
@@ -290,7 +255,7 @@ class Trainer:
             try:
                 trainer_state, rank_state, own = self.ckpt.load(
                     folder, dcp_state=state,
-                    read_collective=(lambda f: deepspeed_engine.load(self.engine, f)) if self.engine else None,
+                    read_collective=self.engine.read_collective,
                     check=lambda saved, folder=folder, state=state: self._check_identity(saved, folder, state),
                 )
             except CheckpointError as err:
@@ -299,9 +264,8 @@ class Trainer:
                 log.warning("%s; falling back to the previous complete checkpoint", err)
                 failures.append(folder)
                 continue
-            if state is not None and "model" in state:
-                set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                               optim_state_dict=state["optim"])
+            if state is not None:
+                self.engine.load_dcp_state(state)
             self._restore(trainer_state, rank_state, own)
             self.resumed_from = folder
             if self.rank == 0:
@@ -369,11 +333,7 @@ class Trainer:
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded FP32 weights on CPU (collective under FSDP2 / ZeRO-3)."""
-        if self.engine is not None:
-            return {k: v.cpu() for k, v in deepspeed_engine.full_model_state_dict(self.engine).items()}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.engine.full_model_state_dict()
 
     def _unhealthy_state(self) -> str | None:
         """The first non-finite parameter or held reference on any rank (collective), or None."""
@@ -409,7 +369,7 @@ class Trainer:
             dcp_state=self._dcp_state(),
             trainer_state=self._trainer_state(),
             rank_state=self._rank_state(),
-            write_collective=(lambda f: deepspeed_engine.save(self.engine, f)) if self.engine else None,
+            write_collective=self.engine.write_collective,
             extra_files=extra_files,
             hold_background_s=self.faults.async_save_hold_s(self.step),
         )
@@ -541,13 +501,11 @@ class Trainer:
         stats_interval = cfg.logging.quant_stats_interval
         set_quant_stats(self.model, bool(stats_interval) and step % stats_interval == 0)  # only when logged
         lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, self.budget.total_steps)
-        set_lr(self.engine.optimizer if self.engine is not None else self.optimizer, lr)
-        if self.engine is None:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.engine.set_lr(lr)
+        self.engine.zero_grad()
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
-        forward = self.engine if self.engine is not None else self.model
         # each FP4 weight quantized once per step: the weights change only in the optimizer step below
         with self._sync_free(), cached_weights(self.model, enabled=cfg.train.weight_cache and self.budget.grad_accum > 1):
             for micro in range(self.budget.grad_accum):
@@ -557,31 +515,19 @@ class Trainer:
                 labels = batch["labels"].to(self.device, non_blocking=True)
                 first_batch = first_batch or (input_ids, labels)
                 with self.autocast():
-                    loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
+                    loss = lm_loss(self.engine.forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
                                    head_precision=cfg.model.head_precision)
                 loss = self.faults.loss(step, loss)
-                if self.engine is not None:
-                    self.engine.backward(loss)  # scales by 1/grad_accum itself
-                    self.engine.step()  # clips and steps at the accumulation boundary
-                else:
-                    # this rank's share of the global mean loss (FSDP sums gradients over ranks): dY, and so the
-                    # held dY references, do not depend on how the batch is split over ranks
-                    (loss / (self.budget.grad_accum * self.world)).backward()
+                self.engine.backward(loss)
                 loss_sum += loss.detach()
             loss_avg = _all_reduce_mean(loss_sum / self.budget.grad_accum)
-            if self.engine is None:
-                max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-                if hasattr(grad_norm, "full_tensor"):
-                    grad_norm = grad_norm.full_tensor()
-        if self.engine is not None:
-            grad_norm = torch.as_tensor(float(self.engine.get_global_grad_norm()))
+            grad_norm = self.engine.clip_grad_norm()
         # the step's one host read of loss and gradient norm (the non-finite policy), outside the check
         finite = bool(torch.isfinite(loss_avg)) and bool(torch.isfinite(grad_norm))
-        if finite and self.engine is None:
+        if finite:
             with self._sync_free():
-                self.optimizer.step()
-        elif not finite:
+                self.engine.step()
+        else:
             self._handle_nonfinite(loss_avg, grad_norm, first_batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
