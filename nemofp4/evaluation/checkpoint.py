@@ -15,11 +15,9 @@ from typing import Any
 import torch
 
 from nemofp4.checkpointing import (
-    TRAINER_STATE,
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
-    load_tensors,
     read_marker,
     resolve_checkpoint,
     verify_files,
@@ -28,7 +26,7 @@ from nemofp4.models import NemotronHModel, build_model
 from nemofp4.models.nemotron_h import import_hf
 from nemofp4.recipes import PrecisionConfig, apply_recipe, recipe_from_config
 
-from .run_config import TrainedRunConfig, run_config_from_yaml
+from .run_config import TrainedRunConfig, read_step_config
 
 __all__ = [
     "is_hf_folder",
@@ -84,10 +82,7 @@ def load_checkpoint_model(
         problems = verify_files(folder, sorted(marker["files"]), marker, checksums=True)
         if problems:
             raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
-    trainer_state = load_tensors(folder / TRAINER_STATE)
-    if not isinstance(trainer_state, dict) or "config" not in trainer_state:
-        raise ValueError(f"{folder / TRAINER_STATE} has no 'config': not written by nemofp4's trainer")
-    cfg = run_config_from_yaml(trainer_state["config"])
+    cfg, trainer_state = read_step_config(folder)
     if isinstance(precision, str):
         precision = PrecisionConfig(name=precision)
     model = build_model(cfg.model, device="meta")

@@ -1,24 +1,29 @@
-"""What evaluation reads of a training run's resolved config, typed, without the training schema.
+"""The one reader of a training run's saved config, and the typed view evaluation takes of it.
 
 A checkpoint's ``trainer_state['config']`` (and ``<run_dir>/config.yaml``) holds the run's full
-resolved config. Evaluation needs only the model, the recipe, the data and a few train/eval
-settings; each is validated by its own dataclass, and those live below both packages (models,
-recipes, data), so evaluation never imports the trainer's schema. The full schema is
-``nemofp4.training.config.JobConfig`` (``job_config_from_yaml`` there).
+resolved config. :func:`saved_config` parses it (every reader of a saved config goes through it:
+this view, the trainer's full schema ``nemofp4.training.config.job_config_from_yaml``, the resume
+check in ``training/run_identity.py``); :func:`read_step_config` reads it from a step folder.
+Evaluation and ``train.init_from`` need only the model, the recipe, the data, the backend and a few
+train/eval settings; each is validated by its own dataclass, and those live below both packages
+(models, recipes, data), so evaluation never imports the trainer's schema.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from nemofp4.checkpointing import TRAINER_STATE, load_tensors
 from nemofp4.data import DataConfig
 from nemofp4.models.nemotron_h.config import NemotronHConfig
 from nemofp4.recipes import precision_config
 
-__all__ = ["RunEvalSettings", "RunTrainSettings", "TrainedRunConfig", "run_config_from_yaml"]
+__all__ = ["RunDistributedSettings", "RunEvalSettings", "RunTrainSettings", "TrainedRunConfig", "read_step_config",
+           "run_config_from_yaml", "saved_config"]
 
 
 @dataclass(kw_only=True)
@@ -43,6 +48,14 @@ class RunEvalSettings:
 
 
 @dataclass(kw_only=True)
+class RunDistributedSettings:
+    """The run's ``distributed`` settings that evaluation and ``train.init_from`` use."""
+
+    backend: str = "none"
+    """Which engine wrote its checkpoints (DeepSpeed's are not in DCP)."""
+
+
+@dataclass(kw_only=True)
 class TrainedRunConfig:
     """A training run as evaluation sees it (the keys of its resolved config that it reads)."""
 
@@ -54,23 +67,43 @@ class TrainedRunConfig:
     data: DataConfig
     train: RunTrainSettings
     eval: RunEvalSettings
+    distributed: RunDistributedSettings = field(default_factory=RunDistributedSettings)
 
     def __post_init__(self) -> None:
         self.precision = precision_config(self.precision)
         self.model = self.model.trained_on(self.train.seq_len)  # as the trainer records it (runs from before, too)
 
 
-def run_config_from_yaml(text: str) -> TrainedRunConfig:
-    """The :class:`TrainedRunConfig` of a run's resolved YAML; the keys evaluation does not read
-    are left out before validation, the ones it reads are validated as at training time."""
+def saved_config(text: str) -> dict[str, Any]:
+    """A run's saved (resolved) config as a plain mapping, before any schema validates it."""
     container = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
     if not isinstance(container, dict):
         raise ValueError("a run's config must be a YAML mapping")
+    return container
+
+
+def run_config_from_yaml(text: str) -> TrainedRunConfig:
+    """The :class:`TrainedRunConfig` of a run's resolved YAML; the keys evaluation does not read
+    are left out before validation, the ones it reads are validated as at training time."""
+    container = saved_config(text)
     picked: dict[str, Any] = {}
     for f in fields(TrainedRunConfig):
-        if f.name not in container:
+        if f.name in container:
+            picked[f.name] = container[f.name]
+        elif f.default_factory is MISSING:
             raise ValueError(f"the run's config has no {f.name!r} section: not written by nemofp4's trainer")
-        picked[f.name] = container[f.name]
     for section, cls in (("train", RunTrainSettings), ("eval", RunEvalSettings)):
         picked[section] = {f.name: picked[section][f.name] for f in fields(cls)}
+    if "distributed" in picked:
+        picked["distributed"] = {f.name: picked["distributed"][f.name] for f in fields(RunDistributedSettings)
+                                 if f.name in picked["distributed"]}  # fmt: skip
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainedRunConfig), picked))
+
+
+def read_step_config(folder: Path) -> tuple[TrainedRunConfig, dict[str, Any]]:
+    """The run config and the trainer state saved in a checkpoint's step folder; ValueError when the
+    trainer state names no config (not written by nemofp4's trainer)."""
+    trainer_state = load_tensors(Path(folder) / TRAINER_STATE)
+    if not isinstance(trainer_state, dict) or "config" not in trainer_state:
+        raise ValueError(f"{Path(folder) / TRAINER_STATE} has no 'config': not written by nemofp4's trainer")
+    return run_config_from_yaml(trainer_state["config"]), trainer_state

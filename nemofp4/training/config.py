@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemofp4.data import DataConfig
+from nemofp4.evaluation.run_config import saved_config
 from nemofp4.kernels import BACKENDS as KERNEL_BACKENDS
 from nemofp4.models.nemotron_h.config import NemotronHConfig
 from nemofp4.recipes import precision_config
@@ -281,7 +282,8 @@ class JobConfig:
 
 def job_config_from_yaml(text: str) -> JobConfig:
     """The typed JobConfig of a run from its resolved YAML (``trainer_state['config']`` or
-    ``<run_dir>/config.yaml``); validation runs as at training time."""
+    ``<run_dir>/config.yaml``, read by :func:`~nemofp4.evaluation.run_config.saved_config`); validation
+    runs as at training time."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(text)))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), saved_config(text)))

@@ -31,22 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from torch import nn
 
 from nemofp4.checkpointing import (
-    TRAINER_STATE,
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
     complete_checkpoints,
-    load_tensors,
     read_marker,
     resolve_checkpoint,
 )
 from nemofp4.data import DataConfig, load_tokenizer
 from nemofp4.data.paths import resolve_path
-from nemofp4.evaluation.run_config import run_config_from_yaml
+from nemofp4.evaluation.run_config import read_step_config
 from nemofp4.models.nemotron_h import (
     INIT_ONLY_FIELDS,
     NemotronHConfig,
@@ -58,6 +55,7 @@ from nemofp4.models.nemotron_h import (
     read_hf_config,
 )
 from nemofp4.training.checkpoint import CheckpointConfig, CheckpointManager
+from nemofp4.training.parallel import engine_kind
 
 __all__ = [
     "INIT_RECORD",
@@ -125,16 +123,13 @@ def resolve_source(init_from: str) -> InitSource:
         raise FileNotFoundError(
             f"train.init_from={init_from!r} is neither a transformers folder (no config.json) nor a nemofp4 run: {err}"
         ) from err
-    trainer_state = load_tensors(step / TRAINER_STATE)
-    if not isinstance(trainer_state, dict) or "config" not in trainer_state:
-        raise ValueError(f"{step / TRAINER_STATE} has no 'config': not written by nemofp4's trainer")
-    backend = OmegaConf.select(OmegaConf.create(trainer_state["config"]), "distributed.backend", default="none")
-    if str(backend).startswith("deepspeed"):
+    run, _ = read_step_config(step)
+    if engine_kind(run.distributed.backend) == "deepspeed":
         raise ValueError(
-            f"train.init_from={init_from!r}: {step} was written by DeepSpeed (distributed.backend={backend}), whose "
-            "weights are not in DCP; export it first (nemofp4-export-hf checkpoint=... out=DIR) and pass that folder"
+            f"train.init_from={init_from!r}: {step} was written by DeepSpeed (distributed.backend="
+            f"{run.distributed.backend}), whose weights are not in DCP; export it first (nemofp4-export-hf "
+            "checkpoint=... out=DIR) and pass that folder"
         )
-    run = run_config_from_yaml(trainer_state["config"])
     return InitSource(kind="nemofp4", path=step.resolve(), model=run.model, tokenizer=resolve_path(run.data.tokenizer))
 
 

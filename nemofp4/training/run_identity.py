@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from omegaconf import OmegaConf
 
+from nemofp4.evaluation.run_config import saved_config
 from nemofp4.training.parallel import engine_kind
 
 log = logging.getLogger("nemofp4")
@@ -75,7 +76,7 @@ def changes_the_run(key: str, accept: list[str] | tuple[str, ...] = ()) -> bool:
 def flatten_config(cfg: Any) -> dict[str, Any]:
     """Dotted keys to leaf values of a JobConfig, a YAML string or a plain dict (lists stay leaves)."""
     if isinstance(cfg, str):
-        container = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
+        container = saved_config(cfg)
     elif isinstance(cfg, dict):
         container = cfg
     else:
@@ -114,7 +115,7 @@ def _with_schema_defaults(saved: Any, schema: type) -> Any:
     longer fits."""
     try:
         text = saved if isinstance(saved, str) else OmegaConf.to_yaml(OmegaConf.structured(saved))
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), saved_config(text))
     except Exception:  # omegaconf raises several types for a config that no longer fits
         return saved
     try:
