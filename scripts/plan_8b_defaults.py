@@ -20,7 +20,6 @@ from nemofp4 import planning
 from nemofp4.cli.train import compose_job_config
 from nemofp4.planning.layers import cached_weight_bytes, linear_specs
 from nemofp4.planning.memory import GIB
-from nemofp4.recipes import recipe_from_config
 
 PRESETS = ("nemotron_h_8b_bf16", "nemotron_h_8b_nvfp4", "nemotron_h_8b_ue5m3", "nemotron_h_8b_ue5m3_te_settings")
 FORMER = "full"
@@ -45,7 +44,7 @@ def main() -> None:
     rows = []
     for preset in args.presets:
         job = compose_job_config([f"experiment={preset}", *args.overrides])
-        cache = sum(sum(cached_weight_bytes(s)) for s in linear_specs(job.model, recipe_from_config(job.precision)))
+        cache = sum(sum(cached_weight_bytes(s)) for s in linear_specs(job.model, job.recipe))
         for name in args.devices:
             device = planning.get_device(name)
             started = time.perf_counter()

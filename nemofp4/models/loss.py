@@ -214,21 +214,16 @@ def head_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.Tens
 
 
 def lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, *, head_chunk_tokens: int = 0,
-            head_precision: str = "fp32", head_tf32: bool = False) -> torch.Tensor:
+            head_precision: str = "fp32") -> torch.Tensor:
     """Mean next-token cross-entropy in float32 over all positions.
 
     ``head_chunk_tokens=0`` with the FP32 head applies the model's head module and the loss to the
     full logits. A positive value runs the head and the loss in chunks of that many tokens
-    (:func:`chunked_cross_entropy` in ``head_precision``'s arithmetic whatever the recipe;
-    ``head_tf32=True`` is the older spelling of ``head_precision="tf32"``), through the head's
+    (:func:`chunked_cross_entropy` in ``head_precision``'s arithmetic whatever the recipe), through the head's
     ``chunked_cross_entropy`` method so that FSDP2 gathers the sharded head around it. A tf32 or bf16
     head without chunks runs the same fused head and loss as one chunk of every token.
     """
     check_head_precision(head_precision)
-    if head_tf32:
-        if head_precision == "bf16":
-            raise ValueError("head_tf32=True asks for a TF32 head but head_precision='bf16'; pass one of them")
-        head_precision = "tf32"
     if head_chunk_tokens <= 0 and head_precision == "fp32":
         logits = model(input_ids)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))

@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nemofp4.models import NemotronHConfig
+from nemofp4.models.loss import check_head_precision
 from nemofp4.recipes import Recipe
 from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
 
 from .devices import Device
-from .layers import HEAD_PRECISIONS, LinearSpec, linear_specs
+from .layers import LinearSpec, linear_specs
 from .te_nvfp4 import HADAMARD_FLOPS_PER_ELEMENT, te_quantizations
 
 __all__ = ["COMPONENTS", "BODY_COMPONENTS", "Projection", "QuantPass", "StepCost", "block_forward_flops", "step_cost"]
@@ -281,8 +282,7 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     gathered from forward to backward. The HSDP layout shards within ``gpus_per_node`` ranks and
     replicates across nodes; ``policies`` adds the recompute FLOPs of other checkpointing policies;
     ``weight_cache``: each emulated FP4 weight quantized once per step (``train.weight_cache``)."""
-    if head_precision not in HEAD_PRECISIONS:
-        raise ValueError(f"head_precision={head_precision!r}; valid: {', '.join(HEAD_PRECISIONS)}")
+    check_head_precision(head_precision)
     tokens = micro_batch * seq_len
     specs = linear_specs(model, recipe)
     linear = native = 0.0

@@ -11,7 +11,6 @@ import torch
 from nemofp4.models.loss import DEFAULT_CHUNK_TOKENS
 
 from .cost import StepCost, step_cost
-from .layers import head_precision_of
 from .memory import GIB, MemoryPlan, candidate_policies, plan_memory
 from .simulate import SimulatedMemory, simulate_memory
 
@@ -20,16 +19,15 @@ __all__ = ["Recommendation", "StartupPlanner", "choose_checkpointing", "cost_for
 
 
 def _job(cfg, world_size: int) -> dict:
-    from nemofp4.recipes import recipe_from_config
     from nemofp4.training.config import compute_budget
 
     dist_cfg = cfg.distributed
     budget = compute_budget(cfg.train, world_size)  # names the world sizes that divide the batch when this one does not
     return dict(
-        recipe=recipe_from_config(cfg.precision),
+        recipe=cfg.recipe,
         grad_accum=budget.grad_accum,
         compute_dtype=dist_cfg.param_dtype if dist_cfg.backend == "fsdp" else cfg.train.dtype,
-        head_precision=head_precision_of(cfg),
+        head_precision=cfg.model.head_precision,
         keep_head_gathered=bool(getattr(dist_cfg, "keep_head_gathered", False)),
         quantizer="eager" if cfg.train.kernels == "eager" else "triton",
     )
@@ -75,7 +73,7 @@ def simulate_for_job(cfg, *, world_size: int, mamba_scan: str = "auto",
 def cost_for_job(cfg, *, world_size: int, gpus_per_node: int = 8, policies: tuple[str, ...] = (),
                  head_precision: str | None = None, chunked_head: bool | None = None) -> StepCost:  # fmt: skip
     """:func:`~nemofp4.planning.cost.step_cost` of a composed training config (``head_precision``
-    overrides the config's, :func:`~nemofp4.planning.layers.head_precision_of`; ``chunked_head``: as for
+    overrides the config's ``model.head_precision``; ``chunked_head``: as for
     :func:`plan_for_job`)."""
     job = _job(cfg, world_size)
     if head_precision is not None:

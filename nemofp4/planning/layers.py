@@ -8,10 +8,7 @@ from nemofp4.models import NemotronHConfig
 from nemofp4.recipes import Recipe
 from nemofp4.recipes.recipe import HighPrecision, Part, part_kind
 
-__all__ = ["HEAD_PRECISIONS", "LinearSpec", "head_precision_of", "linear_specs"]
-
-HEAD_PRECISIONS = ("fp32", "tf32", "bf16")
-"""How the LM head's GEMMs compute: FP32 (today's head), TF32, or BF16 with FP32 accumulation."""
+__all__ = ["LinearSpec", "linear_specs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,23 +48,6 @@ def linear_specs(model: NemotronHConfig, recipe: Recipe) -> tuple[LinearSpec, ..
                                 out_features=linear.out_features, part_name=part_name, part=part,
                                 kind=part_kind(part)))  # fmt: skip
     return tuple(specs)
-
-
-def head_precision_of(job) -> str:
-    """The LM head's GEMM precision for a composed training config: ``model.head_precision`` where the
-    config has it; otherwise what the trainer does today: the chunked head computes in FP32 (TF32 with
-    ``train.head_tf32``), the unchunked one as the recipe's head part (FP32 in the FP4 recipes)."""
-    explicit = getattr(job.model, "head_precision", None)
-    if explicit:
-        if explicit not in HEAD_PRECISIONS:
-            raise ValueError(f"model.head_precision={explicit!r}; valid: {', '.join(HEAD_PRECISIONS)}")
-        return explicit
-    if job.train.head_chunk_tokens > 0:
-        return "tf32" if job.train.head_tf32 else "fp32"
-    from nemofp4.recipes import recipe_from_config
-
-    head = [s for s in linear_specs(job.model, recipe_from_config(job.precision)) if s.block_type == "head"]
-    return "fp32" if head and head[0].kind == "fp32" else "bf16"
 
 
 def _packed_bytes(rows: int, cols: int, block: int, two_d: bool) -> int:

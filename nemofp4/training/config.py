@@ -17,7 +17,7 @@ from nemofp4.data import DataConfig
 from nemofp4.evaluation.run_config import saved_config
 from nemofp4.kernels import BACKENDS as KERNEL_BACKENDS
 from nemofp4.models.nemotron_h.config import NemotronHConfig
-from nemofp4.recipes import precision_config
+from nemofp4.recipes import Recipe, precision_config, recipe_from_config
 from nemofp4.training.checkpoint import CheckpointConfig
 from nemofp4.training.metrics import LoggingConfig
 from nemofp4.training.nonfinite import NONFINITE_POLICIES
@@ -278,6 +278,12 @@ class JobConfig:
                      "(the run's config and an HF export carry it)", self.train.seq_len,
                      self.model.max_position_embeddings, self.train.seq_len)
             self.model = trained
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe ``precision`` names, with its knobs (:func:`~nemofp4.recipes.recipe_from_config`):
+        what the trainer applies and the planner plans."""
+        return recipe_from_config(self.precision)
 
 
 def job_config_from_yaml(text: str) -> JobConfig:

@@ -33,7 +33,7 @@ from nemofp4.quant import (
     set_quant_stats,
     set_step,
 )
-from nemofp4.recipes import apply_recipe, recipe_from_config
+from nemofp4.recipes import apply_recipe
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step_of
 from nemofp4.training.config import JobConfig, compute_budget
 from nemofp4.training.console import memory_record, run_summary
@@ -161,7 +161,7 @@ class Trainer:
             else []
         )
         model = build_model(cfg.model, device="meta")
-        self.recipe = recipe_from_config(cfg.precision)
+        self.recipe = cfg.recipe
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
         set_quant_backend(model, cfg.train.kernels)
         plan = self._log_plan_in_background()
