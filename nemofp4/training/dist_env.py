@@ -317,7 +317,13 @@ def local_device(env: DistEnv) -> torch.device:
 
 def require_process_group(backend: str, env: DistEnv) -> None:
     """FSDP2 needs a process group, which only a launcher (torchrun, srun) provides; without one it
-    would fail deep inside ``fully_shard``. (DeepSpeed creates its own group when there is none.)"""
+    would fail deep inside ``fully_shard``. (DeepSpeed creates its own group when there is none.)
+    Several launched processes need a backend that spreads the model over them."""
+    if env.world_size > 1 and backend == "none":
+        raise ValueError(
+            f"{env.world_size} processes were launched but distributed.backend=none; "
+            "use distributed=fsdp (or a deepspeed_zero* backend)"
+        )
     if backend == "fsdp" and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"distributed.backend={backend} needs a process group, but this is a single process started "
@@ -325,6 +331,15 @@ def require_process_group(backend: str, env: DistEnv) -> None:
             f"`torchrun --nproc_per_node=N -m nemofp4.train distributed={backend} ...` (or srun), "
             "or train one process with distributed=none"
         )
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """The mean of ``value`` over the ranks (``value`` itself in one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value
 
 
 def init_distributed(env: DistEnv, *, backend: str | None = None,

@@ -8,6 +8,7 @@ optimizer. So the trainer never imports it; ``nemofp4-train`` hands it a :class:
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -55,6 +56,19 @@ def recorded_policy(run_dir: Path) -> str | None:
         return None
     policy = OmegaConf.select(OmegaConf.load(path), "distributed.activation_checkpointing")
     return None if policy in (None, AC_AUTO) else str(policy)
+
+
+def log_plan_in_background(planner: JobPlanner | None, cfg: JobConfig, *, rank: int, world_size: int,
+                           device: torch.device) -> threading.Thread | None:  # fmt: skip
+    """Rank 0 logs the memory plan of a configured policy (seconds of meta-device tracing at 8B) in a
+    thread, while every rank builds, shards and loads: the others never wait for it in a collective.
+    (``auto`` logs the plan that chose its policy instead.) The caller joins the thread, if any."""
+    if rank != 0 or planner is None or cfg.distributed.activation_checkpointing == AC_AUTO:
+        return None
+    thread = threading.Thread(target=planner.log_plan, args=(cfg,), name="nemofp4-memory-plan", daemon=True,
+                              kwargs={"world_size": world_size, "device": device, "log": log})  # fmt: skip
+    thread.start()
+    return thread
 
 
 def resolve_activation_checkpointing(cfg: JobConfig, planner: JobPlanner | None, *, rank: int, world_size: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nemofp4.quant import canonical_fqn, drop_nonfinite_references, held_amaxes
@@ -90,3 +91,28 @@ def first_nonfinite_gradient(model: nn.Module) -> str | None:
             if not torch.isfinite(grad).all():
                 return canonical_fqn(name)
     return None
+
+
+def first_nonfinite_state_on_any_rank(model: nn.Module, world_size: int) -> str | None:
+    """:func:`first_nonfinite_state` over every rank (collective): the first rank's finding, naming the
+    rank, or None; the same answer on every rank, so they all take the same path after it."""
+    found = first_nonfinite_state(model)
+    if world_size > 1:
+        gathered: list[str | None] = [None] * world_size
+        dist.all_gather_object(gathered, found)
+        found = next((f"{g} (rank {r})" for r, g in enumerate(gathered) if g), None)
+    return found
+
+
+def where_nonfinite_starts(model: nn.Module, input_ids: torch.Tensor, world_size: int) -> str:
+    """Where a step's non-finite loss or gradient starts: weights, then held FP4 references (they poison
+    outputs or gradients downstream), then the first layer output in execution order (a forward of
+    ``input_ids`` again, on every rank), then the first gradient in backward order."""
+    where = first_nonfinite_state_on_any_rank(model, world_size)
+    if where is None:
+        module = first_nonfinite_module(model, lambda: model(input_ids))
+        where = f"output of {module}" if module else None
+    if where is None:
+        grad = first_nonfinite_gradient(model)
+        where = f"gradient of {grad}" if grad else "no single layer (the loss itself)"
+    return where

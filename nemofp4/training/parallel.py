@@ -272,6 +272,24 @@ def attach_head_loss(model: nn.Module) -> None:
     register_fsdp_forward_method(head, HEAD_LOSS_METHOD)  # no-op unless head is an FSDP module
 
 
+def parallelize_and_materialize(model: nn.Module, cfg: DistributedConfig, *, device: torch.device, seed: int,
+                                full_init: bool) -> nn.Module:  # fmt: skip
+    """:func:`parallelize` a meta-device model and give it weights on ``device`` (initialized from
+    ``seed``). With ``full_init`` and FSDP2 (``init_full_model``) the whole model is initialized before
+    sharding, so the initial weights do not depend on the number of ranks; otherwise (and always when
+    the weights will come from ``train.init_from``: ``full_init=False``) shards only are materialized."""
+    if cfg.backend == "fsdp" and cfg.init_full_model and full_init:
+        model.to_empty(device=device)
+        torch.manual_seed(seed)
+        model.init_weights()
+        return parallelize(model, cfg, device_type=device.type)
+    model = parallelize(model, cfg, device_type=device.type)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
 def parallelize(model: nn.Module, cfg: DistributedConfig, *, device_type: str,
                 mixed_precision: bool | None = None) -> nn.Module:
     """Apply AC, compile and FSDP2 as configured; returns the model (wrapped in place).

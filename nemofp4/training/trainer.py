@@ -9,8 +9,8 @@ accumulation, clip, optimizer step, metrics, periodic eval, periodic checkpoint,
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -38,6 +38,7 @@ from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step
 from nemofp4.training.config import JobConfig, compute_budget
 from nemofp4.training.console import memory_record, run_summary
 from nemofp4.training.dist_env import (
+    all_reduce_mean,
     collective_timeout,
     destroy_distributed,
     detect_dist_env,
@@ -49,19 +50,19 @@ from nemofp4.training.dist_env import (
 from nemofp4.training.engine import build_engine
 from nemofp4.training.faults import Faults
 from nemofp4.training.init_from import initialize_from, starts_fresh, write_record
-from nemofp4.training.job_plan import JobPlanner, resolve_activation_checkpointing
+from nemofp4.training.job_plan import JobPlanner, log_plan_in_background, resolve_activation_checkpointing
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
     discard_nonfinite_references,
-    first_nonfinite_gradient,
-    first_nonfinite_module,
-    first_nonfinite_state,
+    first_nonfinite_state_on_any_rank,
+    where_nonfinite_starts,
 )
 from nemofp4.training.optim import build_optimizer
-from nemofp4.training.parallel import AC_AUTO, parallelize, set_gradient_sync
+from nemofp4.training.parallel import parallelize_and_materialize, set_gradient_sync
 from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler, flush_and_exit
+from nemofp4.training.resume import load_resume_checkpoint
 from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
 from nemofp4.training.run_dir import RUN_CONFIG, RunDirectory, describe_used
 from nemofp4.training.run_identity import check_resume_config, validate_accept_list
@@ -80,14 +81,6 @@ def cuda_sync_debug(mode: str):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
-
-
-def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
-    return value
 
 
 def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
@@ -164,7 +157,7 @@ class Trainer:
         self.recipe = cfg.recipe
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
         set_quant_backend(model, cfg.train.kernels)
-        plan = self._log_plan_in_background()
+        plan = log_plan_in_background(self.planner, cfg, rank=self.rank, world_size=self.world, device=self.device)
         # auto becomes a policy here, before anything is wrapped; the config and checkpoints record it
         cfg = self.cfg = resolve_activation_checkpointing(cfg, self.planner, rank=self.rank, world_size=self.world,
                                                           device=self.device)  # fmt: skip
@@ -173,21 +166,8 @@ class Trainer:
         dist_cfg = cfg.distributed
         require_process_group(dist_cfg.backend, self.env)
         # with train.init_from the weights are the source's: materialize shards only, never the whole model
-        if dist_cfg.backend == "fsdp" and dist_cfg.init_full_model and not cfg.train.init_from:
-            model.to_empty(device=self.device)
-            torch.manual_seed(cfg.train.seed)
-            model.init_weights()
-            model = parallelize(model, dist_cfg, device_type=self.device.type)
-        else:
-            model = parallelize(model, dist_cfg, device_type=self.device.type)
-            model.to_empty(device=self.device)
-            torch.manual_seed(cfg.train.seed)
-            model.init_weights()
-        if self.world > 1 and dist_cfg.backend == "none":
-            raise ValueError(
-                f"{self.world} processes were launched but distributed.backend=none; "
-                "use distributed=fsdp (or a deepspeed_zero* backend)"
-            )
+        model = parallelize_and_materialize(model, dist_cfg, device=self.device, seed=cfg.train.seed,
+                                            full_init=not cfg.train.init_from)  # fmt: skip
         self.init_record: dict[str, Any] | None = None  # the source of the initial weights, when not random
         if cfg.train.init_from and starts_fresh(cfg.resume, self.run_dir, used=describe_used(self.run_dir) is not None):
             self.init_record = initialize_from(model, cfg.train.init_from, model_config=cfg.model, data=cfg.data,
@@ -204,16 +184,13 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint,
                                       group_timeout_s=cfg.distributed.startup_timeout_s)
         self.ckpt.remove_incomplete()
-        if cfg.train.dtype == "bfloat16":
-            self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
-        else:
-            self.autocast = contextlib.nullcontext
+        bf16 = cfg.train.dtype == "bfloat16"
+        self.autocast = functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
         self._steady = False  # past the first step: the short collective timeout applies
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
         self.wandb_id: str | None = None
-        self.resumed_from: Path | None = None
         self._maybe_resume()
         self.faults = Faults(cfg.debug, resumed=self.resumed_from is not None)  # the one seam of debug.*
         if self.rank == 0:
@@ -225,68 +202,21 @@ class Trainer:
         if plan is not None:
             plan.join()  # logged before training starts; the build above normally outlasts it
 
-    def _log_plan_in_background(self) -> threading.Thread | None:
-        """Rank 0 logs the memory plan of a configured policy (seconds of meta-device tracing at 8B) in
-        a thread, while every rank builds, shards and loads: the others never wait for it in a
-        collective. (``auto`` logs the plan that chose its policy instead.)"""
-        if self.rank != 0 or self.planner is None or self.cfg.distributed.activation_checkpointing == AC_AUTO:
-            return None
-        thread = threading.Thread(target=self.planner.log_plan, args=(self.cfg,), name="nemofp4-memory-plan", daemon=True,
-                                  kwargs={"world_size": self.world, "device": self.device, "log": log})  # fmt: skip
-        thread.start()
-        return thread
-
     def _dcp_state(self, *, for_load: bool = False) -> dict[str, Any] | None:
         state = {**self.engine.dcp_state(), **self.quant.dcp_entries(for_load=for_load)}
         return state or None
 
     def _maybe_resume(self) -> None:
-        cfg = self.cfg
-        used = describe_used(self.run_dir)
-        if cfg.resume == "none" and used:
-            raise ValueError(
-                f"resume=none, but run_dir {self.run_dir} already holds a run ({used}). Resume it (resume=auto), "
-                "choose another run_dir, or pass overwrite=true to move it aside and start over"
-            )
-        candidates = self.ckpt.candidates(cfg.resume)
-        failures = []
-        for folder in candidates:
-            state = self._dcp_state(for_load=True)
-            try:
-                trainer_state, rank_state, own = self.ckpt.load(
-                    folder, dcp_state=state,
-                    read_collective=self.engine.read_collective,
-                    check=lambda saved, folder=folder, state=state: self._check_identity(saved, folder, state),
-                )
-            except CheckpointError as err:
-                if cfg.resume != "auto":
-                    raise
-                log.warning("%s; falling back to the previous complete checkpoint", err)
-                failures.append(folder)
-                continue
-            if state is not None:
-                self.engine.load_dcp_state(state)
-            self._restore(trainer_state, rank_state, own)
-            self.resumed_from = folder
-            if self.rank == 0:
-                log.info("resumed from %s at step %d (%d tokens seen)", folder, self.step, self.tokens_seen)
-            for damaged in failures:  # only once another one loaded: if none does, the refusal lists them in place
-                aside = self.ckpt.set_aside(damaged)
-                if self.rank == 0:
-                    log.warning("moved the damaged checkpoint %s aside to %s: it is not tried again and "
-                                "checkpoint.keep_last_k does not count it (nothing was deleted)", damaged, aside)
-            return
-        if failures:
-            raise CheckpointError(
-                f"no checkpoint in {self.ckpt.root} could be loaded (tried {', '.join(f.name for f in failures)}; "
-                "reasons above). "
-                "Repair or restore one, resume from another with resume=<path>, or pass overwrite=true to move this "
-                "run aside and start over"
-            )
+        self.resumed_from = load_resume_checkpoint(
+            self.ckpt, self.cfg.resume, run_dir=self.run_dir, rank=self.rank,
+            dcp_state=lambda: self._dcp_state(for_load=True), read_collective=self.engine.read_collective,
+            check=self._check_identity, apply=self._restore,
+        )  # fmt: skip
         saved = self.run_dir / RUN_CONFIG
-        if saved.is_file():  # an earlier start of this run that never wrote a checkpoint
-            check_resume_config(saved.read_text(), cfg, step=0, saved_total=None, new_total=self.budget.total_steps,
-                                where=f"run_dir {self.run_dir}", log_notes=self.rank == 0)
+        if self.resumed_from is None and saved.is_file():  # an earlier start of this run that never wrote a checkpoint
+            check_resume_config(saved.read_text(), self.cfg, step=0, saved_total=None,
+                                new_total=self.budget.total_steps, where=f"run_dir {self.run_dir}",
+                                log_notes=self.rank == 0)  # fmt: skip
 
     def _check_identity(self, trainer_state: dict[str, Any], folder: Path, dcp_state: dict[str, Any] | None) -> None:
         """Refuse a checkpoint trained with another configuration before any of its tensors is read;
@@ -299,7 +229,10 @@ class Trainer:
         if dcp_state is not None:
             self.quant.select_for_load(trainer_state, dcp_state)
 
-    def _restore(self, state: dict[str, Any], rank_state: dict[str, Any], own: bool) -> None:
+    def _restore(self, folder: Path, dcp_state: dict[str, Any] | None, state: dict[str, Any],
+                 rank_state: dict[str, Any], own: bool) -> None:
+        if dcp_state is not None:
+            self.engine.load_dcp_state(dcp_state)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.skipped_steps = state["skipped_steps"]
@@ -312,6 +245,8 @@ class Trainer:
         else:
             log.warning("rank %d is new to this run (checkpoint written by %d ranks): its generators keep the "
                         "seed's state", self.rank, state["world_size"])
+        if self.rank == 0:
+            log.info("resumed from %s at step %d (%d tokens seen)", folder, self.step, self.tokens_seen)
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -335,19 +270,10 @@ class Trainer:
         """Unsharded FP32 weights on CPU (collective under FSDP2 / ZeRO-3)."""
         return self.engine.full_model_state_dict()
 
-    def _unhealthy_state(self) -> str | None:
-        """The first non-finite parameter or held reference on any rank (collective), or None."""
-        found = first_nonfinite_state(self.model)
-        if self.world > 1:
-            gathered: list[str | None] = [None] * self.world
-            dist.all_gather_object(gathered, found)
-            found = next((f"{g} (rank {r})" for r, g in enumerate(gathered) if g), None)
-        return found
-
     def save_checkpoint(self, *, final: bool = False) -> Path | None:
         """Write a checkpoint of the current state, unless it is not finite (then None: a checkpoint is
         only ever a good one, and retention keeps the last healthy checkpoint)."""
-        unhealthy = self._unhealthy_state()
+        unhealthy = first_nonfinite_state_on_any_rank(self.model, self.world)
         if unhealthy is not None:
             if self.rank == 0:
                 last = self.ckpt.latest()
@@ -520,7 +446,7 @@ class Trainer:
                 loss = self.faults.loss(step, loss)
                 self.engine.backward(loss)
                 loss_sum += loss.detach()
-            loss_avg = _all_reduce_mean(loss_sum / self.budget.grad_accum)
+            loss_avg = all_reduce_mean(loss_sum / self.budget.grad_accum)
             grad_norm = self.engine.clip_grad_norm()
         # the step's one host read of loss and gradient norm (the non-finite policy), outside the check
         finite = bool(torch.isfinite(loss_avg)) and bool(torch.isfinite(grad_norm))
@@ -560,7 +486,7 @@ class Trainer:
             return contextlib.nullcontext()
         return cuda_sync_debug(self.sync_debug)
 
-    def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch) -> None:
+    def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> None:
         if self.cfg.train.nonfinite == "skip":
             self.skipped_steps += 1
             discard_nonfinite_references(self.model)  # a reference first sampled in this step samples again
@@ -568,16 +494,7 @@ class Trainer:
                         self.step, loss.item(), grad_norm.item(), self.skipped_steps)
             if self.skipped_steps <= self.cfg.train.max_skipped_steps:
                 return
-        # where it starts: weights, then held FP4 references (they poison outputs or gradients downstream),
-        # then the first layer output in execution order, then the first gradient in backward order
-        where = self._unhealthy_state()  # the same answer on every rank, so they all take the same path
-        if where is None:
-            input_ids, labels = batch
-            module = first_nonfinite_module(self.model, lambda: self.model(input_ids))
-            where = f"output of {module}" if module else None
-        if where is None:
-            grad = first_nonfinite_gradient(self.model)
-            where = f"gradient of {grad}" if grad else "no single layer (the loss itself)"
+        where = where_nonfinite_starts(self.model, batch[0], self.world)
         raise NonFiniteError(
             f"step {self.step}: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}); "
             f"first non-finite value: {where}"

@@ -1,0 +1,69 @@
+"""Which checkpoint a start resumes from: the one ``resume`` names, or with ``resume=auto`` the newest
+complete one that loads, falling back past damaged ones (set aside once another one loaded, so they are
+not tried again); none in a fresh run directory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nemofp4.training.checkpoint import CheckpointError, CheckpointManager
+from nemofp4.training.run_dir import describe_used
+
+__all__ = ["load_resume_checkpoint"]
+
+log = logging.getLogger("nemofp4")
+
+
+def load_resume_checkpoint(
+    ckpt: CheckpointManager,
+    resume: str,
+    *,
+    run_dir: Path,
+    rank: int,
+    dcp_state: Callable[[], dict[str, Any] | None],
+    read_collective: Callable[[Path], None] | None,
+    check: Callable[[dict[str, Any], Path, dict[str, Any] | None], None],
+    apply: Callable[[Path, dict[str, Any] | None, dict[str, Any], dict[str, Any], bool], None],
+) -> Path | None:
+    """Load the checkpoint to resume from (collective) and hand it to ``apply(folder, dcp_state,
+    trainer_state, rank_state, own)``; returns its folder, or None when the run starts fresh.
+    ``dcp_state()`` makes the state DCP loads into; ``check(trainer_state, folder, dcp_state)`` refuses a
+    checkpoint before any tensor is read (:meth:`CheckpointManager.load`)."""
+    used = describe_used(run_dir)
+    if resume == "none" and used:
+        raise ValueError(
+            f"resume=none, but run_dir {run_dir} already holds a run ({used}). Resume it (resume=auto), "
+            "choose another run_dir, or pass overwrite=true to move it aside and start over"
+        )
+    failures = []
+    for folder in ckpt.candidates(resume):
+        state = dcp_state()
+        try:
+            trainer_state, rank_state, own = ckpt.load(
+                folder, dcp_state=state, read_collective=read_collective,
+                check=lambda saved, folder=folder, state=state: check(saved, folder, state),
+            )  # fmt: skip
+        except CheckpointError as err:
+            if resume != "auto":
+                raise
+            log.warning("%s; falling back to the previous complete checkpoint", err)
+            failures.append(folder)
+            continue
+        apply(folder, state, trainer_state, rank_state, own)
+        for damaged in failures:  # only once another one loaded: if none does, the refusal lists them in place
+            aside = ckpt.set_aside(damaged)
+            if rank == 0:
+                log.warning("moved the damaged checkpoint %s aside to %s: it is not tried again and "
+                            "checkpoint.keep_last_k does not count it (nothing was deleted)", damaged, aside)
+        return folder
+    if failures:
+        raise CheckpointError(
+            f"no checkpoint in {ckpt.root} could be loaded (tried {', '.join(f.name for f in failures)}; "
+            "reasons above). "
+            "Repair or restore one, resume from another with resume=<path>, or pass overwrite=true to move this "
+            "run aside and start over"
+        )
+    return None
