@@ -14,6 +14,11 @@ barrier; deleting pruned or replaced folders (rename first, then delete in a bac
 0) holds nobody. Loading verifies sizes (and checksums unless disabled) before any tensor is touched,
 so a damaged checkpoint is reported by name, and `resume=auto` falls back to the previous complete
 one. Retention ranks checkpoints by save order, never by step number.
+
+Longer than 600 lines on purpose: it is one protocol (a step folder written, published, pruned and
+read back, sync or async) whose steps share its invariants (the temporary and final names, who owns
+which file, when a folder counts as complete), so the writer stays in one place; what needs none of
+them, the layout and the safe reading, is already in ``nemofp4.checkpointing``.
 """
 
 from __future__ import annotations

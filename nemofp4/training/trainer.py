@@ -1,9 +1,10 @@
 """The training loop.
 
 Build order (each arrow one call with a typed argument):
-data -> model on meta -> recipe swap -> parallelize -> materialize + init -> optimizer ->
-checkpoint load. Per step: tick the quantizers' reference schedule, forward/backward with gradient
-accumulation, clip, optimizer step, metrics, periodic eval, periodic checkpoint, preemption check.
+data -> model on meta -> recipe swap -> parallelize + materialize (or init_from) -> quant state ->
+optimizer -> engine -> checkpoint load. Per step: tick the quantizers' reference schedule,
+forward/backward with gradient accumulation, clip, optimizer step (all through the engine,
+``training/engine.py``), metrics, periodic eval, periodic checkpoint, preemption check.
 """
 
 from __future__ import annotations
