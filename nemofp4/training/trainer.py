@@ -185,8 +185,8 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint,
                                       group_timeout_s=cfg.distributed.startup_timeout_s)
         self.ckpt.remove_incomplete()
-        bf16 = cfg.train.dtype == "bfloat16"
-        self.autocast = functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
+        self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16)
+                         if cfg.train.dtype == "bfloat16" else contextlib.nullcontext)  # fmt: skip
         self._steady = False  # past the first step: the short collective timeout applies
         self.step = 0
         self.tokens_seen = 0
