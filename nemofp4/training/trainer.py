@@ -135,25 +135,15 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.train.seed)
+        # data
         check_model_vocab(cfg.data, cfg.model.vocab_size)
-        self.loader = build_train_loader(
-            cfg.data,
-            seq_len=cfg.train.seq_len,
-            global_batch=cfg.train.global_batch,
-            micro_batch=cfg.train.micro_batch,
-            num_samples=self.budget.total_steps * cfg.train.global_batch,
-            seed=cfg.train.seed,
-            dp_rank=self.rank,
-            dp_size=self.world,
-        )
-        self.val_batches = (
-            build_validation_batches(
-                cfg.data, seq_len=cfg.train.seq_len, num_sequences=cfg.eval.num_sequences,
-                batch_size=cfg.eval.batch_size,
-            )
-            if cfg.eval.num_sequences
-            else []
-        )
+        self.loader = build_train_loader(cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
+                                         micro_batch=cfg.train.micro_batch, seed=cfg.train.seed, dp_rank=self.rank,
+                                         dp_size=self.world, num_samples=self.budget.total_steps * cfg.train.global_batch)
+        self.val_batches = build_validation_batches(
+            cfg.data, seq_len=cfg.train.seq_len, num_sequences=cfg.eval.num_sequences, batch_size=cfg.eval.batch_size,
+        ) if cfg.eval.num_sequences else []  # fmt: skip
+        # the model on meta, its linears swapped by the recipe
         model = build_model(cfg.model, device="meta")
         self.recipe = cfg.recipe
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
@@ -164,6 +154,7 @@ class Trainer:
                                                           device=self.device)  # fmt: skip
         if self.rank == 0 and self.layer_table.count("fp4"):
             log.info("%s", kernels.describe(self.device, cfg.train.kernels))
+        # parallelized, with weights
         dist_cfg = cfg.distributed
         require_process_group(dist_cfg.backend, self.env)
         # with train.init_from the weights are the source's: materialize shards only, never the whole model
@@ -176,7 +167,8 @@ class Trainer:
         if self.world > 1 and dist_cfg.reduce_references:
             set_held_reference_reduce_group(model, dist.group.WORLD)
         self.model = model
-        # the held FP4 references: one replicated DCP entry when every rank holds the same ones
+        # quant state (the held FP4 references: one replicated DCP entry when every rank holds the same
+        # ones), optimizer, engine, checkpoints
         self.quant = QuantState(model, replicated=self.world == 1 or dist_cfg.reduce_references,
                                 restore=cfg.precision.restore_references)  # fmt: skip
         self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
@@ -192,6 +184,7 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0
         self.wandb_id: str | None = None
+        # the resume, then the run's records
         self._maybe_resume()
         self.faults = Faults(cfg.debug, resumed=self.resumed_from is not None)  # the one seam of debug.*
         if self.rank == 0:
