@@ -14,6 +14,11 @@ Every case and thread count runs interleaved, round after round, in one process,
 reports each case's median time over the clone's median (``x floor``, lower is better) and
 torchao's median over the case's (``vs torchao``, higher is better) at each thread count. The
 machine is shared and absolute times drift: compare ratios from one run.
+
+Fresh large tensors are a large part of every case's time on a VM: each first touch of a 4 KiB page
+faults. ``THP_MEM_ALLOC_ENABLE=1 python scripts/bench_quant.py`` measures with PyTorch's CPU
+allocator asking for transparent huge pages (``madvise``) for allocations of 2 MiB and more, which
+it reads from the environment once, at its first allocation; the header says which.
 """
 
 from __future__ import annotations
@@ -89,7 +94,8 @@ def main() -> None:
     print(
         f"quantize->dequantize, bf16 [{args.size}, {args.size}], path {resolve_backend('auto', 'cpu')!r}, "
         f"torch {torch.__version__}, {platform.machine()}, median of {args.repeats} interleaved rounds, "
-        f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}"
+        f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
     )
     header = "".join(f" | {t} thr: x floor | vs torchao" for t in args.threads)
     print(f"| case{header} |")

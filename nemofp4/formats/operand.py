@@ -150,25 +150,41 @@ class QuantizedBlocks:
             raise ValueError("dequantizing an NVFP4 tensor needs its block-scale codes")
         scales = self.block_scales()
         factor = nvfp4_dequantize_scale(scales, self.tensor_amax, self.scale_target)
+        down_columns = False
         if self.codes is not None:
-            values = self._blocks(self.values())
+            values = self.values()
         else:  # E2M1 value = (value x scale) / scale, exact; a zero scale only scales zeros
-            values = self._blocks(self.scaled_values()) / self._per_block(torch.where(scales > 0, scales, 1.0))
+            values = self.scaled_values()
+            # the wgrad operands' scaled form is a transposed view: divide in its memory order (a
+            # reshape of the view would copy it first)
+            down_columns = not self.two_d and _column_major(values)
+            values = values.t() if down_columns else values
+        blocks = self._blocks_down_columns if down_columns else self._blocks
+        values = blocks(values)
+        if self.codes is None:
+            values = values / blocks(torch.where(scales > 0, scales, 1.0), per_block=True)
         # in place: ``values`` is a fresh tensor either way (one allocation fewer; on CPU a fresh
         # tensor's first touch of its pages costs as much as the arithmetic)
-        return values.mul_(self._per_block(factor)).view(self.padded_shape)
+        values = values.mul_(blocks(factor, per_block=True))
+        return values.view(self.padded_shape[::-1]).t() if down_columns else values.view(self.padded_shape)
 
-    def _blocks(self, t: torch.Tensor) -> torch.Tensor:
-        """The padded elements shaped so that a per-block tensor (:meth:`_per_block`) broadcasts
-        (a copy only for a transposed view: the wgrad operands' scaled form)."""
+    def _blocks(self, t: torch.Tensor, *, per_block: bool = False) -> torch.Tensor:
+        """The padded elements (``per_block=False``) shaped so that a per-block tensor
+        (``per_block=True``) broadcasts against them."""
         b = self.block_size
+        if per_block:
+            return t[:, None, :, None] if self.two_d else t[..., None]
         if self.two_d:
             rows, cols = self.padded_shape
             return t.reshape(rows // b, b, cols // b, b)
         return t.reshape(*self.padded_shape[:-1], -1, b)
 
-    def _per_block(self, per_block: torch.Tensor) -> torch.Tensor:
-        return per_block[:, None, :, None] if self.two_d else per_block[..., None]
+    def _blocks_down_columns(self, t: torch.Tensor, *, per_block: bool = False) -> torch.Tensor:
+        """:meth:`_blocks` for the transpose ``t`` [cols, rows] of a 1-D-blocked 2-D operand,
+        a block being ``block_size`` consecutive rows of one column (no copy of ``t``)."""
+        if per_block:
+            return t.t()[:, None, :]
+        return t.view(-1, self.block_size, t.shape[1])
 
     def stats(self) -> dict[str, float]:
         """Fractions: saturated / underflowed (non-zero) / all-zero blocks, clipped elements (where
@@ -181,6 +197,11 @@ class QuantizedBlocks:
     def without_data(self) -> QuantizedBlocks:
         """Layout, scales and counts only (what statistics keep after the data is gone)."""
         return dataclasses.replace(self, codes=None, scale_codes=None, scaled=None)
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    """A 2-D transposed view of a contiguous tensor (not itself contiguous)."""
+    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
 
 
 def tensor_scale_product(a: QuantizedBlocks, b: QuantizedBlocks) -> torch.Tensor:
