@@ -181,9 +181,11 @@ class QuantizedBlocks:
 
     def _blocks_down_columns(self, t: torch.Tensor, *, per_block: bool = False) -> torch.Tensor:
         """:meth:`_blocks` for the transpose ``t`` [cols, rows] of a 1-D-blocked 2-D operand,
-        a block being ``block_size`` consecutive rows of one column (no copy of ``t``)."""
+        a block being ``block_size`` consecutive rows of one column (no copy of ``t``; a per-block
+        tensor is transposed into a copy, a sixteenth of the size: a strided one would make the
+        elementwise loop run across ``t``'s rows)."""
         if per_block:
-            return t.t()[:, None, :]
+            return t.t().contiguous()[:, None, :]
         return t.view(-1, self.block_size, t.shape[1])
 
     def stats(self) -> dict[str, float]:
