@@ -62,7 +62,7 @@ def wgrad_hadamard_transform(x: torch.Tensor, *, dim: int = -1, dtype: torch.dty
     recipe materializes it with a BF16 matmul (``_te_settings_rht_last_dim_b16``), which on BF16
     inputs is the same rounding of the same exact sums. ``dim`` as in :func:`hadamard_transform`.
     ``dtype=torch.bfloat16`` returns the same values in BF16 (half the bytes, for a caller that
-    stores them)."""
+    stores them; the bits of ``wgrad_hadamard_transform(x).bfloat16()``)."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the wgrad transform's values are BF16: dtype float32 or bfloat16, got {dtype}")
     return _transform(x, None, dim, to_bf16=True, dtype=dtype)
@@ -89,8 +89,8 @@ def _transform(x: torch.Tensor, sign: torch.Tensor | None, dim: int, *, to_bf16:
     groups = _groups(x, dim)
     signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1) * 0.25
     finish = None
-    if to_bf16:
-        finish = round_to_bf16 if dtype == torch.float32 else lambda r: round_to_bf16(r).to(dtype)
+    if to_bf16:  # into BF16 itself the conversion is the same rounding (RNE), and it vectorizes
+        finish = round_to_bf16 if dtype == torch.float32 else lambda r: r.to(torch.bfloat16)
     return _walsh_hadamard(groups * signs, finish=finish).reshape(x.shape)
 
 
