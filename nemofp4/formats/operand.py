@@ -116,7 +116,11 @@ class QuantizedBlocks:
 
     def block_scales(self) -> torch.Tensor:
         """Decoded block-scale codes, float32, same shape as ``scale_codes``."""
-        table = scale_code_table(self.scale_format, self.scale_codes.device)
+        return self._per_scale_code(scale_code_table(self.scale_format, self.scale_codes.device))
+
+    def _per_scale_code(self, table: torch.Tensor) -> torch.Tensor:
+        """``table[scale_codes]``: a per-block value that depends on the block's scale code only,
+        computed once per code (256 entries) instead of once per block."""
         return torch.index_select(table, 0, self.scale_codes.reshape(-1).int()).view(self.scale_codes.shape)
 
     def scaled_values(self) -> torch.Tensor:
@@ -148,8 +152,8 @@ class QuantizedBlocks:
     def _nvfp4_dequantize(self) -> torch.Tensor:
         if self.scale_codes is None:
             raise ValueError("dequantizing an NVFP4 tensor needs its block-scale codes")
-        scales = self.block_scales()
-        factor = nvfp4_dequantize_scale(scales, self.tensor_amax, self.scale_target)
+        scales = scale_code_table(self.scale_format, self.scale_codes.device)  # per code
+        factor = self._per_scale_code(nvfp4_dequantize_scale(scales, self.tensor_amax, self.scale_target))
         down_columns = False
         if self.codes is not None:
             values = self.values()
@@ -162,7 +166,7 @@ class QuantizedBlocks:
         blocks = self._blocks_down_columns if down_columns else self._blocks
         values = blocks(values)
         if self.codes is None:
-            values = values / blocks(torch.where(scales > 0, scales, 1.0), per_block=True)
+            values = values / blocks(self._per_scale_code(torch.where(scales > 0, scales, 1.0)), per_block=True)
         # in place: ``values`` is a fresh tensor either way (one allocation fewer; on CPU a fresh
         # tensor's first touch of its pages costs as much as the arithmetic)
         values = values.mul_(blocks(factor, per_block=True))
