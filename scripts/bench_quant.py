@@ -13,7 +13,8 @@ torchao's NVFP4 reference (``NVFP4Tensor.to_nvfp4(x, per_tensor_scale)`` + ``deq
 Every case and thread count runs interleaved, round after round, in one process, and the table
 reports each case's median time over the clone's median (``x floor``, lower is better) and
 torchao's median over the case's (``vs torchao``, higher is better) at each thread count. The
-machine is shared and absolute times drift: compare ratios from one run.
+machine is shared and absolute times drift: compare ratios from one run. The row "copy into a held
+tensor" copies the same bytes into a tensor allocated once: the clone's time less its fresh pages.
 
 Fresh large tensors are a large part of every case's time on a VM: each first touch of a 4 KiB page
 faults. ``THP_MEM_ALLOC_ENABLE=1 python scripts/bench_quant.py`` measures with PyTorch's CPU
@@ -75,8 +76,14 @@ def main() -> None:
 
     logging.disable(logging.WARNING)  # torchao logs about its optional CUDA extensions
     warnings.filterwarnings("ignore")
-    variants = {"clone (floor)": lambda x: x.clone(), "torchao NVFP4": _torchao_nvfp4(), **_cases(backend_for("auto", "cpu"))}
     x = torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    held = torch.empty_like(x)
+    variants = {
+        "clone (floor)": lambda x: x.clone(),
+        "copy into a held tensor": lambda x: held.copy_(x),  # the same bytes, no fresh pages
+        "torchao NVFP4": _torchao_nvfp4(),
+        **_cases(backend_for("auto", "cpu")),
+    }
     for threads in args.threads:  # warm-up: builds (or loads) the compiled programs
         torch.set_num_threads(threads)
         for fn in variants.values():
