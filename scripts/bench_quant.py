@@ -11,7 +11,7 @@ rounding. The floor is ``x.clone()`` of the same tensor (one read, one write); t
 torchao's NVFP4 reference (``NVFP4Tensor.to_nvfp4(x, per_tensor_scale)`` + ``dequantize``).
 
 Every case and thread count runs interleaved, round after round, in one process, and the table
-reports each case's median time over the clone's median (``x floor``, lower is better) and
+reports each case's median time (``ms``), that over the clone's median (``x floor``, lower is better) and
 torchao's median over the case's (``vs torchao``, higher is better) at each thread count. The
 machine is shared and absolute times drift: compare ratios from one run. The row "copy into a held
 tensor" copies the same bytes into a tensor allocated once: the clone's time less its fresh pages.
@@ -104,16 +104,16 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}, "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
     )
-    header = "".join(f" | {t} thr: x floor | vs torchao" for t in args.threads)
+    header = "".join(f" | {t} thr: ms | x floor | vs torchao" for t in args.threads)
     print(f"| case{header} |")
-    print("|---" + "|---:" * 2 * len(args.threads) + "|")
+    print("|---" + "|---:" * 3 * len(args.threads) + "|")
     for name in variants:
         cells = "".join(
-            f" | {median[name, t] / median['clone (floor)', t]:.1f}x | {median['torchao NVFP4', t] / median[name, t]:.2f}x"
+            f" | {median[name, t] * 1e3:.2f} | {median[name, t] / median['clone (floor)', t]:.1f}x"
+            f" | {median['torchao NVFP4', t] / median[name, t]:.2f}x"
             for t in args.threads
         )
         print(f"| {name}{cells} |")
-    print("clone median ms: " + ", ".join(f"{t} thr {median['clone (floor)', t] * 1e3:.1f}" for t in args.threads))
 
 
 if __name__ == "__main__":
