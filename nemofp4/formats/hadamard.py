@@ -55,8 +55,8 @@ def hadamard_transform(x: torch.Tensor, sign: torch.Tensor | None = None, *, dim
 
 def wgrad_hadamard_transform(x: torch.Tensor, *, dim: int = -1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The wgrad operand as NVFP4 quantizes it: :func:`hadamard_transform` (TE's signs) rounded to
-    BF16 (RNE), returned as float32. TE's fused RHT-cast kernel downcasts the transform to BF16
-    before its amax and quantization ("for bit-wise compatibility",
+    BF16 (RNE), returned as float32 (or ``dtype``). TE's fused RHT-cast kernel downcasts the
+    transform to BF16 before its amax and quantization ("for bit-wise compatibility",
     ``common/hadamard_transform/hadamard_transform_cast_fusion.cu``; the amax kernel in
     ``hadamard_transform.cu`` reduces the same BF16 values), and the UE5M3 paper's TE-settings
     recipe materializes it with a BF16 matmul (``_te_settings_rht_last_dim_b16``), which on BF16
@@ -90,7 +90,7 @@ def _transform(x: torch.Tensor, sign: torch.Tensor | None, dim: int, *, to_bf16:
     signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1) * 0.25
     finish = None
     if to_bf16:  # into BF16 itself the conversion is the same rounding (RNE), and it vectorizes
-        finish = round_to_bf16 if dtype == torch.float32 else lambda r: r.to(torch.bfloat16)
+        finish = round_to_bf16 if dtype == torch.float32 else lambda r: r.to(dtype)
     return _walsh_hadamard(groups * signs, finish=finish).reshape(x.shape)
 
 
