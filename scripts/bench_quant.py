@@ -11,9 +11,15 @@ rounding. The floor is ``x.clone()`` of the same tensor (one read, one write); t
 torchao's NVFP4 reference (``NVFP4Tensor.to_nvfp4(x, per_tensor_scale)`` + ``dequantize``).
 
 Every case and thread count runs interleaved, round after round, in one process, and the table
-reports each case's median time over the clone's median (``x floor``, lower is better) and
+reports each case's median time (``ms``), that over the clone's median (``x floor``, lower is better) and
 torchao's median over the case's (``vs torchao``, higher is better) at each thread count. The
-machine is shared and absolute times drift: compare ratios from one run.
+machine is shared and absolute times drift: compare ratios from one run. The row "copy into a held
+tensor" copies the same bytes into a tensor allocated once: the clone's time less its fresh pages.
+
+Fresh large tensors are a large part of every case's time on a VM: each first touch of a 4 KiB page
+faults. ``THP_MEM_ALLOC_ENABLE=1 python scripts/bench_quant.py`` measures with PyTorch's CPU
+allocator asking for transparent huge pages (``madvise``) for allocations of 2 MiB and more, which
+it reads from the environment once, at its first allocation; the header says which.
 """
 
 from __future__ import annotations
@@ -70,8 +76,14 @@ def main() -> None:
 
     logging.disable(logging.WARNING)  # torchao logs about its optional CUDA extensions
     warnings.filterwarnings("ignore")
-    variants = {"clone (floor)": lambda x: x.clone(), "torchao NVFP4": _torchao_nvfp4(), **_cases(backend_for("auto", "cpu"))}
     x = torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    held = torch.empty_like(x)
+    variants = {
+        "clone (floor)": lambda x: x.clone(),
+        "copy into a held tensor": lambda x: held.copy_(x),  # the same bytes, no fresh pages
+        "torchao NVFP4": _torchao_nvfp4(),
+        **_cases(backend_for("auto", "cpu")),
+    }
     for threads in args.threads:  # warm-up: builds (or loads) the compiled programs
         torch.set_num_threads(threads)
         for fn in variants.values():
@@ -89,18 +101,19 @@ def main() -> None:
     print(
         f"quantize->dequantize, bf16 [{args.size}, {args.size}], path {resolve_backend('auto', 'cpu')!r}, "
         f"torch {torch.__version__}, {platform.machine()}, median of {args.repeats} interleaved rounds, "
-        f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}"
+        f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
     )
-    header = "".join(f" | {t} thr: x floor | vs torchao" for t in args.threads)
+    header = "".join(f" | {t} thr: ms | x floor | vs torchao" for t in args.threads)
     print(f"| case{header} |")
-    print("|---" + "|---:" * 2 * len(args.threads) + "|")
+    print("|---" + "|---:" * 3 * len(args.threads) + "|")
     for name in variants:
         cells = "".join(
-            f" | {median[name, t] / median['clone (floor)', t]:.1f}x | {median['torchao NVFP4', t] / median[name, t]:.2f}x"
+            f" | {median[name, t] * 1e3:.2f} | {median[name, t] / median['clone (floor)', t]:.1f}x"
+            f" | {median['torchao NVFP4', t] / median[name, t]:.2f}x"
             for t in args.threads
         )
         print(f"| {name}{cells} |")
-    print("clone median ms: " + ", ".join(f"{t} thr {median['clone (floor)', t] * 1e3:.1f}" for t in args.threads))
 
 
 if __name__ == "__main__":

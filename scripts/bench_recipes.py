@@ -18,7 +18,8 @@ against bf16 in the same run. "quantizing" is the median share of a tiny step sp
 kernels backend's quantizers (:func:`timing_quantizers`). ``--kernels eager`` times the torch quantization program run
 eagerly instead of compiled, as ``train.kernels=eager`` does. Threads
 default to 1: the CI machine's 2 cores are shared, and with 2 intra-op threads many small ops
-mostly wait on each other.
+mostly wait on each other. The header says whether ``THP_MEM_ALLOC_ENABLE=1`` was set (see
+``scripts/bench_quant.py``).
 
 ``--run-steps N`` instead times every step of one N-step run of the tiny model under ``--recipe``
 (held-reference refreshes and quantization statistics every ``--stats-interval`` steps, as the
@@ -37,6 +38,7 @@ matmuls are slow on CPU, and every saved size is proportional to the tokens.)
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -303,7 +305,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}, "
-          f"kernels={args.kernels}")
+          f"kernels={args.kernels}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, "
+          f"load average {os.getloadavg()[0]:.2f}")
     if args.run_steps:
         time_run(args)
         return

@@ -53,15 +53,19 @@ def hadamard_transform(x: torch.Tensor, sign: torch.Tensor | None = None, *, dim
     return _transform(x, sign, dim, to_bf16=False)
 
 
-def wgrad_hadamard_transform(x: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
+def wgrad_hadamard_transform(x: torch.Tensor, *, dim: int = -1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The wgrad operand as NVFP4 quantizes it: :func:`hadamard_transform` (TE's signs) rounded to
-    BF16 (RNE), returned as float32. TE's fused RHT-cast kernel downcasts the transform to BF16
-    before its amax and quantization ("for bit-wise compatibility",
+    BF16 (RNE), returned as float32 (or ``dtype``). TE's fused RHT-cast kernel downcasts the
+    transform to BF16 before its amax and quantization ("for bit-wise compatibility",
     ``common/hadamard_transform/hadamard_transform_cast_fusion.cu``; the amax kernel in
     ``hadamard_transform.cu`` reduces the same BF16 values), and the UE5M3 paper's TE-settings
     recipe materializes it with a BF16 matmul (``_te_settings_rht_last_dim_b16``), which on BF16
-    inputs is the same rounding of the same exact sums. ``dim`` as in :func:`hadamard_transform`."""
-    return _transform(x, None, dim, to_bf16=True)
+    inputs is the same rounding of the same exact sums. ``dim`` as in :func:`hadamard_transform`.
+    ``dtype=torch.bfloat16`` returns the same values in BF16 (half the bytes, for a caller that
+    stores them; the bits of ``wgrad_hadamard_transform(x).bfloat16()``)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the wgrad transform's values are BF16: dtype float32 or bfloat16, got {dtype}")
+    return _transform(x, None, dim, to_bf16=True, dtype=dtype)
 
 
 def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -80,10 +84,14 @@ def inverse_hadamard_transform(y: torch.Tensor, sign: torch.Tensor | None = None
     return (_walsh_hadamard(groups * 0.25) * signs).reshape(y.shape)
 
 
-def _transform(x: torch.Tensor, sign: torch.Tensor | None, dim: int, *, to_bf16: bool) -> torch.Tensor:
+def _transform(x: torch.Tensor, sign: torch.Tensor | None, dim: int, *, to_bf16: bool,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     groups = _groups(x, dim)
     signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1) * 0.25
-    return _walsh_hadamard(groups * signs, finish=round_to_bf16 if to_bf16 else None).reshape(x.shape)
+    finish = None
+    if to_bf16:  # into BF16 itself the conversion is the same rounding (RNE), and it vectorizes
+        finish = round_to_bf16 if dtype == torch.float32 else lambda r: r.to(dtype)
+    return _walsh_hadamard(groups * signs, finish=finish).reshape(x.shape)
 
 
 def _groups(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -116,7 +116,11 @@ class QuantizedBlocks:
 
     def block_scales(self) -> torch.Tensor:
         """Decoded block-scale codes, float32, same shape as ``scale_codes``."""
-        table = scale_code_table(self.scale_format, self.scale_codes.device)
+        return self._per_scale_code(scale_code_table(self.scale_format, self.scale_codes.device))
+
+    def _per_scale_code(self, table: torch.Tensor) -> torch.Tensor:
+        """``table[scale_codes]``: a per-block value that depends on the block's scale code only,
+        computed once per code (256 entries) instead of once per block."""
         return torch.index_select(table, 0, self.scale_codes.reshape(-1).int()).view(self.scale_codes.shape)
 
     def scaled_values(self) -> torch.Tensor:
@@ -148,27 +152,45 @@ class QuantizedBlocks:
     def _nvfp4_dequantize(self) -> torch.Tensor:
         if self.scale_codes is None:
             raise ValueError("dequantizing an NVFP4 tensor needs its block-scale codes")
-        scales = self.block_scales()
-        factor = nvfp4_dequantize_scale(scales, self.tensor_amax, self.scale_target)
+        scales = scale_code_table(self.scale_format, self.scale_codes.device)  # per code
+        factor = self._per_scale_code(nvfp4_dequantize_scale(scales, self.tensor_amax, self.scale_target))
+        down_columns = False
         if self.codes is not None:
-            values = self._blocks(self.values())
+            values = self.values()
         else:  # E2M1 value = (value x scale) / scale, exact; a zero scale only scales zeros
-            values = self._blocks(self.scaled_values()) / self._per_block(torch.where(scales > 0, scales, 1.0))
+            values = self.scaled_values()
+            # the wgrad operands' scaled form is a transposed view: divide in its memory order (a
+            # reshape of the view would copy it first)
+            down_columns = not self.two_d and _column_major(values)
+            values = values.t() if down_columns else values
+        blocks = self._blocks_down_columns if down_columns else self._blocks
+        values = blocks(values)
+        if self.codes is None:
+            values = values / blocks(self._per_scale_code(torch.where(scales > 0, scales, 1.0)), per_block=True)
         # in place: ``values`` is a fresh tensor either way (one allocation fewer; on CPU a fresh
         # tensor's first touch of its pages costs as much as the arithmetic)
-        return values.mul_(self._per_block(factor)).view(self.padded_shape)
+        values = values.mul_(blocks(factor, per_block=True))
+        return values.view(self.padded_shape[::-1]).t() if down_columns else values.view(self.padded_shape)
 
-    def _blocks(self, t: torch.Tensor) -> torch.Tensor:
-        """The padded elements shaped so that a per-block tensor (:meth:`_per_block`) broadcasts
-        (a copy only for a transposed view: the wgrad operands' scaled form)."""
+    def _blocks(self, t: torch.Tensor, *, per_block: bool = False) -> torch.Tensor:
+        """The padded elements (``per_block=False``) shaped so that a per-block tensor
+        (``per_block=True``) broadcasts against them."""
         b = self.block_size
+        if per_block:
+            return t[:, None, :, None] if self.two_d else t[..., None]
         if self.two_d:
             rows, cols = self.padded_shape
             return t.reshape(rows // b, b, cols // b, b)
         return t.reshape(*self.padded_shape[:-1], -1, b)
 
-    def _per_block(self, per_block: torch.Tensor) -> torch.Tensor:
-        return per_block[:, None, :, None] if self.two_d else per_block[..., None]
+    def _blocks_down_columns(self, t: torch.Tensor, *, per_block: bool = False) -> torch.Tensor:
+        """:meth:`_blocks` for the transpose ``t`` [cols, rows] of a 1-D-blocked 2-D operand,
+        a block being ``block_size`` consecutive rows of one column (no copy of ``t``; a per-block
+        tensor is transposed into a copy, a sixteenth of the size: a strided one would make the
+        elementwise loop run across ``t``'s rows)."""
+        if per_block:
+            return t.t().contiguous()[:, None, :]
+        return t.view(-1, self.block_size, t.shape[1])
 
     def stats(self) -> dict[str, float]:
         """Fractions: saturated / underflowed (non-zero) / all-zero blocks, clipped elements (where
@@ -181,6 +203,11 @@ class QuantizedBlocks:
     def without_data(self) -> QuantizedBlocks:
         """Layout, scales and counts only (what statistics keep after the data is gone)."""
         return dataclasses.replace(self, codes=None, scale_codes=None, scaled=None)
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    """A 2-D transposed view of a contiguous tensor (not itself contiguous)."""
+    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
 
 
 def tensor_scale_product(a: QuantizedBlocks, b: QuantizedBlocks) -> torch.Tensor:

@@ -117,9 +117,9 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
 
 def _materialized(t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
     """``t`` (made contiguous if asked, 2-D), stored by Inductor to a buffer of its own instead of
-    fused into every consumer. With blocks down the columns the vectorized loop runs across blocks:
-    a block scale recomputed in that loop would be computed once per element, and a transposed read
-    of the random bytes would gather (eagerly too: the bytes are transposed once)."""
+    fused into every consumer: a per-block value (a block scale) recomputed in a vectorized loop over
+    the elements would be computed once per element, with scalar code, and a transposed read of the
+    random bytes would gather (eagerly too: the bytes are transposed once)."""
     if not torch.compiler.is_compiling():
         return t.contiguous() if contiguous else t
     stride = (t.shape[1], 1) if contiguous else t.stride()
@@ -143,7 +143,10 @@ def _quantize_core(
     """
     blocks = blocks.float()
     if spec.hadamard:  # along the columns: groups of 16 consecutive rows
-        blocks = _materialized(wgrad_hadamard_transform(blocks.view(-1, blocks.shape[2]), dim=0).view(blocks.shape))
+        # its values are BF16 (TE's rounding): compiled, the stored transform is a BF16 buffer
+        dtype = torch.bfloat16 if torch.compiler.is_compiling() else torch.float32
+        transformed = wgrad_hadamard_transform(blocks.view(-1, blocks.shape[2]), dim=0, dtype=dtype)
+        blocks = _materialized(transformed.view(blocks.shape)).float()
     block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     if spec.measure:
         g = block_amax.amax()  # == max |x| (padding is zero), exactly
@@ -163,8 +166,9 @@ def _quantize_core(
         block_scale = rounded_scale + (rounded_scale == 0) if spec.zero_code_to_one else rounded_scale
         encode = torch.clamp(torch.reciprocal(block_scale * tensor_scale), max=FLT_MAX)
         saturated, underflow = ideal > grid.max_finite, (rounded_scale == 0) & (block_amax > 0)
-    if spec.columns:  # one scale per block, not one per element of the loop over a row
-        block_scale, encode = _materialized(block_scale), _materialized(encode)
+    # one scale per block, computed in a vectorized loop over the blocks, not in scalar code per
+    # block inside the loop over the elements (two divisions and the integer RNE per block)
+    block_scale, encode = _materialized(block_scale), _materialized(encode)
 
     # Payload magnitude |y| = |x| * encode, saturating at 6, rounded onto the E2M1 grid, whose
     # binades [0,2), [2,4), [4,6] have spacings 1/2, 1, 2 (comparisons, not bit casts: they

@@ -443,6 +443,30 @@ def test_hadamard_transform_and_inverse():
         hadamard_transform(torch.randn(16), sign=torch.ones(8))
 
 
+def test_wgrad_transform_in_bf16_is_the_float32_one_rounded_the_same():
+    """``wgrad_hadamard_transform(x, dtype=torch.bfloat16)`` (BF16 conversion) carries the same values
+    as the float32 result (integer RNE on the bits): ties either way, subnormals, Inf and NaN."""
+    from nemofp4.formats import wgrad_hadamard_transform
+
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(64, 32, generator=g) * torch.logspace(-44, 37, 32)  # subnormal to near overflow
+    single = torch.zeros(8, 16)  # one element per group: outputs +-x/4, exactly the crafted values
+    single[:, 0] = 4 * torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130 * 3, 1.5 * 2**-133,
+                                     3e37, float("inf"), float("nan")])  # fmt: skip
+    for x in (wide, single):
+        for dim in (-1, 0):
+            if dim == 0 and x is single:
+                continue
+            full = wgrad_hadamard_transform(x, dim=dim)
+            half = wgrad_hadamard_transform(x, dim=dim, dtype=torch.bfloat16)
+            assert half.dtype == torch.bfloat16 and half.shape == full.shape
+            nan = torch.isnan(full)
+            assert torch.equal(nan, torch.isnan(half))
+            assert torch.equal(half.float()[~nan].view(torch.int32), full[~nan].view(torch.int32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        wgrad_hadamard_transform(wide, dtype=torch.float16)
+
+
 def test_e4m3_format_is_the_scale_codebook():
     q = quantize_blocks(torch.randn(2, 32), scale_format="e4m3")
     assert torch.equal(q.block_scales(), E4M3.decode(q.scale_codes))

@@ -170,6 +170,26 @@ def test_tokens_operand_is_bitwise_the_quantization_of_the_padded_transpose(fmt,
         assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1])), where
 
 
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_nvfp4_dequantize_of_a_wgrad_operand_without_codes_is_the_reference_one(hadamard):
+    """Without packed codes NVFP4's dequantize divides the scaled form by the block scales; a wgrad
+    operand's scaled form is a transposed view, divided in its memory order (no copy): the same bits
+    as the reference's dequantize of the materialized operand, returned as the same transposed layout."""
+    from nemofp4.formats import wgrad_hadamard_transform
+    from nemofp4.kernels.program import quantize_tokens_operand
+
+    x = torch.randn(39, 48, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 48)
+    x[:, 5] = 0.0  # zero blocks: a zero scale divides only zeros
+    t = torch.nn.functional.pad(x, (0, 0, 0, 9)).t()
+    t = wgrad_hadamard_transform(t) if hadamard else t
+    ref = quantize_blocks(t.contiguous(), "e4m3", 16)
+    ours = quantize_tokens_operand(x, OperandQuant(scale_format="e4m3", hadamard=hadamard))
+    assert ours.codes is None and ours.scaled.stride() == (1, 48)
+    dequantized = ours.dequantize()
+    assert dequantized.shape == (48, 48) and dequantized.stride() == (1, 48)
+    assert torch.equal(_bits(dequantized), _bits(ref.dequantize()))
+
+
 def test_non_2d_input_is_refused_by_name():
     with pytest.raises(ValueError, match="2-D tensor"):
         quantize_operand(torch.randn(16), OperandQuant(scale_format="ue5m3"))
