@@ -21,7 +21,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
+
+# as every nemofp4 command does (nemofp4/cli/__init__.py): huge pages for torch's large CPU
+# allocations, set before torch's first allocation
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 import torch.nn.functional as F
 from torch import nn
 
