@@ -24,15 +24,7 @@ from omegaconf import OmegaConf
 from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.models import build_model, lm_loss, param_groups
-from nemofp4.quant import (
-    QuantState,
-    cached_weights,
-    quant_stats,
-    set_held_reference_reduce_group,
-    set_quant_backend,
-    set_quant_stats,
-    set_step,
-)
+from nemofp4.quant import QuantTraining, QuantTrainingConfig, without_quant_state
 from nemofp4.recipes import apply_recipe, recipe_from_config
 from nemofp4.training import deepspeed_engine
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step_of
@@ -53,7 +45,6 @@ from nemofp4.training.job_plan import JobPlanner, resolve_activation_checkpointi
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
-    discard_nonfinite_references,
     first_nonfinite_gradient,
     first_nonfinite_module,
     first_nonfinite_state,
@@ -178,7 +169,6 @@ class Trainer:
         model = build_model(cfg.model, device="meta")
         self.recipe = recipe_from_config(cfg.precision)
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
-        set_quant_backend(model, cfg.train.kernels)
         plan = self._log_plan_in_background()
         # auto becomes a policy here, before anything is wrapped; the config and checkpoints record it
         cfg = self.cfg = resolve_activation_checkpointing(cfg, self.planner, rank=self.rank, world_size=self.world,
@@ -207,12 +197,14 @@ class Trainer:
         if cfg.train.init_from and starts_fresh(cfg.resume, self.run_dir, used=describe_used(self.run_dir) is not None):
             self.init_record = initialize_from(model, cfg.train.init_from, model_config=cfg.model, data=cfg.data,
                                                run_dir=self.run_dir)
-        if self.world > 1 and dist_cfg.reduce_references:
-            set_held_reference_reduce_group(model, dist.group.WORLD)
         self.model = model
-        # the held FP4 references: one replicated DCP entry when every rank holds the same ones
-        self.quant = QuantState(model, replicated=self.world == 1 or dist_cfg.reduce_references,
-                                restore=cfg.precision.restore_references)  # fmt: skip
+        self.quant = QuantTraining(model, QuantTrainingConfig(  # the FP4 linears, converted once
+            kernels=cfg.train.kernels, seed=cfg.train.seed, rank=self.rank,
+            held_reduce_group=dist.group.WORLD if self.world > 1 and dist_cfg.reduce_references else None,
+            stats_interval=cfg.logging.quant_stats_interval,
+            weight_cache=cfg.train.weight_cache and self.budget.grad_accum > 1,
+            restore_references=cfg.precision.restore_references,
+        ))  # fmt: skip
         self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
         self.engine = None  # a DeepSpeed engine when distributed.backend=deepspeed_zero*
         if dist_cfg.backend.startswith("deepspeed"):
@@ -263,14 +255,13 @@ class Trainer:
         thread.start()
         return thread
 
-    def _dcp_state(self, *, for_load: bool = False) -> dict[str, Any] | None:
+    def _dcp_state(self) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state: dict[str, Any] = {}
         if self.engine is None:  # DeepSpeed writes model and optimizer in its own format
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-        state.update(self.quant.dcp_entries(for_load=for_load))
+            state = {"model": model_sd, "optim": optim_sd}  # the model's: weights and held FP4 references
         return state or None
 
     def _maybe_resume(self) -> None:
@@ -286,7 +277,7 @@ class Trainer:
         candidates = self.ckpt.candidates(cfg.resume)
         failures = []
         for folder in candidates:
-            state = self._dcp_state(for_load=True)
+            state = self._dcp_state()
             try:
                 trainer_state, rank_state, own = self.ckpt.load(
                     folder, dcp_state=state,
@@ -299,6 +290,7 @@ class Trainer:
                 log.warning("%s; falling back to the previous complete checkpoint", err)
                 failures.append(folder)
                 continue
+            self.quant.finish_load(trainer_state, rank_state, state)  # before the model state is set
             if state is not None and "model" in state:
                 set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                                optim_state_dict=state["optim"])
@@ -326,7 +318,7 @@ class Trainer:
 
     def _check_identity(self, trainer_state: dict[str, Any], folder: Path, dcp_state: dict[str, Any] | None) -> None:
         """Refuse a checkpoint trained with another configuration before any of its tensors is read;
-        read the held references from DCP only where they are wanted and were saved there."""
+        an older checkpoint's held references are read where it kept them."""
         if "config" not in trainer_state:
             raise CheckpointError(f"checkpoint {folder}: its trainer state has no config; it was not written by nemofp4")
         check_resume_config(trainer_state["config"], self.cfg, step=int(trainer_state["step"]),
@@ -342,7 +334,6 @@ class Trainer:
         self.wandb_id = state.get("wandb_id")
         self.init_record = state.get("init_from")
         self.loader.load_state_dict(state["loader"])
-        self.quant.finish_load(state, rank_state)
         if own:
             set_rng_state(rank_state["rng"])
         else:
@@ -373,7 +364,8 @@ class Trainer:
             return {k: v.cpu() for k, v in deepspeed_engine.full_model_state_dict(self.engine).items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return without_quant_state(state)
 
     def _unhealthy_state(self) -> str | None:
         """The first non-finite parameter or held reference on any rank (collective), or None."""
@@ -537,9 +529,6 @@ class Trainer:
         cfg = self.cfg
         step = self.step
         self.faults.before_step(self.model, step)
-        set_step(self.model, step, seed=cfg.train.seed, rank=self.rank)
-        stats_interval = cfg.logging.quant_stats_interval
-        set_quant_stats(self.model, bool(stats_interval) and step % stats_interval == 0)  # only when logged
         lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, self.budget.total_steps)
         set_lr(self.engine.optimizer if self.engine is not None else self.optimizer, lr)
         if self.engine is None:
@@ -548,8 +537,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
         forward = self.engine if self.engine is not None else self.model
-        # each FP4 weight quantized once per step: the weights change only in the optimizer step below
-        with self._sync_free(), cached_weights(self.model, enabled=cfg.train.weight_cache and self.budget.grad_accum > 1):
+        # the FP4 linears' step: references, SR seeds, statistics; each weight quantized once (the weights
+        # change only in the optimizer step below)
+        with self._sync_free(), self.quant.step(step):
             for micro in range(self.budget.grad_accum):
                 set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
                 batch = next(data_iter)
@@ -603,8 +593,8 @@ class Trainer:
             if self.peak_flops:
                 record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
         self.metrics.log("train", step, record)
-        if cfg.logging.quant_stats_interval and step % cfg.logging.quant_stats_interval == 0:
-            layers = quant_stats(self.model)
+        layers = self.quant.stats(step)
+        if layers is not None:
             self.metrics.log("quant", step, {"layers": layers, "roles": quant_role_summary(layers)})
 
     def _sync_free(self) -> contextlib.AbstractContextManager:
@@ -617,7 +607,7 @@ class Trainer:
     def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch) -> None:
         if self.cfg.train.nonfinite == "skip":
             self.skipped_steps += 1
-            discard_nonfinite_references(self.model)  # a reference first sampled in this step samples again
+            self.quant.discard_nonfinite()  # a reference first sampled in this step samples again
             log.warning("step %d: non-finite loss %s / grad norm %s; update skipped (%d so far)",
                         self.step, loss.item(), grad_norm.item(), self.skipped_steps)
             if self.skipped_steps <= self.cfg.train.max_skipped_steps:

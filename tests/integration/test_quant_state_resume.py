@@ -73,16 +73,21 @@ def test_resume_with_compile_toggled_continues_bitwise(tmp_path):
     assert moved[4] == pytest.approx(straight[4], rel=1e-3)
 
 
-@pytest.mark.slow  # two runs; tests/unit/test_quant_state.py checks the loading by canonical name fast
+@pytest.mark.slow  # two runs; tests/unit/test_quant_state.py converts each older layout fast
 def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exactly(tmp_path, monkeypatch):
-    """Checkpoints written before the references moved into DCP kept them in each rank's file, under
+    """Checkpoints written before the references were module state kept them in each rank's file, under
     the module names of the run (here with activation checkpointing's wrapper segment), and their
-    trainer state named no 'quant_state'. Such a checkpoint still resumes, with its references."""
-    from nemofp4.quant import reference_state_dict
+    trainer state named no 'quant_state'. Such a checkpoint, written here by the current trainer in
+    that layout, still resumes, with its references."""
+    from nemofp4.quant import reference_state_dict, without_quant_state
     from nemofp4.training.trainer import Trainer
     common = ["precision=ue5m3", "train.kernels=eager", "train.max_steps=3", "checkpoint.interval=2",
               "checkpoint.keep_last_k=0"]  # fmt: skip
-    new_trainer_state, new_rank_state = Trainer._trainer_state, Trainer._rank_state
+    new_dcp_state, new_trainer_state, new_rank_state = Trainer._dcp_state, Trainer._trainer_state, Trainer._rank_state
+
+    def old_dcp_state(self):
+        state = new_dcp_state(self)
+        return {**state, "model": without_quant_state(state["model"])}
 
     def old_trainer_state(self):
         return {k: v for k, v in new_trainer_state(self).items() if k != "quant_state"}
@@ -93,9 +98,9 @@ def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exac
         return {**new_rank_state(self), "references": wrapped}
 
     with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_dcp_state", old_dcp_state)
         patch.setattr(Trainer, "_trainer_state", old_trainer_state)
         patch.setattr(Trainer, "_rank_state", old_rank_state)
-        patch.setattr(Trainer, "_references_replicated", property(lambda self: False))  # nothing in DCP
         train_here(tmp_path / "old", *common)
     step_2 = tmp_path / "old" / "checkpoints" / "step-2"
     assert not held_references(step_2)
