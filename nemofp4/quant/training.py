@@ -37,6 +37,7 @@ from .state import (
 
 __all__ = ["QuantTraining", "QuantTrainingConfig"]
 
+
 @dataclass(frozen=True, kw_only=True)
 class QuantTrainingConfig:
     """What the trainer's configuration says about the quantizers, interpreted once."""

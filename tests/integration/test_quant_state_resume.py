@@ -61,6 +61,14 @@ def test_resume_with_activation_checkpointing_toggled_continues_bitwise(tmp_path
     # 2 micro-batches per step: the recomputed forward of each runs between the SR draws of backward
     straight, moved = _resume_with(tmp_path, "distributed.activation_checkpointing", "train.kernels=eager", steps=3)
     assert moved[3] == straight[3]
+    # evaluation reads the references through the trainer's path (under the run's own recipe only)
+    from nemofp4.evaluation import load_checkpoint_model
+    from nemofp4.quant import reference_state_dict
+
+    step_3 = tmp_path / "moved" / "checkpoints" / "step-3"
+    model, _, _ = load_checkpoint_model(step_3, log_loaded=False)
+    assert_bitwise(reference_state_dict(model), held_references(step_3))
+    assert reference_state_dict(load_checkpoint_model(step_3, precision="nvfp4_delayed", log_loaded=False)[0]) == {}
 
 
 @pytest.mark.slow  # compiling the blocks takes minutes on a loaded CPU
@@ -104,9 +112,32 @@ def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exac
         train_here(tmp_path / "old", *common)
     step_2 = tmp_path / "old" / "checkpoints" / "step-2"
     assert not held_references(step_2)
+    from nemofp4.checkpointing import load_tensors
+    from nemofp4.evaluation import load_checkpoint_model
+
+    saved = load_tensors(step_2 / "rank" / "rank-00000.pt")["references"]
+    evaluated = reference_state_dict(load_checkpoint_model(step_2, log_loaded=False)[0])
+    assert_bitwise(evaluated, {k.replace("._checkpoint_wrapped_module", ""): v for k, v in saved.items()})
     train_here(tmp_path / "resumed", *common, f"resume={step_2}")
     old, resumed = curve(tmp_path / "old"), curve(tmp_path / "resumed")
     assert sorted(resumed) == [3]
     assert resumed[3] == old[3]  # loss and gradient norm, bitwise
     assert {int(v) for k, v in held_references(tmp_path / "resumed" / "checkpoints" / "step-3").items()
             if k.endswith("refresh_step")} == {1}  # the step-1 references, restored, not re-sampled  # fmt: skip
+
+
+@pytest.mark.slow  # three two-rank launches; tests/unit/test_quant_state.py loads each rank's own references fast
+def test_ranks_that_hold_their_own_references_resume_each_its_own(tmp_path):
+    """distributed.reduce_references=false: each rank samples its own references from its own data; the
+    model state keeps one rank's, and each rank's file its own, which a resume holds again."""
+    from nemofp4.checkpointing import load_tensors
+
+    common = [*UE5M3, "distributed=fsdp", "distributed.reduce_references=false", "train.max_steps=3",
+              "checkpoint.interval=2", "train.micro_batch=2"]  # fmt: skip
+    launch(2, tmp_path / "straight", *common)
+    launch(2, tmp_path / "moved", *common, "debug.sigkill_at_step=2", expect_rc=1)
+    ranks = [load_tensors(tmp_path / "moved" / "checkpoints" / "step-2" / "rank" / f"rank-0000{r}.pt")["references"]
+             for r in (0, 1)]  # fmt: skip
+    assert ranks[0].keys() == ranks[1].keys() and any(not torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    launch(2, tmp_path / "moved", *common)
+    assert losses(tmp_path / "moved")[3] == losses(tmp_path / "straight")[3]
