@@ -16,14 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .state import quant_linears, references_by_module
+from .state import EXTRA_STATE, quant_linears, references_by_module
 
 __all__ = ["MODULE_STATE", "ReferenceLoad"]
 
 MODULE_STATE = "module"
 """The trainer state's ``quant_state`` for checkpoints whose model state holds the references."""
 _LEGACY_DCP_ENTRY = "quant"
-_EXTRA_STATE = "." + nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 
 
 class ReferenceLoad:
@@ -45,7 +44,7 @@ class ReferenceLoad:
         model_state = (dcp_state or {}).get("model")
         self._set_aside = {}
         if model_state is not None and (layout != MODULE_STATE or not self.restore):
-            self._set_aside = {k: model_state.pop(k) for k in [k for k in model_state if k.endswith(_EXTRA_STATE)]}
+            self._set_aside = {k: model_state.pop(k) for k in [k for k in model_state if k.endswith(EXTRA_STATE)]}
         if layout == "dcp" and self.restore:
             if dcp_state is None:
                 raise ValueError(
@@ -53,7 +52,7 @@ class ReferenceLoad:
                     "were module state), which a DeepSpeed run does not read; resume it with "
                     "precision.restore_references=false, or with distributed.backend=fsdp or none"
                 )
-            dcp_state[_LEGACY_DCP_ENTRY] = {k.removesuffix(_EXTRA_STATE): v for k, v in self._set_aside.items()}
+            dcp_state[_LEGACY_DCP_ENTRY] = {k.removesuffix(EXTRA_STATE): v for k, v in self._set_aside.items()}
 
     def finish(self, trainer_state: Mapping[str, Any], rank_state: Mapping[str, Any],
                dcp_state: dict[str, Any] | None) -> None:  # fmt: skip
@@ -66,8 +65,8 @@ class ReferenceLoad:
         if model_state is not None:
             model_state.update(self._set_aside)
             for key, state in model_state.items():
-                if key.endswith(_EXTRA_STATE):
-                    _fill(state, None if held is None else held.pop(key.removesuffix(_EXTRA_STATE), {}), self.restore)
+                if key.endswith(EXTRA_STATE):
+                    _fill(state, None if held is None else held.pop(key.removesuffix(EXTRA_STATE), {}), self.restore)
         else:
             for fqn, module in quant_linears(self.model):
                 if held is not None or not self.restore:

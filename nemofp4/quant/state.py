@@ -60,6 +60,10 @@ __all__ = [
 ]
 
 
+EXTRA_STATE = "." + nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+"""How a module's extra state is named in a state dict (``'<fqn>._extra_state'``): a QuantLinear's
+held references."""
+
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 """FQN segments that wrappers insert: activation checkpointing's ``checkpoint_wrapper``,
 ``torch.compile``'s ``OptimizedModule`` and FSDP1's ``FullyShardedDataParallel``."""
@@ -164,7 +168,7 @@ def without_quant_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` (a model's, as ``state_dict()`` or ``get_model_state_dict`` give it) without the FP4
     linears' held references (their extra state): the weights alone, for an export or a model without
     the recipe."""
-    return {k: v for k, v in state_dict.items() if not k.endswith("." + nn.modules.module._EXTRA_STATE_KEY_SUFFIX)}
+    return {k: v for k, v in state_dict.items() if not k.endswith(EXTRA_STATE)}
 
 
 # ------------------------------------------------------------------------------------ snapshots
