@@ -168,7 +168,7 @@ def without_quant_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` (a model's, as ``state_dict()`` or ``get_model_state_dict`` give it) without the FP4
     linears' held references (their extra state): the weights alone, for an export or a model without
     the recipe."""
-    return {k: v for k, v in state_dict.items() if not k.endswith(EXTRA_STATE)}
+    return {k: v for k, v in state_dict.items() if not f".{k}".endswith(EXTRA_STATE)}
 
 
 # ------------------------------------------------------------------------------------ snapshots
