@@ -251,19 +251,21 @@ def plot_script() -> ModuleType:
 
 
 def held_references(folder: Path) -> dict[str, torch.Tensor]:
-    """The held tensor references of a checkpoint folder (its DCP "quant" entry), without a model:
-    '<canonical fqn>.<ref>.amax' / '.refresh_step' -> tensor, as :class:`nemofp4.quant.QuantState` saved them."""
+    """The held tensor references of a checkpoint folder (its FP4 linears' extra state in the DCP model
+    state), without a model: '<fqn>.<ref>.amax' / '.refresh_step' -> tensor, as
+    :meth:`nemofp4.quant.ReferenceState.state_dict` saved them (a reference not sampled: refresh step 0)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if k.startswith("quant.")}
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+             if k.startswith("model.") and "._extra_state." in k}  # fmt: skip
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    return {k.removeprefix("quant."): v for k, v in state.items()}
+    return {k.removeprefix("model.").replace("._extra_state.", "."): v for k, v in state.items()}
 
 
 # ------------------------------------------------------------------------------------ training runs

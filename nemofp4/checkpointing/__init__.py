@@ -5,8 +5,8 @@ It sits below both `training` (which writes checkpoints) and `evaluation` (which
 neither imports the other. Layout under `<run_dir>/checkpoints/`:
 
     step-<N>/                  one complete checkpoint
-        .metadata, __<r>_0.distcp   DCP: model + optimizer, sharded as the run was (reshardable), and
-                               the quantizers' held references ("quant", one replicated copy)
+        .metadata, __<r>_0.distcp   DCP: model + optimizer, sharded as the run was (reshardable); the
+                               model state holds the FP4 linears' held references (extra state)
         trainer_state.pt       rank 0: step, tokens, loader, schedule, wandb id, config (plain types only)
         rank/rank-<r>.pt       per rank: generator states (and held references where ranks differ)
         COMPLETE.json          written last: save order, health, file sizes and CRC32s

@@ -2,8 +2,10 @@
 
 A checkpoint of ours is rebuilt exactly as the trainer built it: the model from the run's
 saved config on the meta device, the run's precision recipe applied (so the FP4 linears are
-there for the inference policies), then only the ``model`` part of the DCP state is read. The
-optimizer state, usually twice the model's size, is never loaded.
+there for the inference policies), then only the ``model`` part of the DCP state is read: the
+weights and, under the run's own recipe, the FP4 linears' held references, read as the trainer's
+resume reads them (:class:`nemofp4.quant.ReferenceLoad`). The optimizer state, usually twice the
+model's size, is never loaded.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from nemofp4.checkpointing import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    load_tensors,
     read_marker,
     resolve_checkpoint,
     verify_files,
 )
 from nemofp4.models import NemotronHModel, build_model
 from nemofp4.models.nemotron_h import import_hf
+from nemofp4.quant import ReferenceLoad
 from nemofp4.recipes import PrecisionConfig, apply_recipe, recipe_from_config
 
 from .run_config import TrainedRunConfig, read_step_config
@@ -88,12 +92,17 @@ def load_checkpoint_model(
     model = build_model(cfg.model, device="meta")
     apply_recipe(model, recipe_from_config(precision or cfg.precision), log=False)
     model.to_empty(device=device)
-    model_state = get_model_state_dict(model)
+    state = {"model": get_model_state_dict(model)}
+    # the held references as the trainer reads them (any layout), under the run's own recipe only
+    references = ReferenceLoad(model, restore=precision is None)
+    references.select(trainer_state, state)
     # the optimizer state is not read; nothing is unpickled beyond DCP's metadata types and tensors
     reader = SafeFileSystemReader(str(folder))
     reader.read_metadata()  # a planted metadata pickle fails here, by name
-    dcp.load({"model": model_state}, storage_reader=reader, planner=SafeLoadPlanner())
-    set_model_state_dict(model, model_state)
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    rank_file = folder / "rank" / "rank-00000.pt"  # per-rank references: rank 0's, as a rank new to a run takes
+    references.finish(trainer_state, load_tensors(rank_file) if rank_file.is_file() else {}, state)
+    set_model_state_dict(model, state["model"])
     model.eval()
     used = (precision or cfg.precision).name
     if log_loaded:

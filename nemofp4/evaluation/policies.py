@@ -32,7 +32,7 @@ from torch import nn
 
 from nemofp4.formats import amax as tensor_amax
 from nemofp4.models import NemotronHModel
-from nemofp4.quant import hold, quant_linears, reset_references, restore, snapshot
+from nemofp4.quant import hold, quant_linears, reset_references, restore, snapshot, without_quant_state
 
 __all__ = ["POLICIES", "ActivationAmaxRecorder", "InferencePolicy", "PolicyForward", "unquantized_copy"]
 
@@ -84,7 +84,7 @@ def unquantized_copy(model: NemotronHModel) -> NemotronHModel:
     param = next(model.parameters())
     plain = NemotronHModel(model.config, device="meta", dtype=param.dtype)
     plain.to_empty(device=param.device)
-    plain.load_state_dict(model.state_dict(), strict=True)
+    plain.load_state_dict(without_quant_state(model.state_dict()), strict=True)
     return plain.eval()
 
 

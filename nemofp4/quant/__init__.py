@@ -1,12 +1,14 @@
 """FP4 training linears: QuantLinear (one autograd.Function, three quantized GEMMs), the tensor
 reference (amax) state, and the model-level controls the trainer calls.
 
-    from nemofp4.quant import QuantLinear, QuantState, set_step
-    set_step(model, step, seed=seed, rank=rank)   # once per optimizer step, before forward
-    dcp.save({"model": ..., "quant": QuantState(model)}, ...)   # held references, canonical names
+    from nemofp4.quant import QuantLinear, QuantTraining, QuantTrainingConfig
+    quant = QuantTraining(model, QuantTrainingConfig(kernels="auto", seed=seed, rank=rank))   # once, at build
+    with quant.step(step): ...   # each optimizer step's forward and backward passes
+    get_model_state_dict(model)   # the weights and each FP4 linear's held references (its extra state)
     saved = snapshot(model); hold(model, "x", amaxes); ...; restore(model, saved)   # the quant-state API
 """
 
+from .checkpoint import MODULE_STATE, ReferenceLoad
 from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
 from .linear import FP32Linear, QuantLinear
@@ -14,7 +16,6 @@ from .reference import HeldReference, ReferenceState
 from .state import (
     WRAPPER_SEGMENTS,
     QuantSnapshot,
-    QuantState,
     cached_weights,
     canonical_fqn,
     drop_nonfinite_references,
@@ -25,6 +26,7 @@ from .state import (
     quant_linears,
     quant_stats,
     reference_state_dict,
+    references_by_module,
     reset_references,
     restore,
     set_amax_reduce_group,
@@ -33,11 +35,14 @@ from .state import (
     set_quant_stats,
     set_step,
     snapshot,
+    without_quant_state,
 )
 from .te_linear import TENVFP4Linear, transformer_engine_status
+from .training import QuantTraining, QuantTrainingConfig
 
 __all__ = [
     "GEMM_MODES",
+    "MODULE_STATE",
     "ROUNDING_MODES",
     "SCALE_FORMATS",
     "WRAPPER_SEGMENTS",
@@ -48,7 +53,9 @@ __all__ = [
     "OperandQuant",
     "QuantLinear",
     "QuantSnapshot",
-    "QuantState",
+    "QuantTraining",
+    "ReferenceLoad",
+    "QuantTrainingConfig",
     "cached_weights",
     "ReferenceState",
     "Role",
@@ -64,6 +71,7 @@ __all__ = [
     "quant_stats",
     "reference_gemm",
     "reference_state_dict",
+    "references_by_module",
     "drop_nonfinite_references",
     "reset_references",
     "restore",
@@ -75,4 +83,5 @@ __all__ = [
     "set_step",
     "snapshot",
     "transformer_engine_status",
+    "without_quant_state",
 ]

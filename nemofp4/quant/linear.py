@@ -423,6 +423,30 @@ class QuantLinear(nn.Linear):
     def references(self) -> ReferenceState:
         return self.quant_state.references
 
+    # ----------------------------------------------------------------- module state
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        """The held references (:meth:`ReferenceState.state_dict`), as the module's extra state: the
+        model's state dict carries them, under the module's own name, through FSDP2, DeepSpeed,
+        activation checkpointing and ``torch.compile`` (``get_model_state_dict`` drops the wrappers'
+        segments), replicated like every unsharded tensor; weights-only consumers drop them
+        (:func:`nemofp4.quant.without_quant_state`). The SR generators are not state: they are
+        reseeded from (seed, rank, step, module index) every step; neither are the statistics."""
+        return self.references.state_dict(device=self.weight.device)
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.references.load_state_dict(state, device=self.weight.device)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:  # fmt: skip
+        """A state without held references (the weights alone: a transformers import, a checkpoint
+        written before references were module state) is a complete one: the module keeps what it holds
+        (a fresh one: nothing, sampled at first use)."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)  # fmt: skip
+        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+        if key in missing_keys:
+            missing_keys.remove(key)
+
     # ----------------------------------------------------------------- statistics and test hooks
     @property
     def _stats(self) -> dict[str, OperandStats]:

@@ -10,15 +10,16 @@ and the others hold it, so every micro-batch of a step uses the same value.
 Block amaxes are always current (computed inside the block quantizer); only the
 tensor-wide reduction is skipped between refreshes.
 
-Held references are checkpointable for exact resume; clearing them reproduces the paper,
-whose caches start empty in every process (the first use after a resume re-samples, and
-the D-step phase restarts from there).
+Held references are module state (:meth:`ReferenceState.state_dict`, a QuantLinear's extra state),
+so checkpoints carry them for exact resume; clearing them reproduces the paper, whose caches start
+empty in every process (the first use after a resume re-samples, and the D-step phase restarts
+from there).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ class HeldReference:
 
     The refresh step is a host int because the host decides, at every use, whether the reference
     is due: a device tensor would cost a synchronization per linear per micro-batch. It is saved as
-    an int64 tensor with the amax, under the module's canonical name (:class:`nemofp4.quant.QuantState`).
+    an int64 tensor beside the amax (:meth:`ReferenceState.state_dict`).
     """
 
     amax: torch.Tensor
@@ -47,7 +48,7 @@ def finite_sample_or_previous(sampled: torch.Tensor, previous: HeldReference | N
     (a bad step, skipped by the trainer) must never become the reference for the next D steps. With a
     previous value, that value is kept for another interval. With none, the sample is held as it is:
     a non-finite one makes the step's loss non-finite, and the trainer drops it when it skips the step
-    (:func:`nemofp4.training.nonfinite.discard_nonfinite_references`), so the next step samples again."""
+    (:meth:`nemofp4.quant.QuantTraining.discard_nonfinite`), so the next step samples again."""
     if previous is not None:
         return torch.where(torch.isfinite(sampled), sampled, previous.amax)
     return sampled
@@ -114,6 +115,39 @@ class ReferenceState:
             held = HeldReference(amax=finite_sample_or_previous(sampled, held), refresh_step=self.step)
             self.held[name] = held
         return held.amax
+
+    def state_dict(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The held references as tensors: ``'<ref>.amax'`` (fp32 0-d, on its device, copied) and
+        ``'<ref>.refresh_step'`` (int64 0-d, CPU) for every sample-and-hold reference. The key set is
+        fixed by the recipe, as DCP's in-place loading needs: a reference not sampled yet is amax 0
+        (on ``device``) with refresh step 0 (steps are 1-based), and loads back empty."""
+        out: dict[str, torch.Tensor] = {}
+        for ref in sorted(r for r in self.intervals if self.is_held(r)):
+            held = self.held.get(ref)
+            amax = held.amax.detach().clone() if held is not None else torch.zeros((), device=device)
+            out[f"{ref}.amax"] = amax
+            out[f"{ref}.refresh_step"] = torch.tensor(0 if held is None else held.refresh_step, dtype=torch.int64)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], device: torch.device) -> None:
+        """Hold exactly (bitwise) what :meth:`state_dict` saved, replacing whatever is held now; a
+        reference absent from ``state`` or saved with refresh step 0 starts empty (sampled at its first
+        use). A key naming no sample-and-hold reference of this module is an error: the state was
+        saved for another model or recipe."""
+        refs = {k.rpartition(".")[0] for k in state}
+        expected = {f"{r}.{f}" for r in refs for f in ("amax", "refresh_step")}
+        unknown = sorted(set(state) ^ expected) + sorted(r for r in refs if not self.is_held(r))
+        if unknown:
+            raise ValueError(f"held-reference state {sorted(state)} has key(s) {unknown} that match no held "
+                             f"reference {sorted(r for r in self.intervals if self.is_held(r))} of this module; "
+                             "it was saved for a different model or precision recipe")  # fmt: skip
+        held = {}
+        for ref in sorted(refs):
+            refresh_step = int(state[f"{ref}.refresh_step"])
+            if refresh_step >= 1:
+                amax = state[f"{ref}.amax"].detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
+                held[ref] = HeldReference(amax=amax, refresh_step=refresh_step)
+        self.held = held
 
     def __contains__(self, name: str) -> bool:
         """Whether this module quantizes with the reference ``name`` at all (held or current)."""

@@ -10,13 +10,12 @@ tensor references of a model only through these functions, never through a modul
   and put back whole (evaluation leaves a model that goes on training as it found it);
 * :func:`hold` / :func:`override_interval` / :func:`reset_references`: hold given amaxes as a
   reference, change how often one refreshes, empty them all (the inference policies);
-* :class:`QuantState`: the held references as one DCP ``Stateful`` (the ``"quant"`` entry of a
-  checkpoint), and the trainer's whole persistence of them: where they are saved (DCP when the
-  ranks agree on them, per rank otherwise) and how they come back on resume.
+* :func:`without_quant_state`: a model's state dict without the held references, which every
+  QuantLinear keeps as its extra state (checkpoints carry them with the weights).
 
 Every name here is canonical (:func:`canonical_fqn`): the module path without the segments that
-activation checkpointing, ``torch.compile``, FSDP1 or DeepSpeed insert, so a checkpoint resumes
-whichever of them the new run turns on.
+activation checkpointing, ``torch.compile``, FSDP1 or DeepSpeed insert, as ``get_model_state_dict``
+names the modules too.
 """
 
 from __future__ import annotations
@@ -38,25 +37,32 @@ from .reference import HeldReference
 __all__ = [
     "WRAPPER_SEGMENTS",
     "QuantSnapshot",
-    "QuantState",
     "cached_weights",
     "canonical_fqn",
     "held_amaxes",
     "hold",
     "load_reference_state_dict",
+    "references_by_module",
     "override_interval",
     "quant_linears",
     "quant_stats",
     "reference_state_dict",
+    "drop_nonfinite_references",
     "reset_references",
     "restore",
     "set_amax_reduce_group",
+    "set_held_reference_reduce_group",
     "set_quant_backend",
     "set_quant_stats",
     "set_step",
     "snapshot",
+    "without_quant_state",
 ]
 
+
+EXTRA_STATE = "." + nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+"""How a module's extra state is named in a state dict (``'<fqn>._extra_state'``): a QuantLinear's
+held references."""
 
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 """FQN segments that wrappers insert: activation checkpointing's ``checkpoint_wrapper``,
@@ -131,121 +137,38 @@ def reference_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_reference_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Restore held references exactly (bitwise), replacing whatever is held now.
+def references_by_module(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """A model's references as :func:`reference_state_dict` names them (fqns possibly with wrapper
+    segments: older checkpoints' per-rank files), by canonical module name, each as the module's extra
+    state names them: ``{fqn: {'<ref>.amax': ..., '<ref>.refresh_step': ...}}``."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        fqn, ref, field = key.rsplit(".", 2)
+        out.setdefault(canonical_fqn(fqn), {})[f"{ref}.{field}"] = value
+    return out
 
-    Keys may carry wrapper segments (checkpoints written before names were canonical): they
-    are matched by their canonical names. A reference absent from ``state``, or saved with
-    refresh step 0 (:class:`QuantState`'s "empty"), starts empty (it is sampled at its first use).
-    A key that names no held reference of this model is an error: the checkpoint was written
-    for another model or recipe.
-    """
+
+def load_reference_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Hold exactly (bitwise) what :func:`reference_state_dict` gave, replacing whatever is held now:
+    keys are matched by canonical name (:func:`references_by_module`); a reference absent from
+    ``state``, or saved with refresh step 0, starts empty (it is sampled at its first use). A key that
+    names no held reference of this model is an error: the state was written for another model or
+    recipe."""
     modules = dict(quant_linears(model))
-    restored: dict[str, dict[str, HeldReference]] = {fqn: {} for fqn in modules}
-    state = {canonical_fqn(k): v for k, v in state.items()}
-    amaxes = {k[: -len(".amax")]: v for k, v in state.items() if k.endswith(".amax")}
-    steps = {k[: -len(".refresh_step")]: v for k, v in state.items() if k.endswith(".refresh_step")}
-    unknown = sorted(set(state) - {f"{k}.amax" for k in amaxes} - {f"{k}.refresh_step" for k in steps})
-    if set(amaxes) != set(steps):
-        unknown += sorted(set(amaxes) ^ set(steps))
-    for key in sorted(amaxes):
-        fqn, _, ref = key.rpartition(".")
-        module = modules.get(fqn)
-        if module is None or not module.references.is_held(ref):
-            unknown.append(key)
-            continue
-        refresh_step = int(steps[key])
-        if refresh_step < 1:
-            continue  # saved empty
-        device = module.weight.device
-        amax = amaxes[key].detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
-        restored[fqn][ref] = HeldReference(amax=amax, refresh_step=refresh_step)
+    by_module = references_by_module(state)
+    unknown = sorted(set(by_module) - set(modules))
     if unknown:
-        raise ValueError(
-            f"reference state has {len(unknown)} key(s) that match no held reference of this model "
-            f"(e.g. {unknown[:3]}); it was saved for a different model or precision recipe"
-        )
+        raise ValueError(f"references of {unknown[:3]}, which are not FP4 linears of this model; they were "
+                         "saved for a different model or precision recipe")  # fmt: skip
     for fqn, module in modules.items():
-        module.references.held = restored[fqn]
+        module.set_extra_state(by_module.get(fqn, {}))
 
 
-class QuantState:
-    """The held tensor references of a model as one DCP ``Stateful`` (the trainer saves it as the
-    ``"quant"`` entry of its checkpoint state, beside ``"model"`` and ``"optim"``), and the rules of
-    their persistence around it.
-
-    Why a Stateful and not persistent buffers: the model's own state dict stays the weights
-    alone, so HF export, evaluation loading and ``strict`` loads see exactly the parameters of
-    the unquantized architecture, whatever the recipe. Why DCP and not a per-rank file: with
-    ``distributed.reduce_references`` every data-parallel rank holds the same references, so
-    they are one replicated value, saved once and loaded by any number of ranks (resuming at
-    another world size keeps them). ``replicated=False`` (ranks that hold their own references)
-    saves them per rank instead (:meth:`rank_entries`); ``restore=False`` starts them empty on
-    resume, as the UE5M3 paper's runs did (``precision.restore_references``).
-
-    The key set is fixed by the model and recipe, which DCP's in-place loading needs: one
-    ``'<fqn>.<ref>.amax'`` (fp32 0-d) and ``'<fqn>.<ref>.refresh_step'`` (int64 0-d) per
-    sample-and-hold reference, canonical fqns; a reference not sampled yet is saved as amax 0
-    with refresh step 0 (steps are 1-based) and restored empty.
-    """
-
-    DCP_KEY = "quant"
-    """The entry of the DCP state (and the prefix of its keys in the checkpoint)."""
-
-    def __init__(self, model: nn.Module, *, replicated: bool = True, restore: bool = True) -> None:
-        self.model = model
-        self.replicated = replicated
-        self.restore = restore
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        held = reference_state_dict(self.model)
-        out: dict[str, torch.Tensor] = {}
-        for fqn, module in quant_linears(self.model):
-            for ref in sorted(r for r in module.references.intervals if module.references.is_held(r)):
-                key = f"{fqn}.{ref}"
-                out[f"{key}.amax"] = held.get(f"{key}.amax", torch.zeros((), dtype=torch.float32))
-                out[f"{key}.refresh_step"] = held.get(f"{key}.refresh_step", torch.zeros((), dtype=torch.int64))
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_reference_state_dict(self.model, state)
-
-    # ------------------------------------------------------------------ persistence
-    def dcp_entries(self, *, for_load: bool = False) -> dict[str, QuantState]:
-        """``{"quant": self}`` for the DCP state when there are held references and the ranks agree
-        on them (when loading, whatever was saved: :meth:`select_for_load` drops what is not wanted)."""
-        if self.state_dict() and (for_load or self.replicated):
-            return {self.DCP_KEY: self}
-        return {}
-
-    def trainer_entries(self) -> dict[str, str]:
-        """What the trainer state records of them: where they were saved."""
-        return {"quant_state": "dcp" if self.replicated else "per_rank"}
-
-    def rank_entries(self) -> dict[str, Any]:
-        """What a rank saves of them on its own: its references, when the ranks do not agree on them."""
-        return {} if self.replicated else {"references": reference_state_dict(self.model)}
-
-    @staticmethod
-    def saved_in_dcp(trainer_state: Mapping[str, Any]) -> bool:
-        """Whether a checkpoint keeps its held references in DCP (older ones, and runs whose ranks
-        hold their own references, save them per rank)."""
-        return trainer_state.get("quant_state") == "dcp"
-
-    def select_for_load(self, trainer_state: Mapping[str, Any], dcp_state: dict[str, Any]) -> None:
-        """Before DCP reads a checkpoint: drop the ``"quant"`` entry where the references are not
-        wanted (``restore=False``) or were not saved there (per rank, or an older checkpoint)."""
-        if not (self.restore and self.saved_in_dcp(trainer_state)):
-            dcp_state.pop(self.DCP_KEY, None)
-
-    def finish_load(self, trainer_state: Mapping[str, Any], rank_state: Mapping[str, Any]) -> None:
-        """After DCP read a checkpoint: empty the references (``restore=False``), or load the per-rank
-        ones (possibly under wrapper names: loaded by canonical name; a rank new to the run takes rank
-        0's); references saved in DCP are already in place."""
-        if not self.restore:
-            reset_references(self.model)
-        elif not self.saved_in_dcp(trainer_state):
-            load_reference_state_dict(self.model, rank_state.get("references", {}))
+def without_quant_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (a model's, as ``state_dict()`` or ``get_model_state_dict`` give it) without the FP4
+    linears' held references (their extra state): the weights alone, for an export or a model without
+    the recipe."""
+    return {k: v for k, v in state_dict.items() if not f".{k}".endswith(EXTRA_STATE)}
 
 
 # ------------------------------------------------------------------------------------ snapshots
@@ -302,8 +225,10 @@ def reset_references(model: nn.Module) -> None:
 
 
 def drop_nonfinite_references(model: nn.Module) -> list[str]:
-    """Drop every held reference whose amax is not finite, so it is sampled again at its next use;
-    returns their names (``<fqn>.<ref>``). One host read per reference: for a step already lost."""
+    """Drop every held reference whose amax is not finite (a first sample taken in a step whose loss or
+    gradients were not finite), so it is sampled again at its next use; returns their names
+    (``<fqn>.<ref>``). The sampling keeps such a sample without a host read; this runs only when the
+    trainer skips a step (one host read per reference, on a step that is already lost)."""
     dropped = []
     for fqn, module in quant_linears(model):
         for ref, held in sorted(module.references.held.items()):

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nemofp4.quant import without_quant_state
+
 DS_SUBDIR = "deepspeed"
 DS_TAG = "state"
 
@@ -67,11 +69,11 @@ def load(engine, folder: Path) -> None:
 
 
 def full_model_state_dict(engine) -> dict[str, torch.Tensor]:
-    """The unpartitioned FP32 model weights (gathered on every rank for ZeRO-3)."""
+    """The unpartitioned FP32 model weights (gathered on every rank for ZeRO-3), without held references."""
     if engine.zero_optimization_stage() == 3:
         import deepspeed
 
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+            return {k: v.detach().clone() for k, v in without_quant_state(engine.module.state_dict()).items()}
+    return {k: v.detach().clone() for k, v in without_quant_state(engine.module.state_dict()).items()}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from nemofp4.quant import without_quant_state
 from nemofp4.training import deepspeed_engine
 from nemofp4.training.optim import set_lr
 
@@ -65,7 +66,7 @@ class TrainEngine(Protocol):
         """Apply what DCP loaded into :meth:`dcp_state`'s entries."""
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded FP32 weights on CPU (collective under FSDP2 / ZeRO-3)."""
+        """Unsharded FP32 weights on CPU, without held references (collective under FSDP2 / ZeRO-3)."""
 
 
 class TorchEngine:
@@ -113,7 +114,8 @@ class TorchEngine:
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return without_quant_state(state)  # the weights alone: held references are not weights
 
 
 class DeepSpeedEngine:

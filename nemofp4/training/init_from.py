@@ -54,6 +54,7 @@ from nemofp4.models.nemotron_h import (
     hf_weight_files,
     read_hf_config,
 )
+from nemofp4.quant import without_quant_state
 from nemofp4.training.checkpoint import CheckpointConfig, CheckpointManager
 from nemofp4.training.parallel import engine_kind
 
@@ -256,7 +257,7 @@ def load_initial_weights(model: nn.Module, source: InitSource) -> None:
             from torch.distributed.checkpoint import HuggingFaceStorageReader
 
             headers = hf_tensor_headers(source.path)
-            names = hf_names(state, source.model, headers)
+            names = hf_names(without_quant_state(state), source.model, headers)
             problems = [f"{ours}: {headers[hf][0]} in the folder, {tuple(state[ours].shape)} in the model"
                         for ours, hf in names.items() if headers[hf][0] != tuple(state[ours].shape)]
             problems += [f"{hf}: dtype {headers[hf][1]}" for hf in sorted(set(names.values()))
@@ -271,7 +272,8 @@ def load_initial_weights(model: nn.Module, source: InitSource) -> None:
         else:
             reader = SafeFileSystemReader(str(source.path))
             reader.read_metadata()  # a planted metadata pickle fails here, by name
-            dcp.load({"model": state}, storage_reader=reader, planner=SafeLoadPlanner())
+            # the weights alone (they share the state's tensors): held references start fresh
+            dcp.load({"model": without_quant_state(state)}, storage_reader=reader, planner=SafeLoadPlanner())
     set_model_state_dict(model, state)
 
 

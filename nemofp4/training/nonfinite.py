@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemofp4.quant import canonical_fqn, drop_nonfinite_references, held_amaxes
+from nemofp4.quant import canonical_fqn, held_amaxes
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -31,14 +31,6 @@ def first_nonfinite_reference(model: nn.Module) -> str | None:
         if not torch.isfinite(amax).all():
             return f"{name} amax"
     return None
-
-
-def discard_nonfinite_references(model: nn.Module) -> list[str]:
-    """Drop every held FP4 tensor reference that is not finite (a first sample taken in a step whose
-    loss or gradients were not finite), so the next step samples it again; returns their names. The
-    sampling itself keeps a non-finite first sample without a host read: this runs only when the
-    trainer skips a step (one read per reference, on a step that is already lost)."""
-    return drop_nonfinite_references(model)
 
 
 def first_nonfinite_state(model: nn.Module) -> str | None:

@@ -25,15 +25,7 @@ from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.evaluation.nll import validation_nll
 from nemofp4.models import build_model, lm_loss, param_groups
-from nemofp4.quant import (
-    QuantState,
-    cached_weights,
-    quant_stats,
-    set_held_reference_reduce_group,
-    set_quant_backend,
-    set_quant_stats,
-    set_step,
-)
+from nemofp4.quant import QuantTraining, QuantTrainingConfig
 from nemofp4.recipes import apply_recipe
 from nemofp4.training.checkpoint import CheckpointError, CheckpointManager, step_of
 from nemofp4.training.config import JobConfig, compute_budget
@@ -55,7 +47,6 @@ from nemofp4.training.job_plan import JobPlanner, log_plan_in_background, resolv
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
-    discard_nonfinite_references,
     first_nonfinite_state_on_any_rank,
     where_nonfinite_starts,
 )
@@ -147,7 +138,6 @@ class Trainer:
         model = build_model(cfg.model, device="meta")
         self.recipe = cfg.recipe
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
-        set_quant_backend(model, cfg.train.kernels)
         plan = log_plan_in_background(self.planner, cfg, rank=self.rank, world_size=self.world, device=self.device)
         # auto becomes a policy here, before anything is wrapped; the config and checkpoints record it
         cfg = self.cfg = resolve_activation_checkpointing(cfg, self.planner, rank=self.rank, world_size=self.world,
@@ -164,13 +154,16 @@ class Trainer:
         if cfg.train.init_from and starts_fresh(cfg.resume, self.run_dir, used=describe_used(self.run_dir) is not None):
             self.init_record = initialize_from(model, cfg.train.init_from, model_config=cfg.model, data=cfg.data,
                                                run_dir=self.run_dir)
-        if self.world > 1 and dist_cfg.reduce_references:
-            set_held_reference_reduce_group(model, dist.group.WORLD)
         self.model = model
-        # quant state (the held FP4 references: one replicated DCP entry when every rank holds the same
-        # ones), optimizer, engine, checkpoints
-        self.quant = QuantState(model, replicated=self.world == 1 or dist_cfg.reduce_references,
-                                restore=cfg.precision.restore_references)  # fmt: skip
+        # the FP4 linears, converted once (kernels, the reduction of held references, every quantizer knob);
+        # then optimizer, engine, checkpoints
+        self.quant = QuantTraining(model, QuantTrainingConfig(
+            kernels=cfg.train.kernels, seed=cfg.train.seed, rank=self.rank,
+            held_reduce_group=dist.group.WORLD if self.world > 1 and dist_cfg.reduce_references else None,
+            stats_interval=cfg.logging.quant_stats_interval,
+            weight_cache=cfg.train.weight_cache and self.budget.grad_accum > 1,
+            restore_references=cfg.precision.restore_references,
+        ))  # fmt: skip
         self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
         self.engine = build_engine(model, self.optimizer, cfg, grad_accum=self.budget.grad_accum, world_size=self.world,
                                    device_type=self.device.type, rank=self.rank)  # fmt: skip
@@ -196,14 +189,13 @@ class Trainer:
         if plan is not None:
             plan.join()  # logged before training starts; the build above normally outlasts it
 
-    def _dcp_state(self, *, for_load: bool = False) -> dict[str, Any] | None:
-        state = {**self.engine.dcp_state(), **self.quant.dcp_entries(for_load=for_load)}
-        return state or None
+    def _dcp_state(self) -> dict[str, Any] | None:
+        return self.engine.dcp_state() or None  # the model's state holds the held FP4 references
 
     def _maybe_resume(self) -> None:
         self.resumed_from = load_resume_checkpoint(
             self.ckpt, self.cfg.resume, run_dir=self.run_dir, rank=self.rank,
-            dcp_state=lambda: self._dcp_state(for_load=True), read_collective=self.engine.read_collective,
+            dcp_state=self._dcp_state, read_collective=self.engine.read_collective,
             check=self._check_identity, apply=self._restore,
         )  # fmt: skip
         saved = self.run_dir / RUN_CONFIG
@@ -214,7 +206,7 @@ class Trainer:
 
     def _check_identity(self, trainer_state: dict[str, Any], folder: Path, dcp_state: dict[str, Any] | None) -> None:
         """Refuse a checkpoint trained with another configuration before any of its tensors is read;
-        read the held references from DCP only where they are wanted and were saved there."""
+        an older checkpoint's held references are read where it kept them."""
         if "config" not in trainer_state:
             raise CheckpointError(f"checkpoint {folder}: its trainer state has no config; it was not written by nemofp4")
         check_resume_config(trainer_state["config"], self.cfg, step=int(trainer_state["step"]),
@@ -225,6 +217,7 @@ class Trainer:
 
     def _restore(self, folder: Path, dcp_state: dict[str, Any] | None, state: dict[str, Any],
                  rank_state: dict[str, Any], own: bool) -> None:
+        self.quant.finish_load(state, rank_state, dcp_state)  # the held references: before the model state is set
         if dcp_state is not None:
             self.engine.load_dcp_state(dcp_state)
         self.step = state["step"]
@@ -233,7 +226,6 @@ class Trainer:
         self.wandb_id = state.get("wandb_id")
         self.init_record = state.get("init_from")
         self.loader.load_state_dict(state["loader"])
-        self.quant.finish_load(state, rank_state)
         if own:
             set_rng_state(rank_state["rng"])
         else:
@@ -417,17 +409,15 @@ class Trainer:
         cfg = self.cfg
         step = self.step
         self.faults.before_step(self.model, step)
-        set_step(self.model, step, seed=cfg.train.seed, rank=self.rank)
-        stats_interval = cfg.logging.quant_stats_interval
-        set_quant_stats(self.model, bool(stats_interval) and step % stats_interval == 0)  # only when logged
         lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, self.budget.total_steps)
         self.engine.set_lr(lr)
         self.engine.zero_grad()
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
-        # each FP4 weight quantized once per step: the weights change only in the optimizer step below
-        with self._sync_free(), cached_weights(self.model, enabled=cfg.train.weight_cache and self.budget.grad_accum > 1):
+        # the FP4 linears' step: references, SR seeds, statistics; each weight quantized once (the weights
+        # change only in the optimizer step below)
+        with self._sync_free(), self.quant.step(step):
             for micro in range(self.budget.grad_accum):
                 set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
                 batch = next(data_iter)
@@ -469,8 +459,8 @@ class Trainer:
             if self.peak_flops:
                 record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
         self.metrics.log("train", step, record)
-        if cfg.logging.quant_stats_interval and step % cfg.logging.quant_stats_interval == 0:
-            layers = quant_stats(self.model)
+        layers = self.quant.stats(step)
+        if layers is not None:
             self.metrics.log("quant", step, {"layers": layers, "roles": quant_role_summary(layers)})
 
     def _sync_free(self) -> contextlib.AbstractContextManager:
@@ -483,7 +473,7 @@ class Trainer:
     def _handle_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> None:
         if self.cfg.train.nonfinite == "skip":
             self.skipped_steps += 1
-            discard_nonfinite_references(self.model)  # a reference first sampled in this step samples again
+            self.quant.discard_nonfinite()  # a reference first sampled in this step samples again
             log.warning("step %d: non-finite loss %s / grad norm %s; update skipped (%d so far)",
                         self.step, loss.item(), grad_norm.item(), self.skipped_steps)
             if self.skipped_steps <= self.cfg.train.max_skipped_steps:

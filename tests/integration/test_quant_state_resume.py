@@ -61,6 +61,14 @@ def test_resume_with_activation_checkpointing_toggled_continues_bitwise(tmp_path
     # 2 micro-batches per step: the recomputed forward of each runs between the SR draws of backward
     straight, moved = _resume_with(tmp_path, "distributed.activation_checkpointing", "train.kernels=eager", steps=3)
     assert moved[3] == straight[3]
+    # evaluation reads the references through the trainer's path (under the run's own recipe only)
+    from nemofp4.evaluation import load_checkpoint_model
+    from nemofp4.quant import reference_state_dict
+
+    step_3 = tmp_path / "moved" / "checkpoints" / "step-3"
+    model, _, _ = load_checkpoint_model(step_3, log_loaded=False)
+    assert_bitwise(reference_state_dict(model), held_references(step_3))
+    assert reference_state_dict(load_checkpoint_model(step_3, precision="nvfp4_delayed", log_loaded=False)[0]) == {}
 
 
 @pytest.mark.slow  # compiling the blocks takes minutes on a loaded CPU
@@ -73,16 +81,21 @@ def test_resume_with_compile_toggled_continues_bitwise(tmp_path):
     assert moved[4] == pytest.approx(straight[4], rel=1e-3)
 
 
-@pytest.mark.slow  # two runs; tests/unit/test_quant_state.py checks the loading by canonical name fast
+@pytest.mark.slow  # two runs; tests/unit/test_quant_state.py converts each older layout fast
 def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exactly(tmp_path, monkeypatch):
-    """Checkpoints written before the references moved into DCP kept them in each rank's file, under
+    """Checkpoints written before the references were module state kept them in each rank's file, under
     the module names of the run (here with activation checkpointing's wrapper segment), and their
-    trainer state named no 'quant_state'. Such a checkpoint still resumes, with its references."""
-    from nemofp4.quant import reference_state_dict
+    trainer state named no 'quant_state'. Such a checkpoint, written here by the current trainer in
+    that layout, still resumes, with its references."""
+    from nemofp4.quant import reference_state_dict, without_quant_state
     from nemofp4.training.trainer import Trainer
     common = ["precision=ue5m3", "train.kernels=eager", "train.max_steps=3", "checkpoint.interval=2",
               "checkpoint.keep_last_k=0"]  # fmt: skip
-    new_trainer_state, new_rank_state = Trainer._trainer_state, Trainer._rank_state
+    new_dcp_state, new_trainer_state, new_rank_state = Trainer._dcp_state, Trainer._trainer_state, Trainer._rank_state
+
+    def old_dcp_state(self):
+        state = new_dcp_state(self)
+        return {**state, "model": without_quant_state(state["model"])}
 
     def old_trainer_state(self):
         return {k: v for k, v in new_trainer_state(self).items() if k != "quant_state"}
@@ -93,15 +106,38 @@ def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exac
         return {**new_rank_state(self), "references": wrapped}
 
     with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_dcp_state", old_dcp_state)
         patch.setattr(Trainer, "_trainer_state", old_trainer_state)
         patch.setattr(Trainer, "_rank_state", old_rank_state)
-        patch.setattr(Trainer, "_references_replicated", property(lambda self: False))  # nothing in DCP
         train_here(tmp_path / "old", *common)
     step_2 = tmp_path / "old" / "checkpoints" / "step-2"
     assert not held_references(step_2)
+    from nemofp4.checkpointing import load_tensors
+    from nemofp4.evaluation import load_checkpoint_model
+
+    saved = load_tensors(step_2 / "rank" / "rank-00000.pt")["references"]
+    evaluated = reference_state_dict(load_checkpoint_model(step_2, log_loaded=False)[0])
+    assert_bitwise(evaluated, {k.replace("._checkpoint_wrapped_module", ""): v for k, v in saved.items()})
     train_here(tmp_path / "resumed", *common, f"resume={step_2}")
     old, resumed = curve(tmp_path / "old"), curve(tmp_path / "resumed")
     assert sorted(resumed) == [3]
     assert resumed[3] == old[3]  # loss and gradient norm, bitwise
     assert {int(v) for k, v in held_references(tmp_path / "resumed" / "checkpoints" / "step-3").items()
             if k.endswith("refresh_step")} == {1}  # the step-1 references, restored, not re-sampled  # fmt: skip
+
+
+@pytest.mark.slow  # three two-rank launches; tests/unit/test_quant_state.py loads each rank's own references fast
+def test_ranks_that_hold_their_own_references_resume_each_its_own(tmp_path):
+    """distributed.reduce_references=false: each rank samples its own references from its own data; the
+    model state keeps one rank's, and each rank's file its own, which a resume holds again."""
+    from nemofp4.checkpointing import load_tensors
+
+    common = [*UE5M3, "distributed=fsdp", "distributed.reduce_references=false", "train.max_steps=3",
+              "checkpoint.interval=2", "train.micro_batch=2"]  # fmt: skip
+    launch(2, tmp_path / "straight", *common)
+    launch(2, tmp_path / "moved", *common, "debug.sigkill_at_step=2", expect_rc=1)
+    ranks = [load_tensors(tmp_path / "moved" / "checkpoints" / "step-2" / "rank" / f"rank-0000{r}.pt")["references"]
+             for r in (0, 1)]  # fmt: skip
+    assert ranks[0].keys() == ranks[1].keys() and any(not torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    launch(2, tmp_path / "moved", *common)
+    assert losses(tmp_path / "moved")[3] == losses(tmp_path / "straight")[3]

@@ -1,4 +1,5 @@
-"""Quantization state under canonical names: wrappers change no key, DCP holds the references once."""
+"""Held references as module state: wrappers change no key, the model state holds them once (FSDP2
+too), and checkpoints of the older layouts convert through one path."""
 
 import os
 import tempfile
@@ -8,14 +9,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from nemofp4.quant import (
     HeldReference,
-    QuantState,
+    QuantTraining,
+    QuantTrainingConfig,
     canonical_fqn,
     load_reference_state_dict,
     quant_linears,
     reference_state_dict,
+    without_quant_state,
 )
 from nemofp4.quant.state import set_held_reference_reduce_group, set_quant_backend
 from nemofp4.training.parallel import apply_activation_checkpointing, apply_compile
@@ -55,19 +59,25 @@ def _wrapped(kind: str):
     return model, optimizer
 
 
-def test_quant_state_keys_are_the_same_with_any_wrappers_and_restore_across_them():
+def _references(state: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """The FP4 linears' extra state in a model state dict."""
+    return {k: v for k, v in state.items() if k.endswith("._extra_state")}
+
+
+def test_held_references_are_module_state_under_the_same_keys_with_any_wrappers():
     model, optimizer = _fresh()
     _train(model, optimizer, range(1, 3))
-    saved = {k: v.clone() for k, v in QuantState(model).state_dict().items()}
-    assert saved and all(k.startswith(("layers.", "lm_head")) for k in saved)
+    saved = _references(get_model_state_dict(model))
+    assert len(saved) == len(quant_linears(model)) and all(v for v in saved.values())
+    assert without_quant_state(get_model_state_dict(model)).keys() == dict(model.named_parameters()).keys()
     for kind in ("ac", "compile", "ac+compile"):
         other, _ = _wrapped(kind)
         assert any("_checkpoint_wrapped_module" in n or "_orig_mod" in n for n, _ in other.named_modules())
-        target = QuantState(other)
-        assert target.state_dict().keys() == saved.keys(), kind
-        target.load_state_dict(saved)
-        restored = target.state_dict()
-        assert all(torch.equal(restored[k], v) for k, v in saved.items()), kind
+        state = get_model_state_dict(other)
+        assert _references(state).keys() == saved.keys(), kind
+        state.update(saved)
+        set_model_state_dict(other, state)
+        assert_equal(reference_state_dict(other), reference_state_dict(model))
 
 
 def test_an_older_checkpoint_with_wrapper_names_restores_by_canonical_name():
@@ -77,46 +87,115 @@ def test_an_older_checkpoint_with_wrapper_names_restores_by_canonical_name():
     assert legacy.keys() != reference_state_dict(model).keys()
     fresh, _ = _fresh()
     load_reference_state_dict(fresh, legacy)
-    assert all(torch.equal(a, b) for a, b in zip(reference_state_dict(fresh).values(), reference_state_dict(model).values()))
+    assert_equal(reference_state_dict(fresh), reference_state_dict(model))
 
 
 def test_an_empty_reference_is_saved_as_step_zero_and_restored_empty():
     model, _ = _fresh()
-    state = QuantState(model).state_dict()
+    state = {f"{fqn}.{k}": v for fqn, m in quant_linears(model) for k, v in m.get_extra_state().items()}
     assert state and {int(v) for k, v in state.items() if k.endswith("refresh_step")} == {0}
     assert {float(v) for k, v in state.items() if k.endswith("amax")} == {0.0}
-    QuantState(model).load_state_dict(state)
+    set_model_state_dict(model, get_model_state_dict(model))
     assert reference_state_dict(model) == {}
 
 
+def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
 def _save_on_two_ranks(rank: int, world: int, folder: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
     dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        model, optimizer = _fresh()
+        model, _ = _fresh()
         set_held_reference_reduce_group(model, dist.group.WORLD)
         with torch.no_grad():  # rank-local data: the reduced references are the max over both ranks
             model.embeddings.weight.mul_(1.0 + rank)
-        _train(model, optimizer, range(1, 2))
-        dcp.save({"quant": QuantState(model)}, checkpoint_id=f"{folder}/ckpt")
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), range(1, 2))
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{folder}/ckpt")
         torch.save(reference_state_dict(model), f"{folder}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_references_saved_by_two_ranks_load_in_one_process_bitwise():
-    """DCP keeps one copy of the replicated QuantState; a run at another world size reads it whole."""
+def test_references_saved_by_two_fsdp2_ranks_load_in_one_process_bitwise():
+    """The model state of two FSDP2 ranks keeps one copy of the replicated references; a run at another
+    world size reads them whole, with the weights."""
     with tempfile.TemporaryDirectory() as folder:
         mp.start_processes(_save_on_two_ranks, args=(2, folder), nprocs=2, join=True, start_method="spawn")
         per_rank = [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
-        assert per_rank[0] and per_rank[0].keys() == per_rank[1].keys()
-        assert all(torch.equal(per_rank[0][k], per_rank[1][k]) for k in per_rank[0])  # one set of references
+        assert_equal(per_rank[0], per_rank[1])  # one set of references
         model, _ = _fresh()
+        state = get_model_state_dict(model)
         with pytest.warns(UserWarning, match="single process"):
-            dcp.load({"quant": QuantState(model)}, checkpoint_id=os.path.join(folder, "ckpt"), no_dist=True)
-        restored = reference_state_dict(model)
-        assert restored.keys() == per_rank[0].keys()
-        assert all(torch.equal(restored[k], per_rank[0][k]) for k in restored)
+            dcp.load({"model": state}, checkpoint_id=os.path.join(folder, "ckpt"), no_dist=True)
+        set_model_state_dict(model, state)
+        assert_equal(reference_state_dict(model), per_rank[0])
+
+
+def _write_old_layout(model, folder: str, layout: str) -> dict:
+    """A checkpoint as the trainer wrote them before references were module state: the model state
+    without them, and the references in a "quant" DCP entry ('dcp': canonical names, every reference
+    with refresh step 0 where empty) or in each rank's file ('per_rank': the run's module names, here
+    activation checkpointing's); returns (trainer state, rank state)."""
+    saved = {f"{fqn}.{k}": v for fqn, m in quant_linears(model) for k, v in m.get_extra_state().items()}
+    state = {"model": without_quant_state(get_model_state_dict(model))}
+    rank_state = {}
+    if layout == "dcp":
+        state["quant"] = saved
+    else:
+        rank_state["references"] = {k.replace(".mixer.", "._checkpoint_wrapped_module.mixer."): v
+                                    for k, v in reference_state_dict(model).items()}  # fmt: skip
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+    return {"quant_state": layout} if layout else {}, rank_state
+
+
+def _resume(folder: str, trainer_state: dict, rank_state: dict, *, restore: bool = True):
+    """The trainer's resume of a checkpoint into a model wrapped as another run wraps it (activation
+    checkpointing and compile: its strict model-state load names every module's extra state)."""
+    model, _ = _wrapped("ac+compile")
+    quant = QuantTraining(model, QuantTrainingConfig(kernels="eager", restore_references=restore))
+    state = {"model": get_model_state_dict(model)}
+    quant.select_for_load(trainer_state, state)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
+    quant.finish_load(trainer_state, rank_state, state)
+    set_model_state_dict(model, state["model"])
+    return model
+
+
+@pytest.mark.parametrize("layout", ["dcp", "per_rank", None])  # None: before the layout was recorded
+def test_older_checkpoint_layouts_resume_with_their_references_through_one_conversion(layout, tmp_path):
+    model, optimizer = _fresh()
+    _train(model, optimizer, range(1, 3))
+    trainer_state, rank_state = _write_old_layout(model, str(tmp_path), layout)
+    resumed = _resume(str(tmp_path), trainer_state, rank_state)
+    assert_equal(reference_state_dict(resumed), reference_state_dict(model))
+    weights = [without_quant_state(get_model_state_dict(m)) for m in (resumed, model)]
+    assert_equal(*weights)
+    assert reference_state_dict(_resume(str(tmp_path), trainer_state, rank_state, restore=False)) == {}
+
+
+def test_the_current_layout_resumes_the_module_state_and_each_ranks_own_references(tmp_path):
+    model, optimizer = _fresh()
+    _train(model, optimizer, range(1, 3))
+    quant = QuantTraining(model, QuantTrainingConfig(kernels="eager"))
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_path), no_dist=True)
+    trainer_state = quant.trainer_entries()
+    assert_equal(reference_state_dict(_resume(str(tmp_path), trainer_state, quant.rank_entries())),
+                 reference_state_dict(model))  # fmt: skip
+    assert reference_state_dict(_resume(str(tmp_path), trainer_state, {}, restore=False)) == {}
+    # ranks that hold their own references (distributed.reduce_references=false) keep them in their files
+    own = {k: v * 2 if k.endswith("amax") else v for k, v in reference_state_dict(model).items()}
+    assert_equal(reference_state_dict(_resume(str(tmp_path), trainer_state, {"references": own})), own)
 
 
 def test_the_autograd_function_gets_a_frozen_call_and_the_state_not_the_module(monkeypatch):

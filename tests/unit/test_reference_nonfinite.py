@@ -27,12 +27,11 @@ def test_a_non_finite_sample_keeps_the_previous_reference_for_another_interval()
 
 def test_a_non_finite_first_sample_is_dropped_when_the_step_is_skipped_and_the_next_step_samples_again():
     """No host read at the sampling: the sample is held as it is; the trainer, which sees the step's
-    non-finite loss, drops it (discard_nonfinite_references) and the next step samples again."""
+    non-finite loss, drops it (QuantTraining.discard_nonfinite) and the next step samples again."""
     from torch import nn
 
-    from nemofp4.quant import QuantLinear, quant_linears
+    from nemofp4.quant import QuantLinear, QuantTraining, QuantTrainingConfig, quant_linears
     from nemofp4.recipes import get_recipe
-    from nemofp4.training.nonfinite import discard_nonfinite_references
 
     state = _state()
     state.step = 1
@@ -43,7 +42,7 @@ def test_a_non_finite_first_sample_is_dropped_when_the_step_is_skipped_and_the_n
     QuantLinear.from_linear(model[0], part)
     (_, linear), = quant_linears(model)
     linear.quant_state.references = state
-    assert discard_nonfinite_references(model) == ["0.dy"] and "dy" not in state.held
+    assert QuantTraining(model, QuantTrainingConfig(kernels="eager")).discard_nonfinite() == ["0.dy"] and "dy" not in state.held
     state.step = 2
     assert state.get("dy", torch.tensor([3.0]), training=True, backend=EAGER).item() == 3.0
     assert state.held["dy"].refresh_step == 2

@@ -1,0 +1,113 @@
+"""The trainer's one handle on a model's FP4 linears: converted once at build, entered once per step.
+
+As TorchTitan's model converters and torchao's ``convert_to_float8_training``, :class:`QuantTraining`
+is made once, after the model is built, parallelized and initialized (it sets the kernels and the
+data-parallel reduction of held references), and :meth:`QuantTraining.step` is the per-step call
+(the step and its SR seeds, statistics on logging steps, the step's weight cache). Every knob of the
+quantizers the trainer has is read here, once (:class:`QuantTrainingConfig`).
+
+Held references are module state (each QuantLinear's extra state), so the model's state dict carries
+them into and out of checkpoints with the weights. The checkpoint hooks here are what that cannot
+say: the layout tag of the trainer state, each rank's own references where the ranks do not agree on
+them (the replicated model state keeps one copy), and their reading (:mod:`nemofp4.quant.checkpoint`:
+emptied for ``precision.restore_references=false``; older layouts converted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import MODULE_STATE, ReferenceLoad
+from .state import (
+    cached_weights,
+    drop_nonfinite_references,
+    quant_stats,
+    reference_state_dict,
+    set_held_reference_reduce_group,
+    set_quant_backend,
+    set_quant_stats,
+    set_step,
+)
+
+__all__ = ["QuantTraining", "QuantTrainingConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantTrainingConfig:
+    """What the trainer's configuration says about the quantizers, interpreted once."""
+
+    kernels: str = "auto"
+    """train.kernels: 'auto', 'triton', 'compiled' or 'eager' (:func:`nemofp4.quant.set_quant_backend`)."""
+    seed: int = 0
+    rank: int = 0
+    """train.seed and this rank: the SR generators' seeds (:func:`nemofp4.quant.set_step`)."""
+    held_reduce_group: Any = None
+    """the data-parallel group that held references are all-reduced over (None: each rank its own)."""
+    stats_interval: int = 0
+    """logging.quant_stats_interval: statistics are kept on these steps only (0: never)."""
+    weight_cache: bool = False
+    """quantize each weight once per step (train.weight_cache, with gradient accumulation)."""
+    restore_references: bool = True
+    """precision.restore_references: resume with the saved references, or with empty ones."""
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the same references (one process, or reduced over the world)."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return world == 1 or self.held_reduce_group is not None
+
+
+class QuantTraining:
+    """The FP4 linears of ``model`` as the trainer drives them (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, config: QuantTrainingConfig) -> None:
+        self.model = model
+        self.config = config
+        self._load = ReferenceLoad(model, restore=config.restore_references)
+        set_quant_backend(model, config.kernels)
+        set_held_reference_reduce_group(model, config.held_reduce_group)
+
+    # ------------------------------------------------------------------------------------ the step
+    def stats_due(self, step: int) -> bool:
+        return bool(self.config.stats_interval) and step % self.config.stats_interval == 0
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Around the forward and backward passes of optimizer step ``step`` (not its optimizer step,
+        which changes the weights): reference schedule and SR seeds, statistics, the weight cache."""
+        set_step(self.model, step, seed=self.config.seed, rank=self.config.rank)
+        set_quant_stats(self.model, self.stats_due(step))
+        with cached_weights(self.model, enabled=self.config.weight_cache):
+            yield
+
+    def stats(self, step: int) -> dict[str, dict[str, float]] | None:
+        """The step's quantization statistics on a logging step (synchronizes), else None."""
+        return quant_stats(self.model) if self.stats_due(step) else None
+
+    def discard_nonfinite(self) -> list[str]:
+        """After a skipped step: drop every non-finite held reference, so it is sampled again."""
+        return drop_nonfinite_references(self.model)
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def trainer_entries(self) -> dict[str, str]:
+        return {"quant_state": MODULE_STATE}
+
+    def rank_entries(self) -> dict[str, Any]:
+        """Each rank's own references, when the ranks do not agree on them (the model state, replicated,
+        keeps one rank's)."""
+        return {} if self.config.replicated else {"references": reference_state_dict(self.model)}
+
+    def select_for_load(self, trainer_state: Mapping[str, Any], dcp_state: dict[str, Any] | None) -> None:
+        """Before DCP reads a checkpoint (:meth:`ReferenceLoad.select`)."""
+        self._load.select(trainer_state, dcp_state)
+
+    def finish_load(self, trainer_state: Mapping[str, Any], rank_state: Mapping[str, Any],
+                    dcp_state: dict[str, Any] | None) -> None:  # fmt: skip
+        """After DCP (and DeepSpeed) read it, before its model state is set (:meth:`ReferenceLoad.finish`)."""
+        self._load.finish(trainer_state, rank_state, dcp_state)
