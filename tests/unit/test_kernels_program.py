@@ -101,7 +101,7 @@ def test_statistics_on_and_off_share_one_graph():
 def test_one_graph_serves_every_operand_shape():
     """Sizes are dynamic: new shapes (ragged ones padded) reuse the compiled graph."""
     op = OperandQuant(scale_format="ue5m3", rounding="rne")
-    core = program._compiled(program._Spec("ue5m3", 16, False, "rne", False, True))
+    core = program._compiled((program._Spec("ue5m3", 16, False, "rne", False, True),))
     quantize_operand(torch.randn(48, 64), op, stats=False, compiled=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for shape in [(80, 160), (33, 40), (256, 32), (16, 1024)]:
@@ -109,7 +109,7 @@ def test_one_graph_serves_every_operand_shape():
         out = quantize_operand(x, op, stats=False, compiled=True)
         assert torch.equal(out.scaled, quantize_operand(x, op, stats=False).scaled), shape
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert core is program._compiled(program._Spec("ue5m3", 16, False, "rne", False, True))
+    assert core is program._compiled((program._Spec("ue5m3", 16, False, "rne", False, True),))
 
 
 @needs_compiler
@@ -123,7 +123,7 @@ def test_the_program_leaves_the_process_recompile_limit_alone():
     assert torch._dynamo.config.recompile_limit == before
     specs = [program._Spec(fmt, 16, two_d, rounding, False, True) for fmt in ("e4m3", "ue5m3")
              for two_d in (False, True) for rounding in ("rne", "sr", "sr8")]  # fmt: skip
-    codes = {program._compiled(spec)._torchdynamo_orig_callable.__code__ for spec in specs}
+    codes = {program._compiled((spec,))._torchdynamo_orig_callable.__code__ for spec in specs}
     assert len(codes) == len(specs) > before
 
 
