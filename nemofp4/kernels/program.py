@@ -138,8 +138,8 @@ def _quantize_core(
     ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
     0-d float32; ``draws`` the random bits (sr/sr8: int32 words; sr_exact: float64 uniforms shaped like
     ``blocks``), drawn in the element order of the operand: row-major over ``x``, or over ``x^T``
-    with ``spec.columns``. Returns (scaled values shaped like ``blocks``, tensor_scale, g, uint8 E2M1
-    codes shaped like ``blocks`` | None, scale codes [R or R/b, C/b] or [R/b, C] | None, counts [3]:
+    with ``spec.columns``. Returns (scaled values shaped like ``blocks``, tensor_scale, g, packed E2M1
+    codes (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None, counts [3]:
     saturated, underflowed and zero blocks).
     """
     blocks = blocks.float()
@@ -206,13 +206,15 @@ def _quantize_core(
         negative = (
             torch.copysign(torch.ones_like(blocks), blocks) < 0
         )  # -0.0 too (signbit does not vectorize)
-        codes = (torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8)
+        codes = _packed((torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8), spec)
     # scale codes always (one byte per block): NVFP4's dequantize (TE's order) needs the block scales
     if spec.power_of_two:
         scale_codes = (exponent + 127).to(torch.uint8)
     else:
         scale_codes = encode_scales(block_scale, grid)
     scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
+    if spec.columns:  # the operand's layout, [D, Tp / b]
+        scale_codes = scale_codes.t().contiguous()
     # three reductions fused into the loop over the blocks (stacked boolean masks would be stored
     # byte by byte first, a scalar loop as long as the vector one that quantizes)
     counts = torch.stack([mask.sum(dtype=torch.int32) for mask in (saturated, underflow, block_amax == 0)]).long()
@@ -457,27 +459,27 @@ def _core_args(operand: _Operand, tensor_amax, generator) -> tuple:
     return blocks, g, target, draws
 
 
-def _pack_pairs(pairs: torch.Tensor) -> torch.Tensor:
-    """Two E2M1 codes per byte from ``[..., 2]`` code pairs, the first in the low nibble (outside the
-    fused loop, whose vectorized body would otherwise compute every element twice, once per nibble)."""
-    return torch.bitwise_or(pairs[..., 1] << 4, pairs[..., 0])
+def _packed(codes: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """Two E2M1 codes per byte, the first in the low nibble, laid out as the operand's rows: pairs
+    along a row, or with ``spec.columns`` pairs of consecutive tokens, [D, Tp / 2]. The codes are
+    stored first (compiled, a loop of its own): packing in the vectorized loop that computes them
+    would compute every element twice, once per nibble."""
+    codes = _materialized(codes)
+    pairs = codes.view(-1, 2, codes.shape[2]).transpose(1, 2) if spec.columns else codes.view(-1, 2)  # [Tp/b, b, D, 1]
+    packed = torch.bitwise_or(pairs[..., 1] << 4, pairs[..., 0])
+    return packed.t().contiguous() if spec.columns else packed
 
 
 def _result(operand: _Operand, outputs: tuple, stats: bool) -> QuantizedBlocks:
-    """The core's outputs for ``operand`` as its :class:`QuantizedBlocks`: codes packed two to a byte
-    (outside the fused loop), a wgrad operand's values, codes and scale codes laid out as its ``[D, Tp]``."""
+    """The core's outputs for ``operand`` as its :class:`QuantizedBlocks` (a wgrad operand's values are
+    a transposed view of the token-major result)."""
     values, tensor_scale, g, codes, scale_codes, counts = outputs
     op, spec = operand.op, operand.spec
     b = op.block_size
     rows_p, cols_p = operand.padded_shape
-    if spec.columns:  # computed over x [Tp, D]
-        if codes is not None:  # pairs of consecutive tokens, the even one in the low nibble
-            codes = _pack_pairs(codes.view(cols_p // 2, 2, rows_p).transpose(1, 2)).t().contiguous()
-        values, scale_codes = values.view(cols_p, rows_p).t(), scale_codes.t().contiguous()
-    else:
-        if codes is not None:
-            codes = _pack_pairs(codes.view(-1, 2)).view(rows_p, cols_p // 2)
-        values = values.view(rows_p, cols_p)
+    values = values.view(cols_p, rows_p).t() if spec.columns else values.view(rows_p, cols_p)  # over x [Tp, D]
+    if codes is not None:
+        codes = codes.view(rows_p, cols_p // 2)
     return QuantizedBlocks(
         shape=operand.shape,
         padded_shape=operand.padded_shape,

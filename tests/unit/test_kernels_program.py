@@ -170,6 +170,54 @@ def test_tokens_operand_is_bitwise_the_quantization_of_the_padded_transpose(fmt,
         assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1])), where
 
 
+# (format, rounding, held reference, compiled): eager cases are cheap; each compiled one builds a graph.
+PAIR_PARAMS = [("ue5m3", "sr8", True, False), ("e4m3", "sr_exact", False, False),
+               pytest.param("ue5m3", "sr8", True, True, marks=needs_compiler),
+               pytest.param("ue5m3", "sr8", False, True, marks=[needs_compiler, pytest.mark.slow]),
+               pytest.param("e4m3", "rne", True, True, marks=[needs_compiler, pytest.mark.slow])]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,rounding,held,compiled", PAIR_PARAMS)
+def test_the_pair_is_bitwise_x_and_its_padded_transpose_quantized_one_after_the_other(fmt, rounding, held, compiled):
+    """quantize_operand_pair (one call, one compiled graph) must equal the reference quantization of X
+    along K and then of the padded transpose along the tokens, with one tensor reference and the
+    random bits drawn in that order; ragged and whole token counts (the graph's two inputs then share
+    their memory) must use the same graph."""
+    from nemofp4.kernels.program import quantize_operand_pair
+
+    op = OperandQuant(scale_format=fmt, rounding=rounding)
+    graphs = None
+    for tokens in (39, 64, 80):  # 39: padded to 48 for X^T only
+        x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens)) * torch.logspace(-3, 3, 48)
+        reference = torch.tensor(7.0) if held else None
+        seeds = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+        ref_x = quantize_blocks(x, fmt, 16, False, 448.0, reference, rounding, seeds[0])
+        t = torch.nn.functional.pad(x, (0, 0, 0, -tokens % 16)).t().contiguous()
+        ref_xt = quantize_blocks(t, fmt, 16, False, 448.0, reference, rounding, seeds[0])
+        qx, qxt = quantize_operand_pair(x, op, op, tensor_amax=reference, generator=seeds[1], pack_x=True,
+                                        compiled=compiled)  # fmt: skip
+        for ours, ref in ((qx, ref_x), (qxt, ref_xt)):
+            where = f"tokens={tokens}, {'X' if ours is qx else 'X^T'}"
+            assert ours.shape == ref.shape and ours.padded_shape == ref.padded_shape, where
+            assert torch.equal(_bits(ours.scaled), _bits(ref.scaled_values())), where
+            assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale_codes, ref.scale_codes), where
+            assert torch.equal(ours.tensor_scale, ref.tensor_scale), where
+            expected = ref.stats()
+            assert ours.stats() == {k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")}, where
+        assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1])), tokens
+        if compiled:
+            graphs = graphs or torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, tokens
+
+
+def test_the_pair_refuses_a_hadamard_transform_on_x_transposed():
+    from nemofp4.kernels.program import quantize_operand_pair
+
+    op = OperandQuant(scale_format="e4m3")
+    with pytest.raises(ValueError, match="without a Hadamard transform on X"):
+        quantize_operand_pair(torch.randn(16, 16), op, OperandQuant(scale_format="e4m3", hadamard=True))
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_nvfp4_dequantize_of_a_wgrad_operand_without_codes_is_the_reference_one(hadamard):
     """Without packed codes NVFP4's dequantize divides the scaled form by the block scales; a wgrad
