@@ -95,7 +95,7 @@ def quantize_tokens_operand(x_TD: torch.Tensor, op, *, backend: str = "auto", **
 
 def quantize_operand_pair(x_TK: torch.Tensor, op_x, op_xt, *, backend: str = "auto", **options):
     """(X along K, X^T [K, tokens padded to 16] along the tokens) sharing one tensor reference: one
-    fused launch on CUDA, two quantizations otherwise: :meth:`Backend.quantize_pair`."""
+    fused launch on CUDA, one compiled graph on CPU: :meth:`Backend.quantize_pair`."""
     return backend_for(backend, x_TK.device).quantize_pair(x_TK, op_x, op_xt, **options)
 
 

@@ -94,11 +94,10 @@ class EagerBackend:
         return program.quantize_tokens_operand(x_TD, spec, compiled=self._compiled, **options)
 
     def quantize_pair(self, x_TK, spec_x, spec_xt, *, pack_x=False, pack_xt=True, **options):
-        """(X along K, X^T [K, tokens padded to 16] along the tokens) sharing one tensor reference."""
-        if spec_xt.hadamard:
-            raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
-        return self.quantize(x_TK, spec_x, pack=pack_x, **options), self.quantize_tokens(x_TK, spec_xt, pack=pack_xt,
-                                                                                           **options)  # fmt: skip
+        """(X along K, X^T [K, tokens padded to 16] along the tokens) sharing one tensor reference (one
+        compiled graph for the two)."""
+        return program.quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt,
+                                             compiled=self._compiled, **options)  # fmt: skip
 
     def quantize_blocks(self, x, *args, **kwargs):
         """:func:`nemofp4.formats.quantize_blocks` (same arguments)."""
@@ -156,8 +155,11 @@ class TritonBackend(EagerBackend):
         without a Hadamard transform); two quantizations otherwise."""
         fusable = (spec_x.blocks_like(spec_xt) and spec_x.block_size in SUPPORTED_BLOCK_SIZES
                    and not (spec_x.two_d or spec_xt.two_d or spec_x.hadamard or spec_xt.hadamard))  # fmt: skip
+        if spec_xt.hadamard:
+            raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
         if not fusable:
-            return super().quantize_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt, **options)
+            return self.quantize(x_TK, spec_x, pack=pack_x, **options), self.quantize_tokens(x_TK, spec_xt, pack=pack_xt,
+                                                                                               **options)  # fmt: skip
         from .operand import triton_quantize_operand_pair
 
         return triton_quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt, **options)

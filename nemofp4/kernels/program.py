@@ -10,7 +10,9 @@ reassociation, no contraction), so eager and compiled results are bitwise equal,
 equal the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the tests hold
 them to that. :func:`quantize_tokens_operand` runs the same core on the wgrad operands (X^T,
 dY^T) with its blocks down the columns of the token-major tensor, the wgrad Hadamard transform
-inside the loop.
+inside the loop; :func:`quantize_operand_pair` runs X's core and X^T's as one compiled graph (a
+compiled call costs about 0.1 ms of Dynamo's wrapper and guards, as much as the kernel of a small
+operand).
 
 Random bits are drawn outside the core with the reference's calls (:func:`sr8_words` for sr and
 sr8, one float64 ``torch.rand`` per element for sr_exact), so every path consumes a generator
@@ -53,6 +55,7 @@ __all__ = [
     "compiled_hadamard_transform",
     "cpu_compile_available",
     "quantize_operand",
+    "quantize_operand_pair",
     "quantize_tokens_operand",
     "tokens_transposed",
 ]
@@ -137,8 +140,8 @@ def _quantize_core(
     ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
     0-d float32; ``draws`` the random bits (sr/sr8: int32 words; sr_exact: float64 uniforms shaped like
     ``blocks``), drawn in the element order of the operand: row-major over ``x``, or over ``x^T``
-    with ``spec.columns``. Returns (scaled values shaped like ``blocks``, tensor_scale, g, uint8 E2M1
-    codes shaped like ``blocks`` | None, scale codes [R or R/b, C/b] or [R/b, C] | None, counts [3]:
+    with ``spec.columns``. Returns (scaled values shaped like ``blocks``, tensor_scale, g, packed E2M1
+    codes (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None, counts [3]:
     saturated, underflowed and zero blocks).
     """
     blocks = blocks.float()
@@ -205,38 +208,47 @@ def _quantize_core(
         negative = (
             torch.copysign(torch.ones_like(blocks), blocks) < 0
         )  # -0.0 too (signbit does not vectorize)
-        codes = (torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8)
+        codes = _packed((torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8), spec)
     # scale codes always (one byte per block): NVFP4's dequantize (TE's order) needs the block scales
     if spec.power_of_two:
         scale_codes = (exponent + 127).to(torch.uint8)
     else:
         scale_codes = encode_scales(block_scale, grid)
     scale_codes = scale_codes.view(block_amax.shape[0], block_amax.shape[2])
+    if spec.columns:  # the operand's layout, [D, Tp / b]
+        scale_codes = scale_codes.t().contiguous()
     # three reductions fused into the loop over the blocks (stacked boolean masks would be stored
     # byte by byte first, a scalar loop as long as the vector one that quantizes)
     counts = torch.stack([mask.sum(dtype=torch.int32) for mask in (saturated, underflow, block_amax == 0)]).long()
     return values, tensor_scale, g, codes, scale_codes, counts
 
 
+def _quantize_cores(specs: tuple[_Spec, ...], *args):
+    """:func:`_quantize_core` for each spec in turn, on its four arguments (``args`` holds them in
+    the order of ``specs``): the operands that one call quantizes, in one graph when compiled."""
+    return tuple(_quantize_core(*args[4 * i : 4 * i + 4], spec) for i, spec in enumerate(specs))
+
+
 @functools.cache
-def _compiled(spec: _Spec):
-    """The core compiled for ``spec`` (the caller marks the block-count dims dynamic; the spec and
-    the block size stay constants). Dynamo keeps its graphs per code object and stops compiling one
-    after ``recompile_limit`` graphs, so each spec gets a code object of its own: its one graph is
-    not counted against the other specs', and no limit needs raising, for the process or a call."""
+def _compiled(specs: tuple[_Spec, ...]):
+    """The cores compiled for ``specs`` as one graph (the caller marks the block-count dims dynamic;
+    the specs and the block sizes stay constants). Dynamo keeps its graphs per code object and stops
+    compiling one after ``recompile_limit`` graphs, so each key gets a code object of its own: its
+    one graph is not counted against the other keys', and no limit needs raising, for the process or
+    a call."""
 
     import torch._inductor.inductor_prims  # noqa: F401 (registers the prim _materialized uses)
 
-    def core(blocks, g, target, draws):
-        return _quantize_core(blocks, g, target, draws, spec)
+    def core(*args):
+        return _quantize_cores(specs, *args)
 
     name = f"quantize_core_{len(_SPEC_NAMES)}"
-    _SPEC_NAMES[spec] = name
+    _SPEC_NAMES[specs] = name
     own = types.FunctionType(core.__code__.replace(co_name=name), core.__globals__, name, None, core.__closure__)
     return torch.compile(own, dynamic=False, fullgraph=True)
 
 
-_SPEC_NAMES: dict[_Spec, str] = {}
+_SPEC_NAMES: dict[tuple[_Spec, ...], str] = {}
 
 
 _failed_builds: set = set()
@@ -260,9 +272,10 @@ def _compiled_or_eager(key, build, eager, args: tuple, what: str):
     return eager(*args)
 
 
-def _run_compiled(spec: _Spec, *args):
-    """The compiled core of ``spec`` (eager for a spec whose build failed)."""
-    return _compiled_or_eager(spec, _compiled, functools.partial(_quantize_core, spec=spec), args, spec.describe())
+def _run_compiled(specs: tuple[_Spec, ...], *args):
+    """The compiled cores of ``specs`` (eager where the build failed)."""
+    what = " and ".join(spec.describe() for spec in specs)
+    return _compiled_or_eager(specs, _compiled, functools.partial(_quantize_cores, specs), args, what)
 
 
 @functools.cache
@@ -313,25 +326,8 @@ def quantize_operand(
     synchronization). ``compiled`` runs the core through ``torch.compile`` (inside an already
     compiled region it is inlined).
     """
-    if x.dim() != 2:
-        raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
-    two_d = op.two_d if two_d is None else two_d
-    b = op.block_size
-    rows, cols = x.shape
-    xp = _padded(x, -rows % b if two_d else 0, -cols % b)
-    rows_p, cols_p = xp.shape
-    row_block = b if two_d else 1
-    blocks = xp.view(rows_p // row_block, row_block, cols_p // b, b)
-    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None)
-    values, tensor_scale, g, codes, scale_codes, counts = _run(
-        spec, blocks, op, tensor_amax, generator, (rows_p, cols_p), compiled
-    )
-    if pack:
-        codes = _pack_pairs(codes.view(-1, 2))
-    return _result(
-        op, (rows, cols), (rows_p, cols_p), two_d, values.view(rows_p, cols_p), tensor_scale, g,
-        None if codes is None else codes.view(rows_p, cols_p // 2), scale_codes, counts, stats,
-    )  # fmt: skip
+    (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax),), tensor_amax, generator, stats, compiled)
+    return q
 
 
 def quantize_tokens_operand(
@@ -355,6 +351,64 @@ def quantize_tokens_operand(
     strides ``(1, D)``); packed codes and scale codes are row-major ``[D, ...]``, as
     ``quantize_operand`` gives them.
     """
+    (q,) = _quantize((_down_columns(x_TD, op, pack, tensor_amax),), tensor_amax, generator, stats, compiled)
+    return q
+
+
+def quantize_operand_pair(
+    x_TK: torch.Tensor,
+    op_x: BlockSpec,
+    op_xt: BlockSpec,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pack_x: bool = False,
+    pack_xt: bool = True,
+    stats: bool = True,
+    compiled: bool = False,
+) -> tuple[QuantizedBlocks, QuantizedBlocks]:
+    """(``quantize_operand(x_TK, op_x, pack=pack_x)``, ``quantize_tokens_operand(x_TK, op_xt,
+    pack=pack_xt)``) with one tensor reference, bit for bit (X's random bits drawn first), as one
+    compiled graph: one call, one set of guards, for the two operands a linear's forward quantizes
+    from its input."""
+    if op_xt.hadamard:
+        raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
+    operands = (_along_rows(x_TK, op_x, None, pack_x, tensor_amax), _down_columns(x_TK, op_xt, pack_xt, tensor_amax))
+    qx, qxt = _quantize(operands, tensor_amax, generator, stats, compiled)
+    return qx, qxt
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """One operand ready for the core: its padded input viewed as blocks, and its result's shapes."""
+
+    op: BlockSpec
+    spec: _Spec
+    blocks: torch.Tensor
+    shape: tuple[int, int]
+    """The result's shape (for a wgrad operand: [D, tokens padded to 16])."""
+    padded_shape: tuple[int, int]
+    """The operand padded to whole blocks ([D, Tp] for a wgrad operand): the element order of its draws."""
+
+
+def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, tensor_amax) -> _Operand:
+    """``x`` [rows, cols] in blocks along its rows (or 2-D tiles): :func:`quantize_operand`'s operand."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
+    two_d = op.two_d if two_d is None else two_d
+    b = op.block_size
+    rows, cols = x.shape
+    xp = _padded(x, -rows % b if two_d else 0, -cols % b)
+    rows_p, cols_p = xp.shape
+    row_block = b if two_d else 1
+    blocks = xp.view(rows_p // row_block, row_block, cols_p // b, b)
+    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None)
+    return _Operand(op, spec, blocks, (rows, cols), (rows_p, cols_p))
+
+
+def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax) -> _Operand:
+    """The padded transpose of ``x_TD`` [T, D] in blocks along the tokens, read as blocks down the
+    columns of ``x_TD``: :func:`quantize_tokens_operand`'s operand."""
     if x_TD.dim() != 2:
         raise ValueError(f"quantize_tokens_operand takes a 2-D [tokens, features] tensor, got shape {tuple(x_TD.shape)}")
     if op.two_d:
@@ -367,15 +421,7 @@ def quantize_tokens_operand(
     blocks = xp.view(rows_p // b, b, features, 1)
     spec = _Spec(op.scale_format, b, False, op.rounding, pack, measure=tensor_amax is None, columns=True,
                  hadamard=op.hadamard)  # fmt: skip
-    values, tensor_scale, g, codes, scale_codes, counts = _run(
-        spec, blocks, op, tensor_amax, generator, (features, rows_p), compiled
-    )
-    if pack:  # pairs of consecutive tokens, the even one in the low nibble
-        codes = _pack_pairs(codes.view(rows_p // 2, 2, features).transpose(1, 2)).t().contiguous()
-    return _result(
-        op, (features, padded_tokens), (features, rows_p), False, values.view(rows_p, features).t(), tensor_scale,
-        g, codes, scale_codes.t().contiguous(), counts, stats,
-    )  # fmt: skip
+    return _Operand(op, spec, blocks, (features, padded_tokens), (features, rows_p))
 
 
 def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
@@ -387,8 +433,25 @@ def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
     return x.contiguous()
 
 
-def _run(spec: _Spec, blocks: torch.Tensor, op, tensor_amax, generator, operand_shape: tuple[int, int], compiled: bool):
-    """Draw the random bits (in the operand's element order) and run the core, compiled or eagerly."""
+def _quantize(operands: tuple[_Operand, ...], tensor_amax, generator, stats: bool, compiled: bool):
+    """Draw each operand's random bits (in its element order, operand after operand) and run the cores,
+    as one compiled graph or eagerly; one :class:`QuantizedBlocks` per operand."""
+    args = [arg for operand in operands for arg in _core_args(operand, tensor_amax, generator)]
+    specs = tuple(operand.spec for operand in operands)
+    if compiled and not torch.compiler.is_compiling():
+        for operand, draws in zip(operands, args[3::4]):
+            torch._dynamo.mark_dynamic(operand.blocks, (0, 2))  # one graph for every operand shape
+            if draws is not None:
+                torch._dynamo.mark_dynamic(draws, 0 if operand.op.rounding in BYTE_DRAW_ROUNDINGS else (0, 2))
+        outputs = _run_compiled(specs, *args)
+    else:
+        outputs = _quantize_cores(specs, *args)
+    return tuple(_result(operand, output, stats) for operand, output in zip(operands, outputs))
+
+
+def _core_args(operand: _Operand, tensor_amax, generator) -> tuple:
+    """The core's (blocks, g, target, draws) for ``operand``, its random bits drawn here."""
+    spec, op, blocks = operand.spec, operand.op, operand.blocks
     device = blocks.device
     g = None if tensor_amax is None else tensor_amax.detach().float().reshape(())
     target = scaled_target(DEFAULT_SCALE_TARGET if spec.power_of_two else op.scale_target, device)
@@ -396,38 +459,45 @@ def _run(spec: _Spec, blocks: torch.Tensor, op, tensor_amax, generator, operand_
     if op.rounding in BYTE_DRAW_ROUNDINGS:
         draws = sr8_words(blocks.numel(), generator, device)
     elif op.rounding == "sr_exact":
-        draws = torch.rand(operand_shape, generator=generator, device=device, dtype=torch.float64)
+        draws = torch.rand(operand.padded_shape, generator=generator, device=device, dtype=torch.float64)
         draws = (draws.t() if spec.columns else draws).view(blocks.shape)
-    if compiled and not torch.compiler.is_compiling():
-        torch._dynamo.mark_dynamic(blocks, (0, 2))  # one graph for every operand shape
-        if draws is not None:
-            torch._dynamo.mark_dynamic(draws, 0 if op.rounding in BYTE_DRAW_ROUNDINGS else (0, 2))
-        return _run_compiled(spec, blocks, g, target, draws)
-    return _quantize_core(blocks, g, target, draws, spec=spec)
+    return blocks, g, target, draws
 
 
-def _pack_pairs(pairs: torch.Tensor) -> torch.Tensor:
-    """Two E2M1 codes per byte from ``[..., 2]`` code pairs, the first in the low nibble (outside the
-    fused loop, whose vectorized body would otherwise compute every element twice, once per nibble)."""
-    return torch.bitwise_or(pairs[..., 1] << 4, pairs[..., 0])
+def _packed(codes: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """Two E2M1 codes per byte, the first in the low nibble, laid out as the operand's rows: pairs
+    along a row, or with ``spec.columns`` pairs of consecutive tokens, [D, Tp / 2]. The codes are
+    stored first (compiled, a loop of its own): packing in the vectorized loop that computes them
+    would compute every element twice, once per nibble."""
+    codes = _materialized(codes)  # [Tp / b, b, D, 1] with spec.columns
+    pairs = codes.view(-1, 2, codes.shape[2]).transpose(1, 2) if spec.columns else codes.view(-1, 2)
+    packed = torch.bitwise_or(pairs[..., 1] << 4, pairs[..., 0])
+    return packed.t().contiguous() if spec.columns else packed
 
 
-def _result(op, shape, padded_shape, two_d, scaled, tensor_scale, g, codes, scale_codes, counts, stats) -> QuantizedBlocks:
+def _result(operand: _Operand, outputs: tuple, stats: bool) -> QuantizedBlocks:
+    """The core's outputs for ``operand`` as its :class:`QuantizedBlocks` (a wgrad operand's values are
+    a transposed view of the token-major result)."""
+    values, tensor_scale, g, codes, scale_codes, counts = outputs
+    op, spec = operand.op, operand.spec
     b = op.block_size
-    rows_p, cols_p = padded_shape
+    rows_p, cols_p = operand.padded_shape
+    values = values.view(cols_p, rows_p).t() if spec.columns else values.view(rows_p, cols_p)  # over x [Tp, D]
+    if codes is not None:
+        codes = codes.view(rows_p, cols_p // 2)
     return QuantizedBlocks(
-        shape=shape,
-        padded_shape=padded_shape,
+        shape=operand.shape,
+        padded_shape=operand.padded_shape,
         block_size=b,
-        two_d=two_d,
+        two_d=spec.two_d,
         scale_format=op.scale_format,
         tensor_scale=tensor_scale,
         tensor_amax=g,
         scale_target=float(op.scale_target),
         codes=codes,
         scale_codes=scale_codes,
-        scaled=scaled,
+        scaled=values,
         counts=dict(zip(BLOCK_STATS, counts.unbind())) if stats else {},
-        num_blocks=(rows_p // (b if two_d else 1)) * (cols_p // b),
-        num_elements=shape[0] * shape[1],
+        num_blocks=(rows_p // (b if spec.two_d else 1)) * (cols_p // b),
+        num_elements=operand.shape[0] * operand.shape[1],
     )

@@ -101,7 +101,7 @@ def test_statistics_on_and_off_share_one_graph():
 def test_one_graph_serves_every_operand_shape():
     """Sizes are dynamic: new shapes (ragged ones padded) reuse the compiled graph."""
     op = OperandQuant(scale_format="ue5m3", rounding="rne")
-    core = program._compiled(program._Spec("ue5m3", 16, False, "rne", False, True))
+    core = program._compiled((program._Spec("ue5m3", 16, False, "rne", False, True),))
     quantize_operand(torch.randn(48, 64), op, stats=False, compiled=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for shape in [(80, 160), (33, 40), (256, 32), (16, 1024)]:
@@ -109,7 +109,7 @@ def test_one_graph_serves_every_operand_shape():
         out = quantize_operand(x, op, stats=False, compiled=True)
         assert torch.equal(out.scaled, quantize_operand(x, op, stats=False).scaled), shape
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert core is program._compiled(program._Spec("ue5m3", 16, False, "rne", False, True))
+    assert core is program._compiled((program._Spec("ue5m3", 16, False, "rne", False, True),))
 
 
 @needs_compiler
@@ -123,7 +123,7 @@ def test_the_program_leaves_the_process_recompile_limit_alone():
     assert torch._dynamo.config.recompile_limit == before
     specs = [program._Spec(fmt, 16, two_d, rounding, False, True) for fmt in ("e4m3", "ue5m3")
              for two_d in (False, True) for rounding in ("rne", "sr", "sr8")]  # fmt: skip
-    codes = {program._compiled(spec)._torchdynamo_orig_callable.__code__ for spec in specs}
+    codes = {program._compiled((spec,))._torchdynamo_orig_callable.__code__ for spec in specs}
     assert len(codes) == len(specs) > before
 
 
@@ -168,6 +168,54 @@ def test_tokens_operand_is_bitwise_the_quantization_of_the_padded_transpose(fmt,
         assert ours.stats() == {k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")}, where
         # the same number of draws from the generator
         assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1])), where
+
+
+# (format, rounding, held reference, compiled): eager cases are cheap; each compiled one builds a graph.
+PAIR_PARAMS = [("ue5m3", "sr8", True, False), ("e4m3", "sr_exact", False, False),
+               pytest.param("ue5m3", "sr8", True, True, marks=needs_compiler),
+               pytest.param("ue5m3", "sr8", False, True, marks=[needs_compiler, pytest.mark.slow]),
+               pytest.param("e4m3", "rne", True, True, marks=[needs_compiler, pytest.mark.slow])]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,rounding,held,compiled", PAIR_PARAMS)
+def test_the_pair_is_bitwise_x_and_its_padded_transpose_quantized_one_after_the_other(fmt, rounding, held, compiled):
+    """quantize_operand_pair (one call, one compiled graph) must equal the reference quantization of X
+    along K and then of the padded transpose along the tokens, with one tensor reference and the
+    random bits drawn in that order; ragged and whole token counts (the graph's two inputs then share
+    their memory) must use the same graph."""
+    from nemofp4.kernels.program import quantize_operand_pair
+
+    op = OperandQuant(scale_format=fmt, rounding=rounding)
+    graphs = None
+    for tokens in (39, 64, 80):  # 39: padded to 48 for X^T only
+        x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens)) * torch.logspace(-3, 3, 48)
+        reference = torch.tensor(7.0) if held else None
+        seeds = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+        ref_x = quantize_blocks(x, fmt, 16, False, 448.0, reference, rounding, seeds[0])
+        t = torch.nn.functional.pad(x, (0, 0, 0, -tokens % 16)).t().contiguous()
+        ref_xt = quantize_blocks(t, fmt, 16, False, 448.0, reference, rounding, seeds[0])
+        qx, qxt = quantize_operand_pair(x, op, op, tensor_amax=reference, generator=seeds[1], pack_x=True,
+                                        compiled=compiled)  # fmt: skip
+        for ours, ref in ((qx, ref_x), (qxt, ref_xt)):
+            where = f"tokens={tokens}, {'X' if ours is qx else 'X^T'}"
+            assert ours.shape == ref.shape and ours.padded_shape == ref.padded_shape, where
+            assert torch.equal(_bits(ours.scaled), _bits(ref.scaled_values())), where
+            assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale_codes, ref.scale_codes), where
+            assert torch.equal(ours.tensor_scale, ref.tensor_scale), where
+            expected = ref.stats()
+            assert ours.stats() == {k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")}, where
+        assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1])), tokens
+        if compiled:
+            graphs = graphs or torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, tokens
+
+
+def test_the_pair_refuses_a_hadamard_transform_on_x_transposed():
+    from nemofp4.kernels.program import quantize_operand_pair
+
+    op = OperandQuant(scale_format="e4m3")
+    with pytest.raises(ValueError, match="without a Hadamard transform on X"):
+        quantize_operand_pair(torch.randn(16, 16), op, OperandQuant(scale_format="e4m3", hadamard=True))
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
