@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemofp4.models import NemotronHConfig, build_model, get_model_config, lm_loss
-from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
+from nemofp4.quant import run_inside_for, set_quant_backend, set_quant_stats, set_step
 from nemofp4.recipes import Recipe, apply_recipe
 from nemofp4.training.parallel import checkpoint_block
 
@@ -81,6 +81,7 @@ class LiveBytes(_TracksOutputs):
 
     def __init__(self, *existing: torch.Tensor) -> None:
         super().__init__()
+        run_inside_for(type(self))  # the FP4 linears' temporaries too
         self.label = "act"
         self.live = {"act": 0, "temp": 0}
         self.peak = 0

@@ -31,6 +31,7 @@ from torch import nn
 from nemofp4.models import NemotronHConfig, build_model, lm_loss, param_groups
 from nemofp4.quant import (
     cached_weights,
+    run_inside_for,
     set_held_reference_reduce_group,
     set_quant_backend,
     set_quant_stats,
@@ -294,6 +295,7 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
         optimizer.zero_grad(set_to_none=True)
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         tracker = _tracker_class()(net, optimizer)
+        run_inside_for(type(tracker))  # the FP4 linears' temporaries too
         stack.enter_context(mamba_kernel_standins(scan == "mamba_ssm"))
         stack.enter_context(gpu_quantizer_path(quantizer))
         stack.enter_context(_head_loss_through_call(net))

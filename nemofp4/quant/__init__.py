@@ -10,6 +10,7 @@ reference (amax) state, and the model-level controls the trainer calls.
 
 from .checkpoint import MODULE_STATE, ReferenceLoad
 from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
+from .fp4_linear import run_inside_for
 from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
 from .linear import FP32Linear, QuantLinear
 from .reference import HeldReference, ReferenceState
@@ -84,4 +85,5 @@ __all__ = [
     "snapshot",
     "transformer_engine_status",
     "without_quant_state",
+    "run_inside_for",
 ]

@@ -79,7 +79,7 @@ def _counted(model_cfg, recipe_name, *, seq_len, micro_batch, checkpointing, hea
         return sum(v for block in blocks for op, v in block.items() if str(op).split(".")[-1] in ops)
 
     attention = of({"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"})
-    return {"linear GEMMs": of({"mm", "addmm"}), "attention": attention,
+    return {"linear GEMMs": of({"mm", "addmm", "fp4_linear", "fp4_linear_backward"}), "attention": attention,
             "SSD scan": of({"bmm", "baddbmm", "convolution", "convolution_backward"}),
             "head and loss": counter.get_total_flops() - sum(sum(b.values()) for b in blocks),
             "total": counter.get_total_flops()}  # fmt: skip

@@ -198,27 +198,27 @@ def test_the_current_layout_resumes_the_module_state_and_each_ranks_own_referenc
     assert_equal(reference_state_dict(_resume(str(tmp_path), trainer_state, {"references": own})), own)
 
 
-def test_the_autograd_function_gets_a_frozen_call_and_the_state_not_the_module(monkeypatch):
+def test_the_fp4_op_gets_values_and_the_state_not_the_module(monkeypatch):
     import dataclasses
 
     from nemofp4.quant import linear
 
     model, optimizer = _fresh()
-    _train(model, optimizer, range(1, 2))  # builds the opaque entry with the real Function
-    seen = []
-    real_apply = linear._QuantLinearFunction.apply
+    _train(model, optimizer, range(1, 2))  # registers the ops
+    seen, real = [], linear._OPS
 
     def spy(*args):
         seen.append(args)
-        return real_apply(*args)
+        return real.forward(*args)
 
-    monkeypatch.setattr(linear._QuantLinearFunction, "apply", spy)
+    monkeypatch.setattr(linear, "_OPS", dataclasses.replace(real, forward=spy))
     _train(model, optimizer, range(2, 3))
     assert len(seen) == len(quant_linears(model)) > 0  # one call per FP4 linear
     for args in seen:
         assert not any(isinstance(a, torch.nn.Module) for a in args)
-        call, state = args[-2:]
-        assert isinstance(call, linear.QuantCall) and isinstance(state, linear.QuantLinearState)
+        state = args[3]
+        assert isinstance(state, linear.QuantLinearState)
+        call = state.call(args[0].device, training=args[4], compute_dtype=args[5])
         hash(call)
         with pytest.raises(dataclasses.FrozenInstanceError):
             call.training = False
