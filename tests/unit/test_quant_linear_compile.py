@@ -85,3 +85,19 @@ def test_compiled_norm_then_quant_linear_quantizes_what_the_eager_linear_would(r
     x_in = x.clone().requires_grad_()
     norm_alone(x_in).backward(dh_e)
     _assert_bitwise(x_in.grad, dx_c)
+
+
+@pytest.mark.parametrize("recipe", ["ue5m3", "nvfp4"])
+def test_a_captured_graph_without_inductor_is_bitwise_eager(recipe):
+    """The norm->linear block captured whole (the FP4 ops in the graph) and run without Inductor's code
+    generation (``backend="aot_eager"``) gives eager's bits, norm included: what a compiled model's
+    loss moves by comes from Inductor's code for the ops around the FP4 linears, not from the capture."""
+    block = _NormLinear(recipe)
+    captured = torch.compile(copy.deepcopy(block), fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(5)
+    for step in (1, 2):
+        x, dy = torch.randn(2, 24, 64, generator=gen), torch.randn(2, 24, 48, generator=gen)
+        y_e, dx_e, g_e = _step(block, x, dy, step)
+        y_c, dx_c, g_c = _step(captured, x, dy, step)
+        for a, b in zip([y_e, dx_e, *g_e], [y_c, dx_c, *g_c], strict=True):  # the norm's and linear's gradients too
+            _assert_bitwise(a, b)
