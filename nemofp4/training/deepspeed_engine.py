@@ -10,6 +10,7 @@ change it); FSDP2 checkpoints reshard freely.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,10 @@ def load(engine, folder: Path) -> None:
 
 def full_model_state_dict(engine) -> dict[str, torch.Tensor]:
     """The unpartitioned FP32 model weights (gathered on every rank for ZeRO-3), without held references."""
+    gathered = contextlib.nullcontext()
     if engine.zero_optimization_stage() == 3:
         import deepspeed
 
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return {k: v.detach().clone() for k, v in without_quant_state(engine.module.state_dict()).items()}
-    return {k: v.detach().clone() for k, v in without_quant_state(engine.module.state_dict()).items()}
+        gathered = deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    with gathered:
+        return {k: v.detach().clone() for k, v in without_quant_state(engine.module.state_dict()).items()}
