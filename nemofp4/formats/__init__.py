@@ -32,9 +32,9 @@ from .minifloat import (
     SpecialValues,
     get_format,
     pack_fp4,
-    sr8_bytes,
+    sr8_bytes_at,
     sr8_draws,
-    sr8_words,
+    sr8_key,
     unpack_fp4,
 )
 from .operand import QuantizedBlocks, tensor_scale_product
@@ -67,8 +67,8 @@ __all__ = [
     "pack_fp4",
     "quantize_blocks",
     "quantize_with_spec",
-    "sr8_bytes",
+    "sr8_bytes_at",
     "sr8_draws",
-    "sr8_words",
+    "sr8_key",
     "unpack_fp4",
 ]

@@ -37,8 +37,8 @@ How rounding works (the whole numerics of this module):
     expected value is ``x`` up to 2^-53 relative.
 
   Random bits come only from the ``generator`` passed in (torch's default generator when it
-  is None), in element order: ``sr`` and ``sr8`` one 24-bit draw per three elements
-  (:func:`sr8_draws`), ``sr_exact`` one float64 draw per element.
+  is None): ``sr`` and ``sr8`` one 32-bit key per tensor, each element's byte a hash of the key
+  and its index in element order (:func:`sr8_draws`); ``sr_exact`` one float64 draw per element.
 """
 
 from __future__ import annotations
@@ -260,28 +260,39 @@ def check_rounding(rounding: str) -> None:
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDING_MODES)}")
 
 
-def sr8_words(numel: int, generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
-    """The generator draws behind :func:`sr8_draws`: ``ceil(numel / 3)`` int32 values uniform on
-    [0, 2^24), one ``torch.randint`` call (one 32-bit generator output each on CPU)."""
-    return torch.randint(0, 1 << 24, ((numel + 2) // 3,), generator=generator, device=device, dtype=torch.int32)
+_HASH_MULTIPLIER = 0x45D9F3B
+"""The multiplier of :func:`sr8_bytes_at`'s rounds (T. Mueller's integer hash). Below 2^31, so a
+32-bit value times it stays below 2^63: the hash runs in int64 with no overflow on any backend."""
+_HASH_ROUNDS = 3
+"""Two rounds leave the bytes of neighbouring elements measurably dependent (a chi-square over
+pairs of adjacent bytes is ~7 sigma off); three pass it at lags 1, 2, 16 and 17."""
 
 
-def sr8_bytes(words: torch.Tensor, numel: int) -> torch.Tensor:
-    """uint8 random bytes from :func:`sr8_words`: element ``i`` takes byte ``i // m`` (low byte
-    first) of word ``i % m``, ``m = len(words)``; three contiguous planes, cheap to vectorize (and
-    one byte per element where a compiler stores them)."""
-    planes = (words & 0xFF, (words >> 8) & 0xFF, words >> 16)
-    return torch.cat([plane.to(torch.uint8) for plane in planes])[:numel]
+def sr8_key(generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """The 0-d int64 key of one operand's random bytes, uniform on [0, 2^32): the operand's only
+    generator draw, so every path (eager, compiled, reference) consumes a generator identically."""
+    return torch.randint(0, 1 << 32, (), generator=generator, device=device, dtype=torch.int64)
+
+
+def sr8_bytes_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int64 random bytes (0..255) of the elements at ``index`` (int64, in [0, 2^32)) under ``key``
+    (:func:`sr8_key`): the top byte of a 32-bit integer hash of ``index ^ key``, three
+    xorshift-multiply rounds in int64. Counter-based, so a compiled quantizer computes each
+    element's byte in the loop that rounds it, from its index: no draws are stored or read."""
+    x = index ^ key
+    for _ in range(_HASH_ROUNDS):
+        x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & 0xFFFFFFFF
+    return x >> 24
 
 
 def sr8_draws(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
-    """uint8 tensor of ``shape``: the random integers ``r`` of ``sr8``/``sr`` rounding, in element order.
-
-    Each 24-bit draw serves three elements (:func:`sr8_bytes`): the generator is the slow part of
-    stochastic rounding on CPU, and a draw per element would waste three quarters of its bits.
-    """
+    """uint8 tensor of ``shape``: the random integers ``r`` of ``sr8``/``sr`` rounding, element ``i``
+    (in element order) taking ``sr8_bytes_at(sr8_key(generator), i)``."""
     n = math.prod(shape)
-    return sr8_bytes(sr8_words(n, generator, device), n).view(shape)
+    if n > 1 << 32:
+        raise ValueError(f"stochastic rounding indexes its random bytes in 32 bits: {n} elements is more than 2^32")
+    index = torch.arange(n, device=device, dtype=torch.int64)
+    return sr8_bytes_at(sr8_key(generator, device), index).to(torch.uint8).view(shape)
 
 
 def round_magnitude_to_index(

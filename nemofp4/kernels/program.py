@@ -14,9 +14,10 @@ inside the loop; :func:`quantize_operand_pair` runs X's core and X^T's as one co
 compiled call costs about 0.1 ms of Dynamo's wrapper and guards, as much as the kernel of a small
 operand).
 
-Random bits are drawn outside the core with the reference's calls (:func:`sr8_words` for sr and
-sr8, one float64 ``torch.rand`` per element for sr_exact), so every path consumes a generator
-identically. Unlike the reference the program does not check for NaN/Inf (that would
+Random bits follow the reference's contract: sr and sr8 draw one key per operand
+(:func:`sr8_key`) and the core hashes each element's index with it (:func:`sr8_bytes_at`), inside
+the loop that rounds (compiled, no random bytes are stored or read); sr_exact draws one float64
+``torch.rand`` per element outside the core. Every path consumes a generator identically. Unlike the reference the program does not check for NaN/Inf (that would
 synchronize): a non-finite input yields non-finite values, which the trainer's checks catch.
 
 Compiling needs a C++ compiler (:func:`cpu_compile_available`); a spec whose build fails anyway
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from nemofp4.formats import QuantizedBlocks, wgrad_hadamard_transform
-from nemofp4.formats.minifloat import BYTE_DRAW_ROUNDINGS, sr8_bytes, sr8_words, sr_away
+from nemofp4.formats.minifloat import BYTE_DRAW_ROUNDINGS, sr8_bytes_at, sr8_key, sr_away
 from nemofp4.formats.scaling import (
     FLT_MAX,
     FP4_MAX,
@@ -118,15 +119,28 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent > -127, normal, _POW2_MIN)
 
 
-def _materialized(t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
-    """``t`` (made contiguous if asked, 2-D), stored by Inductor to a buffer of its own instead of
-    fused into every consumer: a per-block value (a block scale) recomputed in a vectorized loop over
-    the elements would be computed once per element, with scalar code, and a transposed read of the
-    random bytes would gather (eagerly too: the bytes are transposed once)."""
+def _materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t``, stored by Inductor to a buffer of its own instead of fused into every consumer: a
+    per-block value (a block scale) recomputed in a vectorized loop over the elements would be
+    computed once per element, with scalar code."""
     if not torch.compiler.is_compiling():
-        return t.contiguous() if contiguous else t
-    stride = (t.shape[1], 1) if contiguous else t.stride()
-    return torch.ops.prims.inductor_force_stride_order(t, stride)
+        return t
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
+
+
+def _element_index(blocks: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """int64 index of each element of ``blocks`` in the operand's element order (that of its random
+    bytes): row-major over the padded ``x``, or with ``spec.columns`` over its transpose (element
+    (t, d) of the token-major input is element d * Tp + t). Compiled, it is the loop's index
+    arithmetic, never a tensor."""
+    rows = blocks.shape[0] * blocks.shape[1]
+    if not spec.columns:
+        return torch.arange(blocks.numel(), device=blocks.device).view(blocks.shape)
+    tokens = torch.arange(rows, device=blocks.device).view(blocks.shape[0], blocks.shape[1], 1, 1)
+    # each feature's first index, stored once (compiled): the loop over the elements runs along the
+    # features, and Inductor computes an index with a symbolic stride there one lane at a time
+    starts = _materialized(torch.arange(blocks.shape[2], device=blocks.device) * rows)
+    return starts.view(1, 1, -1, 1) + tokens
 
 
 def _quantize_core(
@@ -138,9 +152,9 @@ def _quantize_core(
     that a block is dims 1 and 3.
 
     ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
-    0-d float32; ``draws`` the random bits (sr/sr8: int32 words; sr_exact: float64 uniforms shaped like
-    ``blocks``), drawn in the element order of the operand: row-major over ``x``, or over ``x^T``
-    with ``spec.columns``. Returns (scaled values shaped like ``blocks``, tensor_scale, g, packed E2M1
+    0-d float32; ``draws`` the random bits: sr/sr8 the operand's 0-d int64 key (each element's byte is
+    hashed from it and the element's index), sr_exact float64 uniforms shaped like ``blocks``; both in
+    the element order of the operand: row-major over ``x``, or over ``x^T`` with ``spec.columns``. Returns (scaled values shaped like ``blocks``, tensor_scale, g, packed E2M1
     codes (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None, counts [3]:
     saturated, underflowed and zero blocks).
     """
@@ -190,10 +204,7 @@ def _quantize_core(
         lower = torch.floor(scaled_grid)
         frac = scaled_grid - lower  # the exact fraction of a grid step
         if spec.rounding in BYTE_DRAW_ROUNDINGS:  # TE's cvt.rs (sr) or the paper's sr8, r the element's byte
-            r = sr8_bytes(draws, blocks.numel())
-            if spec.columns:  # drawn row-major over x^T: transposed once, as bytes
-                r = _materialized(r.view(blocks.shape[2], -1).t(), contiguous=True)
-            r = r.view(blocks.shape).to(torch.float32)
+            r = sr8_bytes_at(draws, _element_index(blocks, spec)).to(torch.float32)
             away = sr_away(frac, r, spec.rounding)
         else:  # sr_exact: away from zero iff u < frac, u uniform on [0, 1) in float64
             away = draws < frac.double()
@@ -441,8 +452,8 @@ def _quantize(operands: tuple[_Operand, ...], tensor_amax, generator, stats: boo
     if compiled and not torch.compiler.is_compiling():
         for operand, draws in zip(operands, args[3::4]):
             torch._dynamo.mark_dynamic(operand.blocks, (0, 2))  # one graph for every operand shape
-            if draws is not None:
-                torch._dynamo.mark_dynamic(draws, 0 if operand.op.rounding in BYTE_DRAW_ROUNDINGS else (0, 2))
+            if operand.op.rounding == "sr_exact":
+                torch._dynamo.mark_dynamic(draws, (0, 2))
         outputs = _run_compiled(specs, *args)
     else:
         outputs = _quantize_cores(specs, *args)
@@ -457,7 +468,10 @@ def _core_args(operand: _Operand, tensor_amax, generator) -> tuple:
     target = scaled_target(DEFAULT_SCALE_TARGET if spec.power_of_two else op.scale_target, device)
     draws = None
     if op.rounding in BYTE_DRAW_ROUNDINGS:
-        draws = sr8_words(blocks.numel(), generator, device)
+        if blocks.numel() > 1 << 32:
+            raise ValueError(f"stochastic rounding indexes its random bytes in 32 bits: {blocks.numel()} elements "
+                             "is more than 2^32")
+        draws = sr8_key(generator, device)
     elif op.rounding == "sr_exact":
         draws = torch.rand(operand.padded_shape, generator=generator, device=device, dtype=torch.float64)
         draws = (draws.t() if spec.columns else draws).view(blocks.shape)

@@ -239,36 +239,46 @@ def test_ue5m3_grids_agree_below_the_paper_max():
 
 # --------------------------------------------------------------------------- stochastic rounding
 def _documented_sr8_draws(n: int, generator: torch.Generator) -> np.ndarray:
-    m = (n + 2) // 3
-    words = torch.randint(0, 2**24, (m,), generator=generator, dtype=torch.int64).numpy()
-    planes = [(words >> (8 * k)) & 0xFF for k in range(3)]
-    return np.concatenate(planes)[:n]
+    """The documented draws, computed independently: one key uniform on [0, 2^32) from the generator,
+    element i's byte the top byte of three rounds of x = ((x >> 16) ^ x) * 0x45D9F3B mod 2^32 on
+    x = i ^ key, in numpy's wrapping uint32 arithmetic."""
+    key = np.uint32(int(torch.randint(0, 2**32, (), generator=generator, dtype=torch.int64)))
+    x = np.arange(n, dtype=np.uint32) ^ key
+    for _ in range(3):
+        x = ((x >> np.uint32(16)) ^ x) * np.uint32(0x45D9F3B)
+    return (x >> np.uint32(24)).astype(np.uint8)
+
+
+def _chi2_uniform(values: np.ndarray, bins: int) -> float:
+    counts = np.bincount(values, minlength=bins)
+    expected = values.size / bins
+    return float(((counts - expected) ** 2 / expected).sum())
 
 
 def test_sr8_draws_layout_and_uniformity():
-    """sr8_draws equals the documented layout, and its bytes are uniform on 0..255 (chi-square)."""
+    """sr8_draws equals the documented hash, its bytes are uniform on 0..255, and the bytes of
+    elements 1, 2, 16 and 17 apart are independent (chi-square over the 65,536 pairs; 16 and 17
+    are a block apart): a hash with too few rounds fails the pairs."""
     from nemofp4.formats import sr8_draws
 
-    n = 300_001
+    n = 1 << 21
     draws = sr8_draws((n,), torch.Generator().manual_seed(3), "cpu")
     assert draws.dtype == torch.uint8
     np.testing.assert_array_equal(draws.numpy(), _documented_sr8_draws(n, torch.Generator().manual_seed(3)))
-    counts = np.bincount(draws.numpy(), minlength=256)
-    expected = n / 256
-    chi2 = ((counts - expected) ** 2 / expected).sum()
-    assert chi2 < 255 + 6 * np.sqrt(2 * 255), chi2  # mean 255, sd sqrt(510): 6 sigma
-    # The three bytes of one word are independent: pairs (plane 0, plane 1) are uniform too.
-    m = (n + 2) // 3
-    pairs = draws[:m].numpy().astype(np.int64) // 16 * 16 + draws[m : 2 * m].numpy() // 16
-    counts = np.bincount(pairs, minlength=256)
-    chi2 = ((counts - m / 256) ** 2 / (m / 256)).sum()
-    assert chi2 < 255 + 6 * np.sqrt(2 * 255), chi2
+    r = draws.numpy().astype(np.int64)
+    assert _chi2_uniform(r, 256) < 255 + 6 * np.sqrt(2 * 255)  # mean 255, sd sqrt(510): 6 sigma
+    for lag in (1, 2, 16, 17):
+        chi2 = _chi2_uniform(r[:-lag] * 256 + r[lag:], 65536)
+        assert chi2 < 65535 + 6 * np.sqrt(2 * 65535), (lag, chi2)
+    # Two keys give unrelated bytes at the same elements.
+    other = sr8_draws((n,), torch.Generator().manual_seed(4), "cpu").numpy().astype(np.int64)
+    assert _chi2_uniform(r * 256 + other, 65536) < 65535 + 6 * np.sqrt(2 * 65535)
 
 
 def test_sr8_follows_its_exact_8bit_rule():
-    """Reproduce the draws (one torch.randint(0, 2**24) word per three elements, element i
-    taking byte i // m of word i % m) and apply the paper's rule: round away iff
-    fp32(frac + (2r+1)/512) >= 1, the sum rounded to float32 as its code evaluates it."""
+    """Reproduce the draws (the documented hash of each element's index and the key) and apply the
+    paper's rule: round away iff fp32(frac + (2r+1)/512) >= 1, the sum rounded to float32 as its
+    code evaluates it."""
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.uniform(-7, 7, 50_000), [0.25, 0.75, 2.5, 5.0, 0.5 + 255 / 512, 0.5 + 1 / 1024]])
     x = torch.from_numpy(x.astype(np.float32))

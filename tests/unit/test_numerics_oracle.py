@@ -100,14 +100,10 @@ def _positions() -> list[tuple[float, float, Fraction]]:
     return out
 
 
-def _words_for_bytes(byte_values: np.ndarray) -> torch.Tensor:
-    """The int32 words :func:`sr8_words` would return to give element i the byte byte_values[i]
-    (element i takes byte i // m of word i % m, m = ceil(n / 3))."""
-    n = byte_values.size
-    m = -(-n // 3)
-    b = np.zeros(3 * m, dtype=np.int64)
-    b[:n] = byte_values
-    return torch.from_numpy((b[:m] | (b[m : 2 * m] << 8) | (b[2 * m :] << 16)).astype(np.int32))
+def _bytes_at(byte_values: np.ndarray):
+    """In place of :func:`sr8_bytes_at`'s hash: element ``i`` draws ``byte_values[i]``."""
+    table = torch.from_numpy(byte_values.astype(np.int64))
+    return lambda key, index: table[index]
 
 
 def _enumerated_inputs(values: list[float]):
@@ -141,11 +137,11 @@ def test_rounding_probability_is_the_exact_count_over_all_random_bytes(rounding,
         pytest.skip("needs a C++ compiler for torch.compile")
     positions = _positions()
     x, r, blocks = _enumerated_inputs([p[0] for p in positions])
-    words = _words_for_bytes(r)
+    bytes_at = _bytes_at(r)
     if path == "minifloat":
         import nemofp4.formats.minifloat as minifloat
 
-        monkeypatch.setattr(minifloat, "sr8_words", lambda n, g, d: words)
+        monkeypatch.setattr(minifloat, "sr8_bytes_at", bytes_at)
         from nemofp4.formats import E2M1
 
         out = E2M1.round(x, rounding=rounding)
@@ -161,7 +157,7 @@ def test_rounding_probability_is_the_exact_count_over_all_random_bytes(rounding,
     else:
         import nemofp4.kernels.program as program
 
-        monkeypatch.setattr(program, "sr8_words", lambda n, g, d: words)
+        monkeypatch.setattr(program, "sr8_bytes_at", bytes_at)
         op = _fp4_config("nvfp4" if scale_format == "e4m3" else "ue5m3").dy_dgrad
         assert op.rounding == rounding and op.scale_format == scale_format
         # g = 448 * 6: G = 1 and every block scale is 1, so the payload is x itself
