@@ -256,24 +256,28 @@ class _Quantizer:
                 held_source = held_source()
             self.state.record(role, q, held_source, backend=self.call.backend)
 
-    def x_and_xt(self, x_TK: torch.Tensor) -> tuple[QuantizedBlocks, QuantizedBlocks]:
-        """X for fprop and X^T [K, Tp] for wgrad (packed, it is saved), in one read on CUDA."""
+    def pair(self, role: Role, tokens_role: Role, x_TD: torch.Tensor, *,
+             pack_tokens: bool) -> tuple[QuantizedBlocks, QuantizedBlocks]:  # fmt: skip
+        """``role`` along the last dim of ``x_TD`` and ``tokens_role``, its wgrad operand [D, Tp] along
+        the tokens (X and X^T, or dY and dY^T), sharing one tensor reference: one compiled call on
+        CPU, one read on CUDA. ``role``'s random bits are drawn first, as two calls would draw them."""
         config = self.config
-        amax = self.reference(Role.X, x_TK)
-        assert amax is None or self.reference(Role.X_WGRAD, x_TK) is amax  # one shared 'x' reference
-        qx, qxt = self.call.backend.quantize_pair(
-            x_TK,
-            config.x,
-            config.x_wgrad,
+        op, tokens_op = config.operand(role), config.operand(tokens_role)
+        amax = self.reference(role, x_TD)
+        assert amax is None or self.reference(tokens_role, x_TD) is amax  # one shared reference
+        q, qt = self.call.backend.quantize_pair(
+            x_TD,
+            op,
+            tokens_op,
             tensor_amax=amax,
-            generator=self.generator if config.x.rounding != "rne" else None,
+            generator=self.generator if op.rounding != "rne" or tokens_op.rounding != "rne" else None,
             pack_x=self.pack_all,
-            pack_xt=True,
+            pack_xt=pack_tokens or self.pack_all,
             stats=self.call.collect_stats,
         )
-        self.record(Role.X, qx, self.held_source(Role.X, x_TK))
-        self.record(Role.X_WGRAD, qxt, self.held_source(Role.X_WGRAD, x_TK))
-        return qx, qxt
+        self.record(role, q, self.held_source(role, x_TD))
+        self.record(tokens_role, qt, self.held_source(tokens_role, x_TD))
+        return q, qt
 
     @property
     def pack_all(self) -> bool:
@@ -322,7 +326,7 @@ def _fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     quantize = _Quantizer(call, state, state.sr_generator(x.device) if call.forward_uses_sr else None)
 
     if needs_dw and not config.x_wgrad.hadamard:
-        qx, qxt = quantize.x_and_xt(x_TK)
+        qx, qxt = quantize.pair(Role.X, Role.X_WGRAD, x_TK, pack_tokens=True)
     else:
         qx = quantize(Role.X, x_TK)
         qxt = quantize.tokens(Role.X_WGRAD, x_TK, pack=True) if needs_dw else None  # after the RHT
@@ -376,9 +380,15 @@ def _fp4_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: to
         layout = state.layouts["xt", torch.Size((dy_TN.shape[0], x_shape[-1]))]
         qxt = _operand(QuantizedBlocks.from_tensors(tuple(saved[:4]), layout), config.gemm)
         saved = saved[4:]
-    if needs_dx:
+    saved_wt = bool(needs_dx and saved) and (config.w.two_d or not quantize.caches_weight)  # W as forward quantized it
+    qdyt = None
+    if needs_dx and needs_dw and not config.dy_wgrad.hadamard and (saved_wt or config.w.rounding == "rne"):
+        # one call for dY and dY^T (W^T, quantized between them otherwise, draws no random bits)
+        qdy, qdyt = quantize.pair(Role.DY_DGRAD, Role.DY_WGRAD, dy_TN, pack_tokens=False)
+    elif needs_dx:
         qdy = quantize(Role.DY_DGRAD, dy_TN)
-        if saved and (config.w.two_d or not quantize.caches_weight):  # as forward quantized it
+    if needs_dx:
+        if saved_wt:
             layout = state.layouts["w"]
             wt = GemmOperand(_operand(QuantizedBlocks.from_tensors(tuple(saved[:4]), layout), config.gemm), transposed=True)
         else:
@@ -388,7 +398,8 @@ def _fp4_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: to
         del qdy, wt
         out.append(dx_TK.to(x_dtype).reshape(x_shape))
     if needs_dw:
-        qdyt = quantize.tokens(Role.DY_WGRAD, dy_TN)
+        if qdyt is None:
+            qdyt = quantize.tokens(Role.DY_WGRAD, dy_TN)
         dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
         state.capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
         out.append(dw_NK.to(w_dtype))

@@ -91,7 +91,7 @@ def scaled_gemm(a: GemmOperand, b: GemmOperand, compute_dtype: torch.dtype) -> t
         acc = torch.mm(a_s.to(torch.bfloat16), b_s.to(torch.bfloat16).t(), out_dtype=torch.float32)
     else:
         acc = a_s @ b_s.t()
-    return acc * tensor_scale_product(a.q, b.q).to(acc.device)
+    return acc.mul_(tensor_scale_product(a.q, b.q).to(acc.device))  # in place: acc is fresh (one page-fault pass fewer)
 
 
 def decoded_gemm(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
