@@ -15,6 +15,9 @@ reports each case's median time (``ms``), that over the clone's median (``x floo
 torchao's median over the case's (``vs torchao``, higher is better) at each thread count. The
 machine is shared and absolute times drift: compare ratios from one run. The row "copy into a held
 tensor" copies the same bytes into a tensor allocated once: the clone's time less its fresh pages.
+The clone's own time depends on whether the allocator hands it fresh pages (2-3 ms or 5-6 ms at
+one thread on the 2-core VM, from one process to the next), so each case is also given over the
+held copy ("x held copy"), the steadier of the two.
 
 Fresh large tensors are a large part of every case's time on a VM: each first touch of a 4 KiB page
 faults. ``THP_MEM_ALLOC_ENABLE=1 python scripts/bench_quant.py`` measures with PyTorch's CPU
@@ -104,12 +107,13 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}, "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
     )
-    header = "".join(f" | {t} thr: ms | x floor | vs torchao" for t in args.threads)
+    header = "".join(f" | {t} thr: ms | x floor | x held copy | vs torchao" for t in args.threads)
     print(f"| case{header} |")
-    print("|---" + "|---:" * 3 * len(args.threads) + "|")
+    print("|---" + "|---:" * 4 * len(args.threads) + "|")
     for name in variants:
         cells = "".join(
             f" | {median[name, t] * 1e3:.2f} | {median[name, t] / median['clone (floor)', t]:.1f}x"
+            f" | {median[name, t] / median['copy into a held tensor', t]:.1f}x"
             f" | {median['torchao NVFP4', t] / median[name, t]:.2f}x"
             for t in args.threads
         )
