@@ -17,8 +17,10 @@ operand).
 Random bits follow the reference's contract: sr and sr8 draw one key per operand
 (:func:`sr8_key`) and the core hashes each element's index with it (:func:`sr8_bytes_at`), inside
 the loop that rounds (compiled, no random bytes are stored or read); sr_exact draws one float64
-``torch.rand`` per element outside the core. Every path consumes a generator identically. Unlike the reference the program does not check for NaN/Inf (that would
-synchronize): a non-finite input yields non-finite values, which the trainer's checks catch.
+``torch.rand`` per element outside the core. Every path consumes a generator identically.
+
+Unlike the reference the program does not check for NaN/Inf (that would synchronize): a
+non-finite input yields non-finite values, which the trainer's checks catch.
 
 Compiling needs a C++ compiler (:func:`cpu_compile_available`); a spec whose build fails anyway
 warns once, naming the spec, and runs its core eagerly on the same inputs from then on (the other
@@ -132,7 +134,8 @@ def _element_index(blocks: torch.Tensor, spec: _Spec) -> torch.Tensor:
     """int64 index of each element of ``blocks`` in the operand's element order (that of its random
     bytes): row-major over the padded ``x``, or with ``spec.columns`` over its transpose (element
     (t, d) of the token-major input is element d * Tp + t). Compiled, it is the loop's index
-    arithmetic, never a tensor."""
+    arithmetic (down the columns, plus a buffer of each feature's first index), never a tensor of
+    the operand's size."""
     rows = blocks.shape[0] * blocks.shape[1]
     if not spec.columns:
         return torch.arange(blocks.numel(), device=blocks.device).view(blocks.shape)
@@ -154,9 +157,11 @@ def _quantize_core(
     ``g`` is the tensor reference (None with ``spec.measure``) and ``target`` float32(T * 6), both
     0-d float32; ``draws`` the random bits: sr/sr8 the operand's 0-d int64 key (each element's byte is
     hashed from it and the element's index), sr_exact float64 uniforms shaped like ``blocks``; both in
-    the element order of the operand: row-major over ``x``, or over ``x^T`` with ``spec.columns``. Returns (scaled values shaped like ``blocks``, tensor_scale, g, packed E2M1
-    codes (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None, counts [3]:
-    saturated, underflowed and zero blocks).
+    the element order of the operand: row-major over ``x``, or over ``x^T`` with ``spec.columns``.
+
+    Returns (scaled values shaped like ``blocks``, tensor_scale, g, packed E2M1 codes
+    (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None, counts [3]: saturated,
+    underflowed and zero blocks).
     """
     blocks = blocks.float()
     if spec.hadamard:  # along the columns: groups of 16 consecutive rows

@@ -243,6 +243,19 @@ def test_non_2d_input_is_refused_by_name():
         quantize_operand(torch.randn(16), OperandQuant(scale_format="ue5m3"))
 
 
+@pytest.mark.parametrize("rounding", ["sr8", "sr"])
+def test_stochastic_rounding_refuses_an_operand_beyond_its_32_bit_element_index(rounding):
+    """The random bytes are hashed from 32-bit element indices: 2^33 elements (a meta tensor, no memory)
+    would repeat them, so both the program and the reference's draws refuse it, naming the count."""
+    from nemofp4.formats import sr8_draws
+
+    x = torch.empty(1 << 17, 1 << 16, device="meta")
+    with pytest.raises(ValueError, match=f"{1 << 33} elements is more than 2\\^32"):
+        quantize_operand(x, OperandQuant(scale_format="ue5m3", rounding=rounding))
+    with pytest.raises(ValueError, match=f"{1 << 33} elements is more than 2\\^32"):
+        sr8_draws((1 << 33,), None, "meta")
+
+
 def test_backend_setting_picks_the_path(monkeypatch):
     calls = []
     real = program.quantize_operand
