@@ -269,9 +269,12 @@ of the pairs of bytes 16 apart is 7-9 sigma off, 1 apart 4-5 sigma); three pass 
 and 17 (``test_sr8_draws_layout_and_uniformity``)."""
 
 
-def sr8_key(generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
-    """The 0-d int64 key of one operand's random bytes, uniform on [0, 2^32): the operand's only
-    generator draw, so every path (eager, compiled, reference) consumes a generator identically."""
+def sr8_key(numel: int, generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """The 0-d int64 key of the random bytes of an operand of ``numel`` elements, uniform on [0, 2^32):
+    the operand's only generator draw, so every path (eager, compiled, reference) consumes a generator
+    identically. More than 2^32 elements are refused: their 32-bit indices would repeat bytes."""
+    if numel > 1 << 32:
+        raise ValueError(f"stochastic rounding indexes its random bytes in 32 bits: {numel} elements is more than 2^32")
     return torch.randint(0, 1 << 32, (), generator=generator, device=device, dtype=torch.int64)
 
 
@@ -289,12 +292,10 @@ def sr8_bytes_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def sr8_draws(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
     """uint8 tensor of ``shape``: the random integers ``r`` of ``sr8``/``sr`` rounding, element ``i``
-    (in element order) taking ``sr8_bytes_at(sr8_key(generator), i)``."""
+    (in element order) taking ``sr8_bytes_at(sr8_key(numel, generator), i)``."""
     n = math.prod(shape)
-    if n > 1 << 32:
-        raise ValueError(f"stochastic rounding indexes its random bytes in 32 bits: {n} elements is more than 2^32")
-    index = torch.arange(n, device=device, dtype=torch.int64)
-    return sr8_bytes_at(sr8_key(generator, device), index).to(torch.uint8).view(shape)
+    key = sr8_key(n, generator, device)
+    return sr8_bytes_at(key, torch.arange(n, device=device, dtype=torch.int64)).to(torch.uint8).view(shape)
 
 
 def round_magnitude_to_index(

@@ -473,10 +473,7 @@ def _core_args(operand: _Operand, tensor_amax, generator) -> tuple:
     target = scaled_target(DEFAULT_SCALE_TARGET if spec.power_of_two else op.scale_target, device)
     draws = None
     if op.rounding in BYTE_DRAW_ROUNDINGS:
-        if blocks.numel() > 1 << 32:
-            raise ValueError(f"stochastic rounding indexes its random bytes in 32 bits: {blocks.numel()} elements "
-                             "is more than 2^32")
-        draws = sr8_key(generator, device)
+        draws = sr8_key(blocks.numel(), generator, device)
     elif op.rounding == "sr_exact":
         draws = torch.rand(operand.padded_shape, generator=generator, device=device, dtype=torch.float64)
         draws = (draws.t() if spec.columns else draws).view(blocks.shape)
