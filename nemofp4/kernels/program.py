@@ -136,9 +136,9 @@ def _element_index(blocks: torch.Tensor, spec: _Spec) -> torch.Tensor:
     (t, d) of the token-major input is element d * Tp + t). Compiled, it is the loop's index
     arithmetic (down the columns, plus a buffer of each feature's first index), never a tensor of
     the operand's size."""
-    rows = blocks.shape[0] * blocks.shape[1]
     if not spec.columns:
         return torch.arange(blocks.numel(), device=blocks.device).view(blocks.shape)
+    rows = blocks.shape[0] * blocks.shape[1]
     tokens = torch.arange(rows, device=blocks.device).view(blocks.shape[0], blocks.shape[1], 1, 1)
     # each feature's first index, stored once (compiled): the loop over the elements runs along the
     # features, and Inductor computes an index with a symbolic stride there one lane at a time
