@@ -8,15 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LinearQuantConfig
-from .fp4_linear import QuantCall, QuantLinearState, _mix_seed, _Ops, _Quantizer, register_ops
+from .fp4_linear import QuantCall, QuantLinearState, _mix_seed, _Quantizer, register_ops
 from .reference import ReferenceState
 from .stats import OperandStats
 
 __all__ = ["FP32Linear", "QuantCall", "QuantLinear", "QuantLinearState"]
 __all__ += ["_mix_seed", "_Quantizer"]  # test seams
-
-_OPS: _Ops | None = None
-"""The registered ops (:func:`register_ops`), read by :meth:`QuantLinear.forward`."""
 
 
 class QuantLinear(nn.Linear):
@@ -62,8 +59,7 @@ class QuantLinear(nn.Linear):
         self.quant_index = index
         references = ReferenceState({ref: config.reference_interval(ref) for ref in config.reference_roles()})
         self.quant_state = QuantLinearState(references, index, config)
-        global _OPS
-        _OPS = register_ops()
+        register_ops()  # when the first QuantLinear is made, not at import (see register_ops)
 
     @property
     def quant_backend(self) -> str:
@@ -148,8 +144,8 @@ class QuantLinear(nn.Linear):
             compute_dtype = x.dtype
         grad = torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
-            return _OPS.forward(x, self.weight, self.bias, self.quant_state, self.training, compute_dtype,
-                                  grad and x.requires_grad, grad and self.weight.requires_grad)[0]  # fmt: skip
+            return register_ops().forward(x, self.weight, self.bias, self.quant_state, self.training, compute_dtype,
+                                           grad and x.requires_grad, grad and self.weight.requires_grad)[0]  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, quant=[{self.quant_config.summary()}]"
