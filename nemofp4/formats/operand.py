@@ -32,8 +32,8 @@ _META_FIELDS = ("scale_format", "shape", "padded_shape", "block_size", "two_d", 
 @functools.lru_cache(maxsize=32)
 def e2m1_pair_table(device: torch.device) -> torch.Tensor:
     """[256] int64: the two float32 E2M1 values packed in each byte (low nibble first), as one 8-byte
-    word per byte: a 1-D gather of words is 3-4x faster on CPU than ``index_select`` of [256, 2] rows
-    (the same bytes; ``.view(torch.float32)`` reads the pairs)."""
+    word per byte: a 1-D gather of words is faster on CPU than ``index_select`` of [256, 2] rows (the
+    same bytes; ``.view(torch.float32)`` reads the pairs; docs/benchmarks.md, "Fourth round")."""
     values = E2M1.code_values()
     byte = torch.arange(256)
     return torch.stack((values[byte & 15], values[byte >> 4]), dim=-1).view(torch.int64).view(-1).to(device)
