@@ -201,17 +201,17 @@ def test_the_current_layout_resumes_the_module_state_and_each_ranks_own_referenc
 def test_the_fp4_op_gets_values_and_the_state_not_the_module(monkeypatch):
     import dataclasses
 
-    from nemofp4.quant import linear
+    from nemofp4.quant import fp4_linear, linear
 
     model, optimizer = _fresh()
     _train(model, optimizer, range(1, 2))  # registers the ops
-    seen, real = [], linear._OPS
+    seen, real = [], fp4_linear.register_ops()
 
     def spy(*args):
         seen.append(args)
         return real.forward(*args)
 
-    monkeypatch.setattr(linear, "_OPS", dataclasses.replace(real, forward=spy))
+    monkeypatch.setattr(fp4_linear, "_OPS", dataclasses.replace(real, forward=spy))  # what register_ops() returns
     _train(model, optimizer, range(2, 3))
     assert len(seen) == len(quant_linears(model)) > 0  # one call per FP4 linear
     for args in seen:
