@@ -27,6 +27,13 @@ trainer collects them): the first step (which compiles), the median of the other
 slowest of them against that median. ``--profile`` prints torch.profiler's op table of one
 tiny-model step of ``--recipe``.
 
+"page faults" is the median count of minor page faults a tiny step takes (``ru_minflt``): pages the
+step touches for the first time, which the kernel zeroes first. ``--keep-freed-memory`` asks glibc's
+malloc to serve every allocation from its heap and never to return freed memory (``mallopt``:
+``M_MMAP_MAX=0``, ``M_TRIM_THRESHOLD`` at its largest), to measure what those faults cost; the
+trainer does not do this (docs/benchmarks.md, the quantizer's fifth round: repeated aligned
+allocations can then grow the heap without bound).
+
 Memory: the tensors autograd saves during one forward pass, counted once per storage
 (parameters excluded), run under CPU autocast to bfloat16 as a GPU run would be: an
 ``nn.Linear`` then saves a BF16 copy of its input, an FP4 linear its packed codes. "FP4
@@ -38,8 +45,10 @@ matmuls are slow on CPU, and every saved size is proportional to the tokens.)
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
+import resource
 import statistics
 import time
 import warnings
@@ -138,8 +147,22 @@ def timing_quantizers(kernels: str):
             delattr(backend, name)
 
 
-def time_tiny(args) -> tuple[dict[str, float], dict[str, float]]:
-    """(recipe -> median step seconds, recipe -> median share of the step spent quantizing)."""
+def keep_freed_memory() -> None:
+    """glibc's malloc serves every allocation from its heap and keeps freed memory (see the docstring)."""
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    m_trim_threshold, m_mmap_max = -1, -4
+    if not (mallopt(m_mmap_max, 0) and mallopt(m_trim_threshold, (1 << 31) - 1)):
+        raise RuntimeError("glibc's mallopt refused M_MMAP_MAX=0 or M_TRIM_THRESHOLD")
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_tiny(args) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(recipe -> median step seconds, recipe -> median share of the step spent quantizing, recipe ->
+    median minor page faults of a step)."""
     vocab = get_model_config("tiny").vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
     runs = {}
@@ -150,17 +173,20 @@ def time_tiny(args) -> tuple[dict[str, float], dict[str, float]]:
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     times = {name: [] for name in RECIPES}
     shares = {name: [] for name in RECIPES}
+    faults = {name: [] for name in RECIPES}
     with timing_quantizers(args.kernels) as spent:
         for round_index in range(args.repeats + 1):
             for name, (model, optimizer) in runs.items():
-                quantizing = spent[0]
+                quantizing, faulted = spent[0], _minor_faults()
                 start = time.perf_counter()
                 _tiny_step(model, optimizer, ids, round_index + 1)
                 if round_index:  # round 0 warms up
                     times[name].append(time.perf_counter() - start)
                     shares[name].append((spent[0] - quantizing) / times[name][-1])
+                    faults[name].append(_minor_faults() - faulted)
     return ({name: statistics.median(t) for name, t in times.items()},
-            {name: statistics.median(s) for name, s in shares.items()})  # fmt: skip
+            {name: statistics.median(s) for name, s in shares.items()},
+            {name: statistics.median(f) for name, f in faults.items()})  # fmt: skip
 
 
 def time_run(args) -> None:
@@ -299,13 +325,18 @@ def main() -> None:
     parser.add_argument("--run-steps", type=int, default=0, help="time every step of one run of this many steps")
     parser.add_argument("--recipe", choices=RECIPES, default="ue5m3", help="the recipe of --run-steps")
     parser.add_argument("--stats-interval", type=int, default=50, help="statistics steps of --run-steps")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc's malloc keeps freed memory (mallopt), to measure what page faults cost")
     parser.add_argument("--profile", action="store_true", help="profile one tiny-model step of --recipe instead")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops listed by --profile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+    if args.keep_freed_memory:
+        keep_freed_memory()
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}, "
           f"kernels={args.kernels}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, "
+          f"{'freed memory kept (mallopt), ' if args.keep_freed_memory else ''}"
           f"load average {os.getloadavg()[0]:.2f}")
     if args.run_steps:
         time_run(args)
@@ -314,7 +345,7 @@ def main() -> None:
         profile_step(args)
         return
 
-    tiny_time, tiny_share = time_tiny(args)
+    tiny_time, tiny_share, tiny_faults = time_tiny(args)
     linear_time = time_linear(args)
     vocab = get_model_config("tiny").vocab_size
     tiny_ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(3))
@@ -322,16 +353,16 @@ def main() -> None:
     linear_mem = memory(lambda n: build_linear(n, args.width), torch.randn(args.memory_tokens, args.width))
 
     print(f"\n## tiny model, {args.batch}x{args.seq_len} tokens, training step (median of {args.repeats})")
-    print("| recipe | FP4 linears | step s | vs bf16 | quantizing | saved MiB (all) | saved MiB (linears) "
+    print("| recipe | FP4 linears | step s | vs bf16 | quantizing | page faults | saved MiB (all) | saved MiB (linears) "
           "| FP4 linears vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in RECIPES:
         _, table, knobs = build_tiny(name, args.tiny_bf16_last_layers)
         total, lin, _, _ = tiny_mem[name]
         label = name + (f" ({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else "")
         print(
             f"| {label} | {table.count('fp4')} | {tiny_time[name]:.3f} | {tiny_time[name] / tiny_time['bf16']:.2f}x | "
-            f"{tiny_share[name]:.0%} | {total / 2**20:.2f} | {lin / 2**20:.2f} | {_fp4_ratio(tiny_mem, name)} |"
+            f"{tiny_share[name]:.0%} | {tiny_faults[name]:.0f} | {total / 2**20:.2f} | {lin / 2**20:.2f} | {_fp4_ratio(tiny_mem, name)} |"
         )
     print(f"\n## one {args.width}x{args.width} linear, {args.linear_tokens} tokens, forward+backward "
           f"(memory at {args.memory_tokens} tokens)")
