@@ -25,7 +25,8 @@ mostly wait on each other. The header says whether ``THP_MEM_ALLOC_ENABLE=1`` wa
 (held-reference refreshes and quantization statistics every ``--stats-interval`` steps, as the
 trainer collects them): the first step (which compiles), the median of the others and the
 slowest of them against that median. ``--profile`` prints torch.profiler's op table of one
-tiny-model step of ``--recipe``.
+tiny-model step of ``--recipe``, and the Python function calls a step makes (``cProfile`` over the
+five steps after it).
 
 "page faults" is the median count of minor page faults a tiny step takes (``ru_minflt``): pages the
 step touches for the first time, which the kernel zeroes first. ``--keep-freed-memory`` asks glibc's
@@ -215,7 +216,11 @@ def time_run(args) -> None:
 
 def profile_step(args) -> None:
     """torch.profiler over one tiny-model step of ``--recipe`` (after three warm-up steps): where
-    an FP4 recipe's time goes, op by op, against the same table for bf16."""
+    an FP4 recipe's time goes, op by op, against the same table for bf16; then the Python function
+    calls of a step, the interpreter's share of that time."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     vocab = get_model_config("tiny").vocab_size
@@ -230,6 +235,13 @@ def profile_step(args) -> None:
         _tiny_step(model, optimizer, ids, 4)
     print(f"\n## profile of one {args.recipe} step of the tiny model, {args.batch}x{args.seq_len} tokens")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+    steps = range(5, 10)
+    calls = cProfile.Profile()
+    with calls:
+        for step in steps:
+            _tiny_step(model, optimizer, ids, step)
+    per_step = pstats.Stats(calls).total_calls / len(steps)
+    print(f"Python function calls a step (cProfile, steps {steps[0]}-{steps[-1]}): {per_step:,.0f}")
 
 
 def time_linear(args) -> dict[str, float]:
