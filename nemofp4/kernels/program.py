@@ -34,6 +34,7 @@ import os
 import shutil
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,17 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     """Exactly 2^e in float32 for int32 e in [-127, 127], built from the bits."""
     normal = ((exponent + 127).clamp(min=1) << 23).view(torch.float32)
     return torch.where(exponent > -127, normal, _POW2_MIN)
+
+
+_SIGN_BIT = -(2**31)
+"""The float32 sign bit, as an int32 mask."""
+
+
+def _sign_bits(x: torch.Tensor) -> torch.Tensor:
+    """int32: the sign bit of each float32 element of ``x``, alone. Applying it with a bitwise or is
+    ``copysign`` for a non-negative magnitude, bit for bit (-0.0 included), in integer vector
+    instructions: compiled, ``copysign`` is a call into a vector math library per vector."""
+    return x.view(torch.int32) & _SIGN_BIT
 
 
 def _materialized(t: torch.Tensor) -> torch.Tensor:
@@ -214,16 +226,15 @@ def _quantize_core(
         else:  # sr_exact: away from zero iff u < frac, u uniform on [0, 1) in float64
             away = draws < frac.double()
         steps = torch.where(away, lower + 1.0, lower)
-        rounded = steps / inv
-    values = torch.copysign(rounded, blocks) * block_scale
+        rounded = steps * torch.where(upper, 2.0, torch.where(middle, 1.0, 0.5))  # exact: a power of two
+    sign = _sign_bits(blocks)
+    values = (rounded.view(torch.int32) | sign).view(torch.float32) * block_scale  # copysign(rounded, x)
 
     codes = None
     if spec.pack:
         # E2M1 code = sign * 8 + the binade's first code (0, 2, 4 spacings) + steps.
         offset = torch.where(upper, 4.0, torch.where(middle, 2.0, 0.0))
-        negative = (
-            torch.copysign(torch.ones_like(blocks), blocks) < 0
-        )  # -0.0 too (signbit does not vectorize)
+        negative = sign != 0  # -0.0 too (signbit does not vectorize)
         codes = _packed((torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8), spec)
     # scale codes always (one byte per block): NVFP4's dequantize (TE's order) needs the block scales
     if spec.power_of_two:
@@ -271,17 +282,18 @@ _failed_builds: set = set()
 """The specs (and ``"hadamard"``) whose compiled form could not be built in this process."""
 
 
-def _compiled_or_eager(key, build, eager, args: tuple, what: str):
+def _compiled_or_eager(key, build, eager, args: tuple, what: Callable[[], str]):
     """``build(key)(*args)``, the compiled form. If it cannot be built here (a broken toolchain,
-    missing headers), warn once naming ``what``, and run ``eager(*args)`` for this key from then on
-    (the same numerics; the random draws already made are the ones used). Other keys still compile."""
+    missing headers), warn once naming ``what()`` (made only then), and run ``eager(*args)`` for this
+    key from then on (the same numerics; the random draws already made are the ones used). Other
+    keys still compile."""
     if key not in _failed_builds:
         try:
             return build(key)(*args)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             _failed_builds.add(key)
             warnings.warn(
-                f"torch.compile could not build the CPU FP4 quantizer for {what} ({error}); quantizing it with "
+                f"torch.compile could not build the CPU FP4 quantizer for {what()} ({error}); quantizing it with "
                 "the eager PyTorch path instead (same numerics, slower). kernels=eager skips the attempt.",
                 stacklevel=4,
             )
@@ -290,7 +302,9 @@ def _compiled_or_eager(key, build, eager, args: tuple, what: str):
 
 def _run_compiled(specs: tuple[_Spec, ...], *args):
     """The compiled cores of ``specs`` (eager where the build failed)."""
-    what = " and ".join(spec.describe() for spec in specs)
+    def what() -> str:
+        return " and ".join(spec.describe() for spec in specs)
+
     return _compiled_or_eager(specs, _compiled, functools.partial(_quantize_cores, specs), args, what)
 
 
@@ -306,7 +320,8 @@ def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return wgrad_hadamard_transform(x)
     torch._dynamo.maybe_mark_dynamic(x, tuple(range(x.dim())))  # a 16-token dim specializes
-    return _compiled_or_eager("hadamard", _compiled_hadamard, wgrad_hadamard_transform, (x,), "the wgrad Hadamard transform")
+    return _compiled_or_eager("hadamard", _compiled_hadamard, wgrad_hadamard_transform, (x,),
+                              lambda: "the wgrad Hadamard transform")
 
 
 # ------------------------------------------------------------------------------------ entry
