@@ -126,11 +126,15 @@ _SIGN_BIT = -(2**31)
 """The float32 sign bit, as an int32 mask."""
 
 
-def _sign_bits(x: torch.Tensor) -> torch.Tensor:
-    """int32: the sign bit of each float32 element of ``x``, alone. Applying it with a bitwise or is
-    ``copysign`` for a non-negative magnitude, bit for bit (-0.0 included), in integer vector
-    instructions: compiled, ``copysign`` is a call into a vector math library per vector."""
-    return x.view(torch.int32) & _SIGN_BIT
+def _copysign(magnitude: torch.Tensor, x: torch.Tensor, bitwise: bool) -> torch.Tensor:
+    """``copysign(magnitude, x)`` for a non-negative float32 ``magnitude``, bit for bit either way
+    (-0.0 included). ``bitwise`` ors x's sign bit into magnitude's bits: compiled with float32-wide
+    vectors, integer instructions, where ``copysign`` is a call into a vector math library in the
+    middle of the loop; with BF16-wide vectors (a BF16 operand in the loop) Inductor casts the bits
+    one lane at a time, and ``copysign`` is the faster."""
+    if bitwise:
+        return (magnitude.view(torch.int32) | (x.view(torch.int32) & _SIGN_BIT)).view(torch.float32)
+    return torch.copysign(magnitude, x)
 
 
 def _materialized(t: torch.Tensor) -> torch.Tensor:
@@ -175,6 +179,9 @@ def _quantize_core(
     (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None, counts [3]: saturated,
     underflowed and zero blocks).
     """
+    # float32-wide vectors in the compiled loops (see _copysign): a float32 input without the Hadamard
+    # transform's BF16 buffer, or a BF16/FP16 input read along its rows
+    bitwise_sign = not spec.hadamard and (blocks.dtype == torch.float32 or not spec.columns)
     blocks = blocks.float()
     if spec.hadamard:  # along the columns: groups of 16 consecutive rows
         # its values are BF16 (TE's rounding): compiled, the stored transform is a BF16 buffer
@@ -227,14 +234,13 @@ def _quantize_core(
             away = draws < frac.double()
         steps = torch.where(away, lower + 1.0, lower)
         rounded = steps * torch.where(upper, 2.0, torch.where(middle, 1.0, 0.5))  # exact: a power of two
-    sign = _sign_bits(blocks)
-    values = (rounded.view(torch.int32) | sign).view(torch.float32) * block_scale  # copysign(rounded, x)
+    values = _copysign(rounded, blocks, bitwise_sign) * block_scale
 
     codes = None
     if spec.pack:
         # E2M1 code = sign * 8 + the binade's first code (0, 2, 4 spacings) + steps.
         offset = torch.where(upper, 4.0, torch.where(middle, 2.0, 0.0))
-        negative = sign != 0  # -0.0 too (signbit does not vectorize)
+        negative = _copysign(torch.ones_like(blocks), blocks, bitwise_sign) < 0  # -0.0 too (signbit does not vectorize)
         codes = _packed((torch.where(negative, 8.0, 0.0) + steps + offset).to(torch.uint8), spec)
     # scale codes always (one byte per block): NVFP4's dequantize (TE's order) needs the block scales
     if spec.power_of_two:
