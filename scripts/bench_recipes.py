@@ -4,6 +4,7 @@
                                     [--kernels auto|compiled|eager]
     python scripts/bench_recipes.py --run-steps 120 [--recipe ue5m3] [--stats-interval 50]
     python scripts/bench_recipes.py --profile --recipe nvfp4 [--profile-rows 25]
+    python scripts/bench_recipes.py --linears [--repeats 15]
 
 Two workloads, all recipes side by side in one run:
 
@@ -27,6 +28,13 @@ trainer collects them): the first step (which compiles), the median of the other
 slowest of them against that median. ``--profile`` prints torch.profiler's op table of one
 tiny-model step of ``--recipe``, and the Python function calls a step makes (``cProfile`` over the
 five steps after it).
+
+``--linears`` times the tiny model's FP4 linears alone, each recipe's against the same linears in
+bf16: one forward + backward of every linear the recipe turns into FP4, at its shapes in the tiny
+step (the input shapes of one forward), inputs that need gradients as in the model, recipes
+interleaved round after round. The rest of the step (the SSD scan, attention, the LM head, the
+optimizer) costs the same in every recipe and only adds noise to a step's ratio; this isolates what
+an FP4 linear adds, and how much of it is the quantizers (:func:`timing_quantizers`).
 
 "page faults" is the median count of minor page faults a tiny step takes (``ru_minflt``): pages the
 step touches for the first time, which the kernel zeroes first. ``--keep-freed-memory`` asks glibc's
@@ -244,6 +252,78 @@ def profile_step(args) -> None:
     print(f"Python function calls a step (cProfile, steps {steps[0]}-{steps[-1]}): {per_step:,.0f}")
 
 
+def _linear_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, tuple[int, ...]]:
+    """fqn -> input shape of every ``nn.Linear`` (QuantLinear included) in one forward of ``model``."""
+    shapes = {}
+    handles = [module.register_forward_pre_hook(lambda m, a, fqn=fqn: shapes.setdefault(fqn, tuple(a[0].shape)) and None)
+               for fqn, module in model.named_modules() if isinstance(module, nn.Linear)]  # fmt: skip
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    return shapes
+
+
+def time_linears(args) -> dict[str, tuple[int, float, float, float]]:
+    """recipe -> (FP4 linears, median seconds of their forward + backward, of the same linears in bf16
+    of the quantizers' share) for every FP4 recipe (see the docstring: ``--linears``)."""
+    vocab = get_model_config("tiny").vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
+    models = {}
+    for name in RECIPES:
+        model, table, _ = build_tiny(name, args.tiny_bf16_last_layers)
+        set_quant_stats(model, args.stats)
+        set_quant_backend(model, args.kernels)
+        models[name] = (model, [row.fqn for row in table.rows if row.kind == "fp4"])
+    shapes = _linear_inputs(models["bf16"][0], ids)
+    g = torch.Generator().manual_seed(2)
+    inputs = {}
+    for fqn, shape in shapes.items():
+        out_features = models["bf16"][0].get_submodule(fqn).out_features
+        inputs[fqn] = (torch.randn(shape, generator=g), torch.randn(*shape[:-1], out_features, generator=g))
+
+    def run(model: nn.Module, fqns: list[str], step: int) -> float:
+        set_step(model, step)
+        start = time.perf_counter()
+        for fqn in fqns:
+            x, dy = inputs[fqn]
+            model.get_submodule(fqn)(x.requires_grad_()).backward(dy)
+            x.grad = None
+        elapsed = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return elapsed
+
+    fp4_names = [name for name in RECIPES if models[name][1]]
+    times = {name: [] for name in fp4_names}
+    bf16_times = {name: [] for name in fp4_names}
+    shares = {name: [] for name in fp4_names}
+    with timing_quantizers(args.kernels) as spent:
+        for round_index in range(args.repeats + 1):
+            for name in fp4_names:
+                model, fqns = models[name]
+                quantizing = spent[0]
+                fp4 = run(model, fqns, round_index + 1)
+                quantizing = spent[0] - quantizing
+                bf16 = run(models["bf16"][0], fqns, round_index + 1)
+                if round_index:  # round 0 warms up
+                    times[name].append(fp4)
+                    bf16_times[name].append(bf16)
+                    shares[name].append(quantizing)
+    return {name: (len(models[name][1]), statistics.median(times[name]), statistics.median(bf16_times[name]),
+                   statistics.median(shares[name])) for name in fp4_names}  # fmt: skip
+
+
+def print_linears(args) -> None:
+    linears = time_linears(args)
+    print(f"\n## the tiny model's FP4 linears alone, {args.batch}x{args.seq_len} tokens, forward + backward "
+          f"(median of {args.repeats})")
+    print("| recipe | FP4 linears | FP4 ms | same linears in bf16 ms | vs bf16 | FP4 adds ms | of which quantizing ms |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (count, fp4, bf16, quantizing) in linears.items():
+        print(f"| {name} | {count} | {fp4 * 1e3:.1f} | {bf16 * 1e3:.1f} | {fp4 / bf16:.2f}x | {(fp4 - bf16) * 1e3:.1f} "
+              f"| {quantizing * 1e3:.1f} |")
+
+
 def time_linear(args) -> dict[str, float]:
     g = torch.Generator().manual_seed(2)
     x = torch.randn(args.linear_tokens, args.width, generator=g)
@@ -341,6 +421,7 @@ def main() -> None:
                         help="glibc's malloc keeps freed memory (mallopt), to measure what page faults cost")
     parser.add_argument("--profile", action="store_true", help="profile one tiny-model step of --recipe instead")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops listed by --profile")
+    parser.add_argument("--linears", action="store_true", help="time the tiny model's FP4 linears alone instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -355,6 +436,9 @@ def main() -> None:
         return
     if args.profile:
         profile_step(args)
+        return
+    if args.linears:
+        print_linears(args)
         return
 
     tiny_time, tiny_share, tiny_faults = time_tiny(args)
