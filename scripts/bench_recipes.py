@@ -255,7 +255,14 @@ def profile_step(args) -> None:
 def _linear_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, tuple[int, ...]]:
     """fqn -> input shape of every ``nn.Linear`` (QuantLinear included) in one forward of ``model``."""
     shapes = {}
-    handles = [module.register_forward_pre_hook(lambda m, a, fqn=fqn: shapes.setdefault(fqn, tuple(a[0].shape)) and None)
+
+    def record(fqn: str):
+        def hook(module, args) -> None:
+            shapes.setdefault(fqn, tuple(args[0].shape))
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(record(fqn))
                for fqn, module in model.named_modules() if isinstance(module, nn.Linear)]  # fmt: skip
     with torch.no_grad():
         model(ids)
@@ -265,7 +272,7 @@ def _linear_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, tuple[int, 
 
 
 def time_linears(args) -> dict[str, tuple[int, float, float, float]]:
-    """recipe -> (FP4 linears, median seconds of their forward + backward, of the same linears in bf16
+    """recipe -> (FP4 linears, median seconds of their forward + backward, of the same linears in bf16,
     of the quantizers' share) for every FP4 recipe (see the docstring: ``--linears``)."""
     vocab = get_model_config("tiny").vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
@@ -280,14 +287,15 @@ def time_linears(args) -> dict[str, tuple[int, float, float, float]]:
     inputs = {}
     for fqn, shape in shapes.items():
         out_features = models["bf16"][0].get_submodule(fqn).out_features
-        inputs[fqn] = (torch.randn(shape, generator=g), torch.randn(*shape[:-1], out_features, generator=g))
+        inputs[fqn] = (torch.randn(shape, generator=g).requires_grad_(),
+                       torch.randn(*shape[:-1], out_features, generator=g))  # fmt: skip
 
     def run(model: nn.Module, fqns: list[str], step: int) -> float:
         set_step(model, step)
         start = time.perf_counter()
         for fqn in fqns:
             x, dy = inputs[fqn]
-            model.get_submodule(fqn)(x.requires_grad_()).backward(dy)
+            model.get_submodule(fqn)(x).backward(dy)
             x.grad = None
         elapsed = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
