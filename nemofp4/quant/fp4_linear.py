@@ -53,7 +53,7 @@ from .gemm import GemmOperand, gemm
 from .reference import ReferenceState
 from .stats import OperandStats, operand_stats
 
-__all__ = ["QuantCall", "QuantLinearState", "register_ops", "run_inside_for"]
+__all__ = ["QuantCall", "QuantLinearState", "fp4_linear", "register_ops", "run_inside_for"]
 
 def _mix_seed(*values: int) -> int:
     """A well-mixed 63-bit seed from a tuple of ints (splitmix64 chained over the values)."""
@@ -430,11 +430,16 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grads):
+    return _backward_with(_OPS.backward, ctx, grads)
+
+
+def _backward_with(backward: Callable, ctx, grads) -> tuple:
+    """The inputs' gradients, from ``backward`` (the backward op, or its program called directly)."""
     dy = grads[0]  # the saved operands' outputs get none
     *saved, weight = ctx.saved_tensors
     db_dtype = ctx.bias_dtype if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-    grads = _OPS.backward(dy, saved, weight, ctx.state, ctx.training, ctx.compute_dtype, ctx.x_shape, ctx.x_dtype,
-                          ctx.w_dtype, ctx.needs_dx, ctx.needs_dw, db_dtype)  # fmt: skip
+    grads = backward(dy, saved, weight, ctx.state, ctx.training, ctx.compute_dtype, ctx.x_shape, ctx.x_dtype,
+                     ctx.w_dtype, ctx.needs_dx, ctx.needs_dw, db_dtype)  # fmt: skip
     dx = grads.pop(0) if ctx.needs_dx else None
     dw = grads.pop(0) if ctx.needs_dw else None
     db = grads.pop(0) if db_dtype is not None else None
@@ -472,6 +477,44 @@ def _below_autograd(impl: Callable) -> Callable:
 
 
 _OPS: _Ops | None = None
+
+
+class _EagerFP4Linear(torch.autograd.Function):
+    """The FP4 linear in plain eager PyTorch: the ops' forward and backward programs, called as an
+    ``autograd.Function`` without the dispatcher's custom-op layers (argument checks, output
+    flattening, a second op for backward), which cost about 0.3 ms per linear's forward and backward
+    on a CPU (docs/benchmarks.md, "Seventh round"). The same programs, saved operands and context as
+    the ops, which stay the path wherever something must see them: ``torch.compile``, dispatch modes
+    (fake tensors, FLOP counters, memory trackers), tensor subclasses."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _below_autograd(_fp4_linear)(*inputs)
+        _setup_context(ctx, inputs, out)
+        ctx.mark_non_differentiable(*out[1:])
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward_with(_below_autograd(_fp4_linear_backward), ctx, grads)
+
+
+def _plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call may skip the ops: eager (not traced), no dispatch mode or functorch transform
+    on, plain tensors (or parameters)."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active()
+            and all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))  # fmt: skip
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: QuantLinearState,
+               training: bool, compute_dtype: torch.dtype, needs_dx: bool, needs_dw: bool) -> torch.Tensor:  # fmt: skip
+    """``Y``: the FP4 linear's forward, with its backward joined for autograd: the custom op
+    ``nemofp4::fp4_linear``, or in plain eager its programs without the op (:class:`_EagerFP4Linear`)."""
+    args = (x, weight, bias, state, training, compute_dtype, needs_dx, needs_dw)
+    if _plain_eager(x, weight, bias):
+        return _EagerFP4Linear.apply(*args)[0]
+    return register_ops().forward(*args)[0]
 
 
 def register_ops() -> _Ops:

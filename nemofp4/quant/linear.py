@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LinearQuantConfig
-from .fp4_linear import QuantCall, QuantLinearState, _mix_seed, _Quantizer, register_ops
+from .fp4_linear import QuantCall, QuantLinearState, _mix_seed, _Quantizer, fp4_linear, register_ops
 from .reference import ReferenceState
 from .stats import OperandStats
 
@@ -144,8 +144,8 @@ class QuantLinear(nn.Linear):
             compute_dtype = x.dtype
         grad = torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
-            return register_ops().forward(x, self.weight, self.bias, self.quant_state, self.training, compute_dtype,
-                                           grad and x.requires_grad, grad and self.weight.requires_grad)[0]  # fmt: skip
+            return fp4_linear(x, self.weight, self.bias, self.quant_state, self.training, compute_dtype,
+                              grad and x.requires_grad, grad and self.weight.requires_grad)  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, quant=[{self.quant_config.summary()}]"

@@ -172,6 +172,53 @@ def test_frozen_weight_and_input_without_grad():
     assert layer.weight.grad is not None
 
 
+@pytest.mark.parametrize("recipe", FP4_RECIPES + ["ue5m3/hardware"])
+@pytest.mark.parametrize("grads", ["all", "frozen weight", "input without grad"])
+def test_plain_eager_runs_the_ops_programs_without_the_ops_to_the_bit(recipe, grads):
+    """In plain eager the FP4 linear skips the dispatcher's custom ops (``fp4_linear`` calls its
+    programs through an autograd.Function); the ops, which compile and dispatch modes need, give the
+    same bits: output, both gradients and the bias's, stochastic rounding included, two steps."""
+    from nemofp4.quant import fp4_linear
+
+    recipe, _, gemm = recipe.partition("/")
+    config = _config(recipe, **({"gemm": gemm} if gemm else {}))
+    ops = fp4_linear.register_ops()
+    results = []
+    for through_ops in (False, True):
+        _, layer = _layer(config, seed=1)
+        layer.weight.requires_grad_(grads != "frozen weight")
+        gen = torch.Generator().manual_seed(4)
+        for step in (1, 2):
+            layer.set_step(step, seed=7, rank=0)
+            x = torch.randn(3, 40, 96, generator=gen).requires_grad_(grads != "input without grad")
+            args = (x, layer.weight, layer.bias, layer.quant_state, True, torch.float32, x.requires_grad,
+                    layer.weight.requires_grad)  # fmt: skip
+            y = ops.forward(*args)[0] if through_ops else layer(x)
+            assert (y.grad_fn.name() == "_EagerFP4LinearBackward") is not through_ops
+            y.backward(torch.randn(3, 40, 80, generator=gen))
+            results += [y.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+            layer.zero_grad(set_to_none=True)
+    half = len(results) // 2
+    for eager, op in zip(results[:half], results[half:], strict=True):
+        assert (eager is None) == (op is None)
+        if eager is not None:
+            assert torch.equal(eager.view(torch.int32), op.view(torch.int32))
+
+
+def test_dispatch_modes_see_the_fp4_ops():
+    """Under a dispatch mode (a FLOP counter here; fake tensors and memory trackers likewise) the FP4
+    linear runs as its custom ops, so the mode sees them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, layer = _layer(_config("ue5m3"))
+    x = torch.randn(20, 96, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        y = layer(x)
+        y.sum().backward()
+    assert y.grad_fn is not None and y.grad_fn.name() != "_EagerFP4LinearBackward"
+    assert counter.get_total_flops() == 3 * 2 * 20 * 96 * 80
+
+
 def test_bf16_input_computes_and_returns_bf16():
     _, layer = _layer(_config("ue5m3"))
     x = torch.randn(32, 96).bfloat16().requires_grad_()

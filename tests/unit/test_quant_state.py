@@ -204,14 +204,14 @@ def test_the_fp4_op_gets_values_and_the_state_not_the_module(monkeypatch):
     from nemofp4.quant import fp4_linear, linear
 
     model, optimizer = _fresh()
-    _train(model, optimizer, range(1, 2))  # registers the ops
-    seen, real = [], fp4_linear.register_ops()
+    _train(model, optimizer, range(1, 2))
+    seen, real = [], fp4_linear._fp4_linear
 
     def spy(*args):
         seen.append(args)
-        return real.forward(*args)
+        return real(*args)
 
-    monkeypatch.setattr(fp4_linear, "_OPS", dataclasses.replace(real, forward=spy))  # what register_ops() returns
+    monkeypatch.setattr(fp4_linear, "_fp4_linear", spy)  # the forward program, op or not
     _train(model, optimizer, range(2, 3))
     assert len(seen) == len(quant_linears(model)) > 0  # one call per FP4 linear
     for args in seen:
