@@ -2,7 +2,8 @@
 
 A :class:`Backend` does the five things a quantized linear asks of the kernels: quantize an
 operand, quantize the token-major wgrad operand (and the X / X^T pair that shares one tensor
-reference), measure an amax, apply the wgrad Hadamard transform, and run the hardware GEMM model.
+reference, and the forward's X, X^T and W together), measure an amax, apply the wgrad Hadamard
+transform, and run the hardware GEMM model.
 Three implementations, with the same numerics:
 
 * :class:`EagerBackend`: the torch program (:mod:`nemofp4.kernels.program`) op by op;
@@ -67,6 +68,12 @@ class Backend(Protocol):
     def quantize_pair(self, x_TK: torch.Tensor, spec_x: BlockSpec, spec_xt: BlockSpec, *, pack_x: bool = False,
                       pack_xt: bool = True, **options) -> tuple[QuantizedBlocks, QuantizedBlocks]: ...  # fmt: skip
 
+    def quantize_forward(self, x_TK: torch.Tensor, weight: torch.Tensor, spec_x: BlockSpec, spec_xt: BlockSpec | None,
+                         spec_w: BlockSpec, *, x_amax: torch.Tensor | None = None,
+                         w_amax: torch.Tensor | None = None, pack_x: bool = False, pack_xt: bool = True,
+                         pack_w: bool = False, **options) -> tuple[QuantizedBlocks, QuantizedBlocks | None,
+                                                                   QuantizedBlocks]: ...  # fmt: skip
+
     def amax(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def hadamard_transform(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -98,6 +105,14 @@ class EagerBackend:
         compiled graph for the two)."""
         return program.quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt,
                                              compiled=self._compiled, **options)  # fmt: skip
+
+    def quantize_forward(self, x_TK, weight, spec_x, spec_xt, spec_w, *, x_amax=None, w_amax=None, pack_x=False,
+                         pack_xt=True, pack_w=False, **options):  # fmt: skip
+        """(X, X^T or None when ``spec_xt`` is None, W): what a linear's forward quantizes, one compiled
+        graph for the three."""
+        return program.quantize_forward_operands(x_TK, weight, spec_x, spec_xt, spec_w, x_amax=x_amax, w_amax=w_amax,
+                                                 pack_x=pack_x, pack_xt=pack_xt, pack_w=pack_w,
+                                                 compiled=self._compiled, **options)  # fmt: skip
 
     def quantize_blocks(self, x, *args, **kwargs):
         """:func:`nemofp4.formats.quantize_blocks` (same arguments)."""
@@ -163,6 +178,17 @@ class TritonBackend(EagerBackend):
         from .operand import triton_quantize_operand_pair
 
         return triton_quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt, **options)
+
+    def quantize_forward(self, x_TK, weight, spec_x, spec_xt, spec_w, *, x_amax=None, w_amax=None, pack_x=False,
+                         pack_xt=True, pack_w=False, **options):  # fmt: skip
+        """X (with X^T: :meth:`quantize_pair`), then W: kernel launches, which have no per-call guards
+        to share."""
+        if spec_xt is None:
+            qx, qxt = self.quantize(x_TK, spec_x, tensor_amax=x_amax, pack=pack_x, **options), None
+        else:
+            qx, qxt = self.quantize_pair(x_TK, spec_x, spec_xt, tensor_amax=x_amax, pack_x=pack_x, pack_xt=pack_xt,
+                                         **options)  # fmt: skip
+        return qx, qxt, self.quantize(weight, spec_w, tensor_amax=w_amax, pack=pack_w, **options)
 
     def quantize_blocks(self, x, *args, **kwargs):
         """The Triton kernel for the block sizes it has; its stochastic roundings seed Philox with one

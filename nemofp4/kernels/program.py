@@ -10,9 +10,9 @@ reassociation, no contraction), so eager and compiled results are bitwise equal,
 equal the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the tests hold
 them to that. :func:`quantize_tokens_operand` runs the same core on the wgrad operands (X^T,
 dY^T) with its blocks down the columns of the token-major tensor, the wgrad Hadamard transform
-inside the loop; :func:`quantize_operand_pair` runs X's core and X^T's as one compiled graph (a
-compiled call costs about 0.1 ms of Dynamo's wrapper and guards, as much as the kernel of a small
-operand).
+inside the loop; :func:`quantize_operand_pair` runs X's core and X^T's as one compiled graph, and
+:func:`quantize_forward_operands` those and W's (a compiled call costs about 0.1 ms of Dynamo's
+wrapper and guards, as much as the kernel of a small operand).
 
 Random bits follow the reference's contract: sr and sr8 draw one key per operand
 (:func:`sr8_key`) and the core hashes each element's index with it (:func:`sr8_bytes_at`), inside
@@ -59,6 +59,7 @@ __all__ = [
     "compiled_hadamard_transform",
     "cpu_compile_available",
     "quantize_operand",
+    "quantize_forward_operands",
     "quantize_operand_pair",
     "quantize_tokens_operand",
     "tokens_transposed",
@@ -363,7 +364,7 @@ def quantize_operand(
     synchronization). ``compiled`` runs the core through ``torch.compile`` (inside an already
     compiled region it is inlined).
     """
-    (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax),), tensor_amax, generator, stats, compiled)
+    (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax),), generator, stats, compiled)
     return q
 
 
@@ -388,7 +389,7 @@ def quantize_tokens_operand(
     strides ``(1, D)``); packed codes and scale codes are row-major ``[D, ...]``, as
     ``quantize_operand`` gives them.
     """
-    (q,) = _quantize((_down_columns(x_TD, op, pack, tensor_amax),), tensor_amax, generator, stats, compiled)
+    (q,) = _quantize((_down_columns(x_TD, op, pack, tensor_amax),), generator, stats, compiled)
     return q
 
 
@@ -411,8 +412,39 @@ def quantize_operand_pair(
     if op_xt.hadamard:
         raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
     operands = (_along_rows(x_TK, op_x, None, pack_x, tensor_amax), _down_columns(x_TK, op_xt, pack_xt, tensor_amax))
-    qx, qxt = _quantize(operands, tensor_amax, generator, stats, compiled)
+    qx, qxt = _quantize(operands, generator, stats, compiled)
     return qx, qxt
+
+
+def quantize_forward_operands(
+    x_TK: torch.Tensor,
+    weight: torch.Tensor,
+    op_x: BlockSpec,
+    op_xt: BlockSpec | None,
+    op_w: BlockSpec,
+    *,
+    x_amax: torch.Tensor | None = None,
+    w_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pack_x: bool = False,
+    pack_xt: bool = True,
+    pack_w: bool = False,
+    stats: bool = True,
+    compiled: bool = False,
+) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]:
+    """What a linear's forward quantizes, as one compiled graph (one call, one set of guards): X
+    along K, X^T along the tokens sharing X's tensor reference ``x_amax`` (``op_xt`` None: not
+    quantized here), and W along K or in tiles as ``op_w`` says, with its own reference ``w_amax``.
+    Bit for bit (random bits drawn in that order) ``quantize_operand_pair`` (or ``quantize_operand``
+    of X) followed by ``quantize_operand`` of W."""
+    if op_xt is not None and op_xt.hadamard:
+        raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
+    operands = [_along_rows(x_TK, op_x, None, pack_x, x_amax)]
+    if op_xt is not None:
+        operands.append(_down_columns(x_TK, op_xt, pack_xt, x_amax))
+    operands.append(_along_rows(weight, op_w, None, pack_w, w_amax))
+    *quantized, qw = _quantize(tuple(operands), generator, stats, compiled)
+    return quantized[0], quantized[1] if op_xt is not None else None, qw
 
 
 @dataclass(frozen=True)
@@ -426,6 +458,8 @@ class _Operand:
     """The result's shape (for a wgrad operand: [D, tokens padded to 16])."""
     padded_shape: tuple[int, int]
     """The operand padded to whole blocks ([D, Tp] for a wgrad operand): the element order of its draws."""
+    tensor_amax: torch.Tensor | None
+    """Its tensor reference (None: measured in the core)."""
 
 
 def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, tensor_amax) -> _Operand:
@@ -440,7 +474,7 @@ def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, 
     row_block = b if two_d else 1
     blocks = xp.view(rows_p // row_block, row_block, cols_p // b, b)
     spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None)
-    return _Operand(op, spec, blocks, (rows, cols), (rows_p, cols_p))
+    return _Operand(op, spec, blocks, (rows, cols), (rows_p, cols_p), tensor_amax)
 
 
 def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax) -> _Operand:
@@ -458,7 +492,7 @@ def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax) ->
     blocks = xp.view(rows_p // b, b, features, 1)
     spec = _Spec(op.scale_format, b, False, op.rounding, pack, measure=tensor_amax is None, columns=True,
                  hadamard=op.hadamard)  # fmt: skip
-    return _Operand(op, spec, blocks, (features, padded_tokens), (features, rows_p))
+    return _Operand(op, spec, blocks, (features, padded_tokens), (features, rows_p), tensor_amax)
 
 
 def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
@@ -470,10 +504,10 @@ def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
     return x.contiguous()
 
 
-def _quantize(operands: tuple[_Operand, ...], tensor_amax, generator, stats: bool, compiled: bool):
+def _quantize(operands: tuple[_Operand, ...], generator, stats: bool, compiled: bool):
     """Draw each operand's random bits (in its element order, operand after operand) and run the cores,
     as one compiled graph or eagerly; one :class:`QuantizedBlocks` per operand."""
-    args = [arg for operand in operands for arg in _core_args(operand, tensor_amax, generator)]
+    args = [arg for operand in operands for arg in _core_args(operand, generator)]
     specs = tuple(operand.spec for operand in operands)
     if compiled and not torch.compiler.is_compiling():
         for operand, draws in zip(operands, args[3::4]):
@@ -486,11 +520,11 @@ def _quantize(operands: tuple[_Operand, ...], tensor_amax, generator, stats: boo
     return tuple(_result(operand, output, stats) for operand, output in zip(operands, outputs))
 
 
-def _core_args(operand: _Operand, tensor_amax, generator) -> tuple:
+def _core_args(operand: _Operand, generator) -> tuple:
     """The core's (blocks, g, target, draws) for ``operand``, its random bits drawn here."""
     spec, op, blocks = operand.spec, operand.op, operand.blocks
     device = blocks.device
-    g = None if tensor_amax is None else tensor_amax.detach().float().reshape(())
+    g = None if operand.tensor_amax is None else operand.tensor_amax.detach().float().reshape(())
     target = scaled_target(DEFAULT_SCALE_TARGET if spec.power_of_two else op.scale_target, device)
     draws = None
     if op.rounding in BYTE_DRAW_ROUNDINGS:

@@ -1,6 +1,7 @@
 """The FP4 linear's program, which :class:`nemofp4.quant.QuantLinear` calls: its three GEMMs on FP4
 block-quantized operands, as two ``torch.library`` custom ops (forward, backward) joined by
-``register_autograd``:
+``register_autograd`` (in plain eager, :func:`fp4_linear` runs the same two programs through an
+``autograd.Function``, without the dispatcher's custom-op layers):
 
 * fprop ``Y = X W^T``: X ``[T, K]`` quantized along K (role ``x``); W ``[N, K]`` along K
   (role ``w``, 16x16 tiles in the NVFP4/UE5M3 recipes).
@@ -222,14 +223,54 @@ class _Quantizer:
         """W (``key`` 'w') or W^T ('wt'), quantized with role ``w``; while :attr:`caches_weight`, once
         per optimizer step: the cache keeps the packed codes only (4.5 bits per element, held until
         the step ends), and later uses decode them (exactly) for their GEMM."""
-        if not self.caches_weight:
-            return self(Role.W, w, two_d=two_d, pack=pack)
-        cache = self.state.weight_cache
-        if key in cache:
-            return _operand(cache[key], self.config.gemm)
-        q = self(Role.W, w, two_d=two_d, pack=True)
-        cache[key] = QuantizedBlocks.from_tensors(q.tensors(), q.meta())
+        cached = self.cached_weight(key)
+        if cached is not None:
+            return cached
+        q = self(Role.W, w, two_d=two_d, pack=pack or self.caches_weight)
+        self.cache_weight(key, q)
         return q
+
+    def cached_weight(self, key: str) -> QuantizedBlocks | None:
+        """The step's cached ``key`` operand (:meth:`weight`), decoded for its GEMM; None: not cached."""
+        packed = self.state.weight_cache.get(key) if self.caches_weight else None
+        return None if packed is None else _operand(packed, self.config.gemm)
+
+    def cache_weight(self, key: str, q: QuantizedBlocks) -> None:
+        """Keep the packed form of a freshly quantized weight operand while :attr:`caches_weight`."""
+        if self.caches_weight:
+            self.state.weight_cache[key] = QuantizedBlocks.from_tensors(q.tensors(), q.meta())
+
+    def forward_operands(self, x_TK: torch.Tensor, w: torch.Tensor, *, with_xt: bool,
+                         pack_w: bool) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]:  # fmt: skip
+        """X, X^T for wgrad (``with_xt``, else None; packed) and W (:meth:`weight`): one backend call for
+        the three (one compiled graph on CPU), or X and X^T alone when the step's cache holds W."""
+        cached = self.cached_weight("w")
+        if cached is not None:
+            if with_xt:
+                return *self.pair(Role.X, Role.X_WGRAD, x_TK, pack_tokens=True), cached
+            return self(Role.X, x_TK), None, cached
+        config = self.config
+        x_amax = self.reference(Role.X, x_TK)
+        assert not with_xt or self.reference(Role.X_WGRAD, x_TK) is x_amax  # one shared reference
+        qx, qxt, qw = self.call.backend.quantize_forward(
+            x_TK,
+            w,
+            config.x,
+            config.x_wgrad if with_xt else None,
+            config.w,
+            x_amax=x_amax,
+            w_amax=self.reference(Role.W, w),
+            generator=self.generator,  # None unless the forward rounds stochastically
+            pack_x=self.pack_all,
+            pack_w=pack_w or self.caches_weight or self.pack_all,
+            stats=self.call.collect_stats,
+        )
+        self.record(Role.X, qx, self.held_source(Role.X, x_TK))
+        if with_xt:
+            self.record(Role.X_WGRAD, qxt, self.held_source(Role.X_WGRAD, x_TK))
+        self.record(Role.W, qw, self.held_source(Role.W, w))
+        self.cache_weight("w", qw)
+        return qx, qxt, qw
 
     def tokens(self, role: Role, x_TD: torch.Tensor, *, pack: bool = False) -> QuantizedBlocks:
         """The wgrad operand of role ``role`` (X^T or dY^T) from the token-major ``x_TD``."""
@@ -325,12 +366,10 @@ def _fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x_TK = x.reshape(-1, weight.shape[1])
     quantize = _Quantizer(call, state, state.sr_generator(x.device) if call.forward_uses_sr else None)
 
-    if needs_dw and not config.x_wgrad.hadamard:
-        qx, qxt = quantize.pair(Role.X, Role.X_WGRAD, x_TK, pack_tokens=True)
-    else:
-        qx = quantize(Role.X, x_TK)
-        qxt = quantize.tokens(Role.X_WGRAD, x_TK, pack=True) if needs_dw else None  # after the RHT
-    qw = quantize.weight(weight, pack=needs_dx and config.w.two_d)
+    with_xt = needs_dw and not config.x_wgrad.hadamard
+    qx, qxt, qw = quantize.forward_operands(x_TK, weight, with_xt=with_xt, pack_w=needs_dx and config.w.two_d)
+    if needs_dw and not with_xt:
+        qxt = quantize.tokens(Role.X_WGRAD, x_TK, pack=True)  # after the RHT
     y_TN = gemm(GemmOperand(qx), GemmOperand(qw), mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
     state.capture_gemm("fprop", qx, qw, False, y_TN)
     del qx

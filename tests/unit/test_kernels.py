@@ -333,6 +333,27 @@ def test_quant_operand_adapter_matches_quantize_operand():
     assert torch.equal(qxt.packed.codes, rxt.packed.codes)
 
 
+def test_the_triton_backends_forward_operands_are_the_programs(monkeypatch):
+    """TritonBackend.quantize_forward (its launches: the X / X^T pair, then W) gives what the torch
+    program's one-graph forward gives (RNE: the same bits), with and without X^T."""
+    from nemofp4.kernels.backend import EagerBackend, TritonBackend
+
+    x = make_input(50, 72, seed=5, dtype=torch.bfloat16)
+    w = make_input(40, 72, seed=6)
+    op_x, op_w = OperandQuant(scale_format="ue5m3"), OperandQuant(scale_format="ue5m3", two_d=True)
+    options = {"x_amax": torch.tensor(3.0), "w_amax": None, "pack_w": True}
+    for op_xt in (op_x, None):
+        ours = TritonBackend().quantize_forward(x, w, op_x, op_xt, op_w, **options)
+        ref = EagerBackend().quantize_forward(x, w, op_x, op_xt, op_w, **options)
+        assert (ours[1] is None) == (op_xt is None)
+        for q, r in zip(ours, ref, strict=True):
+            if r is None:
+                continue
+            assert torch.equal(q.scaled, r.scaled) and q.shape == r.shape and q.stats() == r.stats()
+            assert torch.equal(q.tensor_scale, r.tensor_scale) and (q.codes is None) == (r.codes is None)
+            assert r.codes is None or torch.equal(q.codes, r.codes)  # X^T's and W's (packed), not X's
+
+
 def test_dispatch_and_switch(monkeypatch):
     x = make_input(8, 32, seed=1)
     assert kernels.triton_available()  # importable, and TRITON_INTERPRET=1 here

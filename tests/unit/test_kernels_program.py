@@ -218,6 +218,50 @@ def test_the_pair_refuses_a_hadamard_transform_on_x_transposed():
         quantize_operand_pair(torch.randn(16, 16), op, OperandQuant(scale_format="e4m3", hadamard=True))
 
 
+_FORWARD_SPECS = {
+    "ue5m3 tiles, held references": (OperandQuant(scale_format="ue5m3"), OperandQuant(scale_format="ue5m3", two_d=True),
+                                     torch.tensor(7.0), torch.tensor(0.5)),
+    "e4m3, sr8 everywhere, measured": (OperandQuant(scale_format="e4m3", rounding="sr8"),
+                                       OperandQuant(scale_format="e4m3", rounding="sr8"), None, None),
+    "ue8m0": (OperandQuant(scale_format="ue8m0"), OperandQuant(scale_format="ue8m0"), None, None),
+}  # fmt: skip
+
+
+# eager: every case; compiled (a graph each): one in the suite, one more behind the slow marker
+FORWARD_PARAMS = [(case, with_xt, False) for case in _FORWARD_SPECS for with_xt in (True, False)] + [
+    pytest.param("e4m3, sr8 everywhere, measured", True, True, marks=needs_compiler),
+    pytest.param("ue5m3 tiles, held references", False, True, marks=[needs_compiler, pytest.mark.slow])]
+
+
+@pytest.mark.parametrize("case,with_xt,compiled", FORWARD_PARAMS)
+def test_the_forward_operands_are_bitwise_the_pair_then_the_weight(case, with_xt, compiled):
+    """quantize_forward_operands (one call, one compiled graph) equals X and X^T (quantize_operand_pair,
+    or X alone) and then W (quantize_operand), each with its own tensor reference, the random bits
+    drawn in that order, W's padded rows and columns included."""
+    from nemofp4.kernels.program import quantize_forward_operands, quantize_operand_pair
+
+    op_x, op_w, x_amax, w_amax = _FORWARD_SPECS[case]
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(39, 48, generator=gen), torch.randn(40, 48, generator=gen) * 0.01
+    seeds = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    if with_xt:
+        expected = quantize_operand_pair(x, op_x, op_x, tensor_amax=x_amax, generator=seeds[0], pack_x=True)
+    else:
+        expected = quantize_operand(x, op_x, tensor_amax=x_amax, generator=seeds[0], pack=True), None
+    expected += (quantize_operand(w, op_w, tensor_amax=w_amax, generator=seeds[0], pack=True),)
+    ours = quantize_forward_operands(x, w, op_x, op_x if with_xt else None, op_w, x_amax=x_amax, w_amax=w_amax,
+                                     generator=seeds[1], pack_x=True, pack_w=True, compiled=compiled)  # fmt: skip
+    assert (ours[1] is None) is not with_xt
+    for name, q, ref in zip(("X", "X^T", "W"), ours, expected, strict=True):
+        if ref is None:
+            continue
+        assert q.shape == ref.shape and q.padded_shape == ref.padded_shape and q.two_d == ref.two_d, name
+        assert torch.equal(_bits(q.scaled), _bits(ref.scaled)), name
+        assert torch.equal(q.codes, ref.codes) and torch.equal(q.scale_codes, ref.scale_codes), name
+        assert torch.equal(q.tensor_scale, ref.tensor_scale) and torch.equal(q.tensor_amax, ref.tensor_amax), name
+    assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1]))
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_nvfp4_dequantize_of_a_wgrad_operand_without_codes_is_the_reference_one(hadamard):
     """Without packed codes NVFP4's dequantize divides the scaled form by the block scales; a wgrad
