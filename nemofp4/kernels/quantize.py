@@ -350,11 +350,16 @@ _DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A one-element buffer for pointer arguments a launch does not use."""
+    """A one-element buffer for pointer arguments a launch does not use, kept per device and dtype
+    unless it is made under a fake mode (the planner's): a kept fake buffer would make every later
+    real launch's outputs fake."""
     key = (device, dtype)
-    if key not in _DUMMIES:
-        _DUMMIES[key] = torch.zeros(1, dtype=dtype, device=device)
-    return _DUMMIES[key]
+    dummy = _DUMMIES.get(key)
+    if dummy is None:
+        dummy = torch.zeros(1, dtype=dtype, device=device)
+        if type(dummy) is torch.Tensor:
+            _DUMMIES[key] = dummy
+    return dummy
 
 
 def _seed_tensor(seed: int | torch.Tensor, device: torch.device, rounding: str) -> torch.Tensor:

@@ -354,6 +354,22 @@ def test_the_triton_backends_forward_operands_are_the_programs(monkeypatch):
             assert r.codes is None or torch.equal(q.codes, r.codes)  # X^T's and W's (packed), not X's
 
 
+def test_a_launch_under_a_fake_mode_leaves_later_real_launches_real(monkeypatch):
+    """The planner runs the Triton glue under FakeTensorMode; buffers the glue keeps between launches
+    must not carry fake tensors out of it, or every later real launch returns fake outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nemofp4.kernels import quantize as triton_glue
+
+    monkeypatch.setattr(triton_glue, "_DUMMIES", {})
+    x = make_input(32, 48, seed=7)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        triton_quantize_blocks(torch.empty(32, 48), scale_format="e4m3")
+    q = triton_quantize_blocks(x, scale_format="e4m3")
+    assert all(type(t) is torch.Tensor for t in (q.codes, q.scale_codes, q.tensor_scale, q.tensor_amax))
+    assert_same(q, quantize_blocks(x, "e4m3"))
+
+
 def test_dispatch_and_switch(monkeypatch):
     x = make_input(8, 32, seed=1)
     assert kernels.triton_available()  # importable, and TRITON_INTERPRET=1 here
