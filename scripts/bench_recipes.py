@@ -32,7 +32,8 @@ five steps after it).
 ``--linears`` times the tiny model's FP4 linears alone, each recipe's against the same linears in
 bf16: one forward + backward of every linear the recipe turns into FP4, at its shapes in the tiny
 step (the input shapes of one forward), inputs that need gradients as in the model, recipes
-interleaved round after round. The rest of the step (the SSD scan, attention, the LM head, the
+interleaved round after round; and the same FP4 linears called through their custom ops (the path
+of compiled graphs and dispatch modes; plain eager skips the dispatcher's layers). The rest of the step (the SSD scan, attention, the LM head, the
 optimizer) costs the same in every recipe and only adds noise to a step's ratio; this isolates what
 an FP4 linear adds, and how much of it is the quantizers (:func:`timing_quantizers`).
 
@@ -70,6 +71,7 @@ from torch import nn
 from nemofp4.kernels import backend_for
 from nemofp4.models import build_model, get_model_config
 from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
+from nemofp4.quant.fp4_linear import register_ops
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
 
 RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_delayed", "nvfp4_all_fp4_no_rht", "mxfp4"]
@@ -128,8 +130,9 @@ def _tiny_step(model, optimizer, ids, step):
 @contextmanager
 def timing_quantizers(kernels: str):
     """Yields a one-element list that accumulates the seconds spent inside the quantizers of the
-    ``kernels`` backend (quantize, quantize_tokens, quantize_pair, amax, hadamard_transform; an
-    outer call's inner calls are not counted twice): the quantization share of a step."""
+    ``kernels`` backend (quantize, quantize_tokens, quantize_pair, quantize_forward, amax,
+    hadamard_transform; an outer call's inner calls are not counted twice): the quantization share of
+    a step."""
     backend = backend_for(kernels, "cpu")
     spent, depth = [0.0], [0]
 
@@ -146,7 +149,7 @@ def timing_quantizers(kernels: str):
 
         return run
 
-    names = ("quantize", "quantize_tokens", "quantize_pair", "amax", "hadamard_transform")
+    names = ("quantize", "quantize_tokens", "quantize_pair", "quantize_forward", "amax", "hadamard_transform")
     for name in names:  # instance attributes shadow the class's methods (the backends are singletons)
         setattr(backend, name, timed(getattr(backend, name)))
     try:
@@ -290,12 +293,18 @@ def time_linears(args) -> dict[str, tuple[int, float, float, float]]:
         inputs[fqn] = (torch.randn(shape, generator=g).requires_grad_(),
                        torch.randn(*shape[:-1], out_features, generator=g))  # fmt: skip
 
-    def run(model: nn.Module, fqns: list[str], step: int) -> float:
+    def through_ops(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The FP4 linear called through its custom ops, as compiled graphs and dispatch modes call it."""
+        return register_ops().forward(x, linear.weight, linear.bias, linear.quant_state, True, x.dtype,
+                                      x.requires_grad, linear.weight.requires_grad)[0]  # fmt: skip
+
+    def run(model: nn.Module, fqns: list[str], step: int, ops: bool = False) -> float:
         set_step(model, step)
         start = time.perf_counter()
         for fqn in fqns:
             x, dy = inputs[fqn]
-            model.get_submodule(fqn)(x).backward(dy)
+            linear = model.get_submodule(fqn)
+            (through_ops(linear, x) if ops else linear(x)).backward(dy)
             x.grad = None
         elapsed = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
@@ -303,6 +312,7 @@ def time_linears(args) -> dict[str, tuple[int, float, float, float]]:
 
     fp4_names = [name for name in RECIPES if models[name][1]]
     times = {name: [] for name in fp4_names}
+    op_times = {name: [] for name in fp4_names}
     bf16_times = {name: [] for name in fp4_names}
     shares = {name: [] for name in fp4_names}
     with timing_quantizers(args.kernels) as spent:
@@ -312,24 +322,28 @@ def time_linears(args) -> dict[str, tuple[int, float, float, float]]:
                 quantizing = spent[0]
                 fp4 = run(model, fqns, round_index + 1)
                 quantizing = spent[0] - quantizing
+                ops = run(model, fqns, round_index + 1, ops=True)
                 bf16 = run(models["bf16"][0], fqns, round_index + 1)
                 if round_index:  # round 0 warms up
                     times[name].append(fp4)
+                    op_times[name].append(ops)
                     bf16_times[name].append(bf16)
                     shares[name].append(quantizing)
-    return {name: (len(models[name][1]), statistics.median(times[name]), statistics.median(bf16_times[name]),
-                   statistics.median(shares[name])) for name in fp4_names}  # fmt: skip
+    return {name: (len(models[name][1]), statistics.median(times[name]), statistics.median(op_times[name]),
+                   statistics.median(bf16_times[name]), statistics.median(shares[name]))
+            for name in fp4_names}  # fmt: skip
 
 
 def print_linears(args) -> None:
     linears = time_linears(args)
     print(f"\n## the tiny model's FP4 linears alone, {args.batch}x{args.seq_len} tokens, forward + backward "
           f"(median of {args.repeats})")
-    print("| recipe | FP4 linears | FP4 ms | same linears in bf16 ms | vs bf16 | FP4 adds ms | of which quantizing ms |")
-    print("|---|---|---|---|---|---|---|")
-    for name, (count, fp4, bf16, quantizing) in linears.items():
-        print(f"| {name} | {count} | {fp4 * 1e3:.1f} | {bf16 * 1e3:.1f} | {fp4 / bf16:.2f}x | {(fp4 - bf16) * 1e3:.1f} "
-              f"| {quantizing * 1e3:.1f} |")
+    print("| recipe | FP4 linears | FP4 ms | through the custom ops ms | same linears in bf16 ms | vs bf16 | FP4 adds ms "
+          "| of which quantizing ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (count, fp4, ops, bf16, quantizing) in linears.items():
+        print(f"| {name} | {count} | {fp4 * 1e3:.1f} | {ops * 1e3:.1f} | {bf16 * 1e3:.1f} | {fp4 / bf16:.2f}x "
+              f"| {(fp4 - bf16) * 1e3:.1f} | {quantizing * 1e3:.1f} |")
 
 
 def time_linear(args) -> dict[str, float]:
