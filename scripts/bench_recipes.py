@@ -33,9 +33,10 @@ five steps after it).
 bf16: one forward + backward of every linear the recipe turns into FP4, at its shapes in the tiny
 step (the input shapes of one forward), inputs that need gradients as in the model, recipes
 interleaved round after round; and the same FP4 linears called through their custom ops (the path
-of compiled graphs and dispatch modes; plain eager skips the dispatcher's layers). The rest of the step (the SSD scan, attention, the LM head, the
-optimizer) costs the same in every recipe and only adds noise to a step's ratio; this isolates what
-an FP4 linear adds, and how much of it is the quantizers (:func:`timing_quantizers`).
+of compiled graphs and dispatch modes; plain eager skips the dispatcher's layers). The rest of the
+step (the SSD scan, attention, the LM head, the optimizer) costs the same in every recipe and only
+adds noise to a step's ratio; this isolates what an FP4 linear adds, and how much of it is the
+quantizers (:func:`timing_quantizers`).
 
 "page faults" is the median count of minor page faults a tiny step takes (``ru_minflt``): pages the
 step touches for the first time, which the kernel zeroes first. ``--keep-freed-memory`` asks glibc's
@@ -274,9 +275,10 @@ def _linear_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, tuple[int, 
     return shapes
 
 
-def time_linears(args) -> dict[str, tuple[int, float, float, float]]:
-    """recipe -> (FP4 linears, median seconds of their forward + backward, of the same linears in bf16,
-    of the quantizers' share) for every FP4 recipe (see the docstring: ``--linears``)."""
+def time_linears(args) -> dict[str, tuple[int, float, float, float, float]]:
+    """recipe -> (FP4 linears, median seconds of their forward + backward, of the same through the
+    custom ops, of the same linears in bf16, of the quantizers' share) for every FP4 recipe (see the
+    docstring: ``--linears``)."""
     vocab = get_model_config("tiny").vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
     models = {}

@@ -528,14 +528,16 @@ class _EagerFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        out = _below_autograd(_fp4_linear)(*inputs)
+        with torch._C._AutoDispatchBelowADInplaceOrView():  # as the ops run it (see _below_autograd)
+            out = _fp4_linear(*inputs)
         _setup_context(ctx, inputs, out)
         ctx.mark_non_differentiable(*out[1:])
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
-        return _backward_with(_below_autograd(_fp4_linear_backward), ctx, grads)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return _backward_with(_fp4_linear_backward, ctx, grads)
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:

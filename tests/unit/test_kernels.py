@@ -333,7 +333,7 @@ def test_quant_operand_adapter_matches_quantize_operand():
     assert torch.equal(qxt.packed.codes, rxt.packed.codes)
 
 
-def test_the_triton_backends_forward_operands_are_the_programs(monkeypatch):
+def test_the_triton_backends_forward_operands_are_the_programs():
     """TritonBackend.quantize_forward (its launches: the X / X^T pair, then W) gives what the torch
     program's one-graph forward gives (RNE: the same bits), with and without X^T."""
     from nemofp4.kernels.backend import EagerBackend, TritonBackend
