@@ -536,8 +536,9 @@ class _EagerFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            return _backward_with(_fp4_linear_backward, ctx, grads)
+        # only the program below autograd: reading the saved tensors may recompute a checkpointed
+        # forward, which must record as usual
+        return _backward_with(_below_autograd(_fp4_linear_backward), ctx, grads)
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
