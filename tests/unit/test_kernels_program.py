@@ -300,6 +300,33 @@ def test_stochastic_rounding_refuses_an_operand_beyond_its_32_bit_element_index(
         sr8_draws((1 << 33,), None, "meta")
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_compiler)], ids=["eager", "compiled"])
+def test_sr8_bytes_are_the_unsigned_32_bit_hash_for_every_key_and_index(compiled):
+    """The hash runs in int32 words: the multiplies wrap and the right shifts are masked to act as
+    unsigned ones. Keys and indices with the top bit set (negative as int32), and indices near 2^32,
+    give numpy's uint32 arithmetic's bytes, eagerly and in Inductor's vector loop (a tail of 5
+    elements included); an unmasked (arithmetic) shift or a product kept in 64 bits would not."""
+    import numpy as np
+
+    from nemofp4.formats import sr8_bytes_at
+
+    index = torch.cat([torch.arange(4099), torch.arange((1 << 31) - 2, (1 << 31) + 2), torch.arange((1 << 32) - 4096, 1 << 32)])
+
+    def documented(key: int) -> np.ndarray:
+        x = index.numpy().astype(np.uint32) ^ np.uint32(key)
+        for _ in range(3):
+            x = ((x >> np.uint32(16)) ^ x) * np.uint32(0x45D9F3B)
+        return (x >> np.uint32(24)).astype(np.uint8)
+
+    def bytes_at(key, index):
+        return sr8_bytes_at(key, index).to(torch.uint8)
+
+    run = torch.compile(bytes_at, fullgraph=True, dynamic=False) if compiled else bytes_at
+    for key in (0, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF):
+        got = run(torch.tensor(key, dtype=torch.int64), index)
+        np.testing.assert_array_equal(got.numpy(), documented(key), err_msg=f"key {key:#x}")
+
+
 def test_backend_setting_picks_the_path(monkeypatch):
     calls = []
     real = program.quantize_operand
