@@ -53,7 +53,9 @@ BACKENDS = ("auto", "triton", "compiled", "eager")
 class Backend(Protocol):
     """What a quantized linear asks of the kernels. ``options`` of the quantizers: ``tensor_amax``
     (None: measured here), ``generator`` (stochastic rounding), ``two_d`` (override of the spec's,
-    :meth:`quantize` only), ``pack`` (add the packed codes) and ``stats`` (keep the block counts);
+    :meth:`quantize` only), ``pack`` (add the packed codes), ``values`` (False: the packed form
+    alone, for an operand only saved for backward; ``values_xt`` for X^T in :meth:`quantize_pair` and
+    :meth:`quantize_forward`) and ``stats`` (keep the block counts);
     see :func:`nemofp4.kernels.program.quantize_operand`, whose results every backend returns."""
 
     name: str
@@ -66,12 +68,13 @@ class Backend(Protocol):
     def quantize_tokens(self, x_TD: torch.Tensor, spec: BlockSpec, **options) -> QuantizedBlocks: ...
 
     def quantize_pair(self, x_TK: torch.Tensor, spec_x: BlockSpec, spec_xt: BlockSpec, *, pack_x: bool = False,
-                      pack_xt: bool = True, **options) -> tuple[QuantizedBlocks, QuantizedBlocks]: ...  # fmt: skip
+                      pack_xt: bool = True, values_xt: bool = True,
+                      **options) -> tuple[QuantizedBlocks, QuantizedBlocks]: ...  # fmt: skip
 
     def quantize_forward(self, x_TK: torch.Tensor, weight: torch.Tensor, spec_x: BlockSpec, spec_xt: BlockSpec | None,
                          spec_w: BlockSpec, *, x_amax: torch.Tensor | None = None,
                          w_amax: torch.Tensor | None = None, pack_x: bool = False, pack_xt: bool = True,
-                         pack_w: bool = False, **options) -> tuple[QuantizedBlocks, QuantizedBlocks | None,
+                         values_xt: bool = True, pack_w: bool = False, **options) -> tuple[QuantizedBlocks, QuantizedBlocks | None,
                                                                    QuantizedBlocks]: ...  # fmt: skip
 
     def amax(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -165,7 +168,7 @@ class TritonBackend(EagerBackend):
         t = tokens_transposed(x_TD)
         return triton_quantize_operand(wgrad_hadamard_transform(t) if spec.hadamard else t, spec, **options)
 
-    def quantize_pair(self, x_TK, spec_x, spec_xt, *, pack_x=False, pack_xt=True, **options):
+    def quantize_pair(self, x_TK, spec_x, spec_xt, *, pack_x=False, pack_xt=True, values_xt=True, **options):
         """One fused launch when the two can share it (same format, block and rounding; 1-D blocks
         without a Hadamard transform); two quantizations otherwise."""
         fusable = (spec_x.blocks_like(spec_xt) and spec_x.block_size in SUPPORTED_BLOCK_SIZES
@@ -173,21 +176,22 @@ class TritonBackend(EagerBackend):
         if spec_xt.hadamard:
             raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
         if not fusable:
-            return self.quantize(x_TK, spec_x, pack=pack_x, **options), self.quantize_tokens(x_TK, spec_xt, pack=pack_xt,
-                                                                                               **options)  # fmt: skip
+            return self.quantize(x_TK, spec_x, pack=pack_x, **options), self.quantize_tokens(
+                x_TK, spec_xt, pack=pack_xt, values=values_xt, **options)  # fmt: skip
         from .operand import triton_quantize_operand_pair
 
-        return triton_quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt, **options)
+        return triton_quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt, values_xt=values_xt,
+                                            **options)  # fmt: skip
 
     def quantize_forward(self, x_TK, weight, spec_x, spec_xt, spec_w, *, x_amax=None, w_amax=None, pack_x=False,
-                         pack_xt=True, pack_w=False, **options):  # fmt: skip
+                         pack_xt=True, values_xt=True, pack_w=False, **options):  # fmt: skip
         """X (with X^T: :meth:`quantize_pair`), then W: kernel launches, which have no per-call guards
         to share."""
         if spec_xt is None:
             qx, qxt = self.quantize(x_TK, spec_x, tensor_amax=x_amax, pack=pack_x, **options), None
         else:
             qx, qxt = self.quantize_pair(x_TK, spec_x, spec_xt, tensor_amax=x_amax, pack_x=pack_x, pack_xt=pack_xt,
-                                         **options)  # fmt: skip
+                                         values_xt=values_xt, **options)  # fmt: skip
         return qx, qxt, self.quantize(weight, spec_w, tensor_amax=w_amax, pack=pack_w, **options)
 
     def quantize_blocks(self, x, *args, **kwargs):

@@ -29,20 +29,23 @@ __all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
 
 def triton_quantize_operand(
     x: torch.Tensor, op: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None, two_d: bool | None = None, pack: bool = False, stats: bool = True,
+    generator: torch.Generator | None = None, two_d: bool | None = None, pack: bool = False, values: bool = True,
+    stats: bool = True,
 ) -> QuantizedBlocks:  # fmt: skip
     """Same contract as ``nemofp4.kernels.program.quantize_operand`` (2-D ``x``, a ``BlockSpec``)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
     spec = op if two_d is None or two_d == op.two_d else dataclasses.replace(op, two_d=two_d)
     seed = _seed(op.rounding, generator, x.device)
-    rows, _ = triton_quantize(x, spec, tensor_amax=tensor_amax, seed=seed, scaled_dtype=torch.float32, stats=stats)
-    return _block_operand(rows, tuple(x.shape), pack, stats)
+    scaled_dtype = torch.float32 if values else None  # the packed form alone: no values written
+    rows, _ = triton_quantize(x, spec, tensor_amax=tensor_amax, seed=seed, scaled_dtype=scaled_dtype, stats=stats)
+    return _block_operand(rows, tuple(x.shape), pack, values, stats)
 
 
 def triton_quantize_operand_pair(
     x_TK: torch.Tensor, op_x: BlockSpec, op_xt: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None, pack_x: bool = False, pack_xt: bool = True, stats: bool = True,
+    generator: torch.Generator | None = None, pack_x: bool = False, pack_xt: bool = True, values_xt: bool = True,
+    stats: bool = True,
 ) -> tuple[QuantizedBlocks, QuantizedBlocks]:  # fmt: skip
     """(X quantized along K as ``op_x`` says, X^T [K, Tp] quantized along the tokens as ``op_xt``
     says) from one read of ``x_TK``: what QuantLinear's forward computes as ``quantize(Role.X,
@@ -68,8 +71,8 @@ def triton_quantize_operand_pair(
     )  # fmt: skip
     padded_tokens = tokens + (-tokens % TOKEN_MULTIPLE)
     return (
-        _block_operand(rows, (tokens, features), pack_x, stats),
-        _block_operand(cols, (features, padded_tokens), pack_xt, stats),
+        _block_operand(rows, (tokens, features), pack_x, True, stats),
+        _block_operand(cols, (features, padded_tokens), pack_xt, values_xt, stats),
     )
 
 
@@ -82,9 +85,14 @@ def _seed(rounding: str, generator: torch.Generator | None, device: torch.device
     ).to(device)  # fmt: skip
 
 
-def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, stats: bool) -> QuantizedBlocks:
+def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, values: bool, stats: bool) -> QuantizedBlocks:
     """``q`` as the torch program returns it: the operand's own (unpadded-token) shape, packed
-    codes only when asked for, and the three block counts (a test compares the two)."""
+    codes only when asked for, the scaled values unless ``values`` is False (the fused pair's kernel
+    writes X^T's anyway), and the three block counts (a test compares the two)."""
+    if not (values or pack):
+        raise ValueError("values=False keeps only the packed form: it needs pack=True")
     counts = {name: q.counts[name] for name in BLOCK_STATS} if stats else {}
     codes = q.codes if pack else None  # the block-scale codes stay: NVFP4's dequantize reads them
-    return dataclasses.replace(q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, codes=codes)
+    scaled = q.scaled if values else None
+    return dataclasses.replace(q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, codes=codes,
+                               scaled=scaled)  # fmt: skip

@@ -90,6 +90,9 @@ class _Spec:
     the token-major X or dY, so the transpose is never materialized."""
     hadamard: bool = False
     """The wgrad Hadamard transform along the blocks' dim first (with ``columns``), in the same loop."""
+    values: bool = True
+    """The scaled values are an output. An operand only saved for backward (X^T) needs its packed
+    form alone: its values would be a float32 buffer written, faulted in and thrown away."""
     power_of_two: bool = field(init=False)
     """The scale format's columns of the table (plain bools: the compiled core reads constants)."""
     zero_code_to_one: bool = field(init=False)
@@ -176,7 +179,7 @@ def _quantize_core(
     hashed from it and the element's index), sr_exact float64 uniforms shaped like ``blocks``; both in
     the element order of the operand: row-major over ``x``, or over ``x^T`` with ``spec.columns``.
 
-    Returns (scaled values shaped like ``blocks``, tensor_scale, g, packed E2M1 codes
+    Returns (scaled values shaped like ``blocks`` | None (not ``spec.values``), tensor_scale, g, packed E2M1 codes
     (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None, counts [3]: saturated,
     underflowed and zero blocks).
     """
@@ -235,7 +238,7 @@ def _quantize_core(
             away = draws < frac.double()
         steps = torch.where(away, lower + 1.0, lower)
         rounded = steps * torch.where(upper, 2.0, torch.where(middle, 1.0, 0.5))  # exact: a power of two
-    values = _copysign(rounded, blocks, bitwise_sign) * block_scale
+    values = _copysign(rounded, blocks, bitwise_sign) * block_scale if spec.values else None
 
     codes = None
     if spec.pack:
@@ -351,6 +354,7 @@ def quantize_operand(
     generator: torch.Generator | None = None,
     two_d: bool | None = None,
     pack: bool = False,
+    values: bool = True,
     stats: bool = True,
     compiled: bool = False,
 ) -> QuantizedBlocks:
@@ -360,11 +364,12 @@ def quantize_operand(
     Equals ``quantize_blocks(x, op.scale_format, op.block_size, two_d, op.scale_target,
     tensor_amax, op.rounding, generator)`` bitwise (``scaled`` == its ``scaled_values()``).
     The result has the scaled form; ``pack`` adds the packed codes (for operands saved for
-    backward). ``stats`` keeps the saturation/underflow/zero counts (on the device, no
+    backward), and with ``values=False`` it has them alone (``scaled`` None: for an operand that is
+    only saved, so no float32 buffer is written for it). ``stats`` keeps the saturation/underflow/zero counts (on the device, no
     synchronization). ``compiled`` runs the core through ``torch.compile`` (inside an already
     compiled region it is inlined).
     """
-    (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax),), generator, stats, compiled)
+    (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax, values),), generator, stats, compiled)
     return q
 
 
@@ -375,6 +380,7 @@ def quantize_tokens_operand(
     tensor_amax: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     pack: bool = False,
+    values: bool = True,
     stats: bool = True,
     compiled: bool = False,
 ) -> QuantizedBlocks:
@@ -387,9 +393,9 @@ def quantize_tokens_operand(
     columns, so neither the transpose nor the transform is ever materialized (the transform runs
     inside the quantizer's loop). The scaled values come back as a transposed view (``[D, Tp]``,
     strides ``(1, D)``); packed codes and scale codes are row-major ``[D, ...]``, as
-    ``quantize_operand`` gives them.
+    ``quantize_operand`` gives them. ``pack`` and ``values`` as in :func:`quantize_operand`.
     """
-    (q,) = _quantize((_down_columns(x_TD, op, pack, tensor_amax),), generator, stats, compiled)
+    (q,) = _quantize((_down_columns(x_TD, op, pack, tensor_amax, values),), generator, stats, compiled)
     return q
 
 
@@ -402,16 +408,20 @@ def quantize_operand_pair(
     generator: torch.Generator | None = None,
     pack_x: bool = False,
     pack_xt: bool = True,
+    values_xt: bool = True,
     stats: bool = True,
     compiled: bool = False,
 ) -> tuple[QuantizedBlocks, QuantizedBlocks]:
     """(``quantize_operand(x_TK, op_x, pack=pack_x)``, ``quantize_tokens_operand(x_TK, op_xt,
-    pack=pack_xt)``) with one tensor reference, bit for bit (X's random bits drawn first), as one
+    pack=pack_xt, values=values_xt)``) with one tensor reference, bit for bit (X's random bits drawn first), as one
     compiled graph: one call, one set of guards, for the two operands a linear's forward quantizes
     from its input."""
     if op_xt.hadamard:
         raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
-    operands = (_along_rows(x_TK, op_x, None, pack_x, tensor_amax), _down_columns(x_TK, op_xt, pack_xt, tensor_amax))
+    operands = (
+        _along_rows(x_TK, op_x, None, pack_x, tensor_amax),
+        _down_columns(x_TK, op_xt, pack_xt, tensor_amax, values_xt),
+    )
     qx, qxt = _quantize(operands, generator, stats, compiled)
     return qx, qxt
 
@@ -428,6 +438,7 @@ def quantize_forward_operands(
     generator: torch.Generator | None = None,
     pack_x: bool = False,
     pack_xt: bool = True,
+    values_xt: bool = True,
     pack_w: bool = False,
     stats: bool = True,
     compiled: bool = False,
@@ -441,7 +452,7 @@ def quantize_forward_operands(
         raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
     operands = [_along_rows(x_TK, op_x, None, pack_x, x_amax)]
     if op_xt is not None:
-        operands.append(_down_columns(x_TK, op_xt, pack_xt, x_amax))
+        operands.append(_down_columns(x_TK, op_xt, pack_xt, x_amax, values_xt))
     operands.append(_along_rows(weight, op_w, None, pack_w, w_amax))
     *quantized, qw = _quantize(tuple(operands), generator, stats, compiled)
     return quantized[0], quantized[1] if op_xt is not None else None, qw
@@ -462,7 +473,8 @@ class _Operand:
     """Its tensor reference (None: measured in the core)."""
 
 
-def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, tensor_amax) -> _Operand:
+def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, tensor_amax,
+                values: bool = True) -> _Operand:  # fmt: skip
     """``x`` [rows, cols] in blocks along its rows (or 2-D tiles): :func:`quantize_operand`'s operand."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
@@ -473,11 +485,11 @@ def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, 
     rows_p, cols_p = xp.shape
     row_block = b if two_d else 1
     blocks = xp.view(rows_p // row_block, row_block, cols_p // b, b)
-    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None)
+    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None, values=_values(pack, values))
     return _Operand(op, spec, blocks, (rows, cols), (rows_p, cols_p), tensor_amax)
 
 
-def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax) -> _Operand:
+def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax, values: bool = True) -> _Operand:
     """The padded transpose of ``x_TD`` [T, D] in blocks along the tokens, read as blocks down the
     columns of ``x_TD``: :func:`quantize_tokens_operand`'s operand."""
     if x_TD.dim() != 2:
@@ -491,8 +503,14 @@ def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax) ->
     rows_p = xp.shape[0]  # tokens padded to 16, then to the block
     blocks = xp.view(rows_p // b, b, features, 1)
     spec = _Spec(op.scale_format, b, False, op.rounding, pack, measure=tensor_amax is None, columns=True,
-                 hadamard=op.hadamard)  # fmt: skip
+                 hadamard=op.hadamard, values=_values(pack, values))  # fmt: skip
     return _Operand(op, spec, blocks, (features, padded_tokens), (features, rows_p), tensor_amax)
+
+
+def _values(pack: bool, values: bool) -> bool:
+    if not (values or pack):
+        raise ValueError("values=False keeps only the packed form: it needs pack=True")
+    return values
 
 
 def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
@@ -553,7 +571,8 @@ def _result(operand: _Operand, outputs: tuple, stats: bool) -> QuantizedBlocks:
     op, spec = operand.op, operand.spec
     b = op.block_size
     rows_p, cols_p = operand.padded_shape
-    values = values.view(cols_p, rows_p).t() if spec.columns else values.view(rows_p, cols_p)  # over x [Tp, D]
+    if values is not None:  # over x [Tp, D] for a wgrad operand
+        values = values.view(cols_p, rows_p).t() if spec.columns else values.view(rows_p, cols_p)
     if codes is not None:
         codes = codes.view(rows_p, cols_p // 2)
     return QuantizedBlocks(

@@ -242,8 +242,9 @@ class _Quantizer:
 
     def forward_operands(self, x_TK: torch.Tensor, w: torch.Tensor, *, with_xt: bool,
                          pack_w: bool) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]:  # fmt: skip
-        """X, X^T for wgrad (``with_xt``, else None; packed) and W (:meth:`weight`): one backend call for
-        the three (one compiled graph on CPU), or X and X^T alone when the step's cache holds W."""
+        """X, X^T for wgrad (``with_xt``, else None; its packed form alone, which backward decodes) and W
+        (:meth:`weight`): one backend call for the three (one compiled graph on CPU), or X and X^T
+        alone when the step's cache holds W."""
         cached = self.cached_weight("w")
         if cached is not None:
             if with_xt:
@@ -262,6 +263,7 @@ class _Quantizer:
             w_amax=self.reference(Role.W, w),
             generator=self.generator,  # None unless the forward rounds stochastically
             pack_x=self.pack_all,
+            values_xt=False,
             pack_w=pack_w or self.caches_weight or self.pack_all,
             stats=self.call.collect_stats,
         )
@@ -273,7 +275,8 @@ class _Quantizer:
         return qx, qxt, qw
 
     def tokens(self, role: Role, x_TD: torch.Tensor, *, pack: bool = False) -> QuantizedBlocks:
-        """The wgrad operand of role ``role`` (X^T or dY^T) from the token-major ``x_TD``."""
+        """The wgrad operand of role ``role`` (X^T or dY^T) from the token-major ``x_TD``; with ``pack``
+        its packed form alone (an operand saved for backward)."""
         op: OperandQuant = self.config.operand(role)
         if op.hadamard:  # its reference is the amax of the transformed tensor: made only if measured here
             def source():
@@ -286,6 +289,7 @@ class _Quantizer:
             tensor_amax=self.reference(role, source),
             generator=self.generator if op.rounding != "rne" else None,
             pack=pack or self.pack_all,
+            values=not pack,
             stats=self.call.collect_stats,
         )
         self.record(role, q, self.held_source(role, source))
@@ -301,7 +305,8 @@ class _Quantizer:
              pack_tokens: bool) -> tuple[QuantizedBlocks, QuantizedBlocks]:  # fmt: skip
         """``role`` along the last dim of ``x_TD`` and ``tokens_role``, its wgrad operand [D, Tp] along
         the tokens (X and X^T, or dY and dY^T), sharing one tensor reference: one compiled call on
-        CPU, one read on CUDA. ``role``'s random bits are drawn first, as two calls would draw them."""
+        CPU, one read on CUDA. ``role``'s random bits are drawn first, as two calls would draw them.
+        With ``pack_tokens`` the tokens operand comes in its packed form alone (X^T, saved for backward)."""
         config = self.config
         op, tokens_op = config.operand(role), config.operand(tokens_role)
         amax = self.reference(role, x_TD)
@@ -314,6 +319,7 @@ class _Quantizer:
             generator=self.generator if op.rounding != "rne" or tokens_op.rounding != "rne" else None,
             pack_x=self.pack_all,
             pack_xt=pack_tokens or self.pack_all,
+            values_xt=not pack_tokens,
             stats=self.call.collect_stats,
         )
         self.record(role, q, self.held_source(role, x_TD))

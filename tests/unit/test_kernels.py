@@ -333,25 +333,43 @@ def test_quant_operand_adapter_matches_quantize_operand():
     assert torch.equal(qxt.packed.codes, rxt.packed.codes)
 
 
-def test_the_triton_backends_forward_operands_are_the_programs():
+@pytest.mark.parametrize("values_xt", [True, False])
+def test_the_triton_backends_forward_operands_are_the_programs(values_xt):
     """TritonBackend.quantize_forward (its launches: the X / X^T pair, then W) gives what the torch
-    program's one-graph forward gives (RNE: the same bits), with and without X^T."""
+    program's one-graph forward gives (RNE: the same bits), with and without X^T, and X^T's packed
+    form alone when asked (``values_xt=False``)."""
     from nemofp4.kernels.backend import EagerBackend, TritonBackend
 
     x = make_input(50, 72, seed=5, dtype=torch.bfloat16)
     w = make_input(40, 72, seed=6)
     op_x, op_w = OperandQuant(scale_format="ue5m3"), OperandQuant(scale_format="ue5m3", two_d=True)
-    options = {"x_amax": torch.tensor(3.0), "w_amax": None, "pack_w": True}
+    options = {"x_amax": torch.tensor(3.0), "w_amax": None, "pack_w": True, "values_xt": values_xt}
     for op_xt in (op_x, None):
         ours = TritonBackend().quantize_forward(x, w, op_x, op_xt, op_w, **options)
         ref = EagerBackend().quantize_forward(x, w, op_x, op_xt, op_w, **options)
         assert (ours[1] is None) == (op_xt is None)
+        if op_xt is not None:
+            assert (ours[1].scaled is None) == (ref[1].scaled is None) == (not values_xt)
         for q, r in zip(ours, ref, strict=True):
             if r is None:
                 continue
-            assert torch.equal(q.scaled, r.scaled) and q.shape == r.shape and q.stats() == r.stats()
+            assert torch.equal(q.scaled_values(), r.scaled_values()) and q.shape == r.shape and q.stats() == r.stats()
             assert torch.equal(q.tensor_scale, r.tensor_scale) and (q.codes is None) == (r.codes is None)
             assert r.codes is None or torch.equal(q.codes, r.codes)  # X^T's and W's (packed), not X's
+
+
+def test_the_triton_backends_packed_alone_wgrad_operand_is_the_programs():
+    """X^T after the Hadamard transform, saved for backward (``pack=True, values=False``): the Triton
+    launch writes no scaled values, and its codes are the program's."""
+    from nemofp4.kernels.backend import EagerBackend, TritonBackend
+
+    x = make_input(50, 64, seed=5)
+    op = OperandQuant(scale_format="e4m3", hadamard=True)
+    ours = TritonBackend().quantize_tokens(x, op, pack=True, values=False)
+    ref = EagerBackend().quantize_tokens(x, op, pack=True, values=False)
+    assert ours.scaled is None and ref.scaled is None
+    assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale_codes, ref.scale_codes)
+    assert torch.equal(ours.dequantize(), ref.dequantize()) and ours.meta() == ref.meta()
 
 
 def test_a_launch_under_a_fake_mode_leaves_later_real_launches_real(monkeypatch):

@@ -262,6 +262,51 @@ def test_the_forward_operands_are_bitwise_the_pair_then_the_weight(case, with_xt
     assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1]))
 
 
+_PACKED_ALONE_CASES = [("tokens", "ue5m3", False, False), ("tokens", "e4m3", True, False), ("pair", "ue5m3", False, False),
+                       ("forward", "e4m3", False, False),
+                       pytest.param("forward", "ue5m3", False, True, marks=needs_compiler)]  # fmt: skip
+
+
+@pytest.mark.parametrize("entry,fmt,hadamard,compiled", _PACKED_ALONE_CASES)
+def test_an_operand_only_saved_for_backward_comes_packed_alone(entry, fmt, hadamard, compiled):
+    """``values=False`` (``values_xt=False``): X^T has no scaled values, and everything else (its
+    packed and scale codes, tensor scale and reference, X and W, the random bits drawn) is bitwise
+    what the same call with values gives; its dequantize (decoded from the codes) too."""
+    from nemofp4.kernels.program import quantize_forward_operands, quantize_operand_pair, quantize_tokens_operand
+
+    op = OperandQuant(scale_format=fmt, rounding="sr8", hadamard=hadamard)
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(39, 48, generator=gen), torch.randn(40, 48, generator=gen) * 0.01
+    seeds = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+
+    def run(values: bool, seed: torch.Generator):
+        options = dict(generator=seed, compiled=compiled)
+        if entry == "tokens":
+            return (quantize_tokens_operand(x, op, pack=True, values=values, **options),)
+        if entry == "pair":
+            return quantize_operand_pair(x, op, op, values_xt=values, **options)[::-1]
+        xt_first = quantize_forward_operands(x, w, op, op, OperandQuant(scale_format=fmt, two_d=True), pack_w=True,
+                                             values_xt=values, **options)  # fmt: skip
+        return xt_first[1], xt_first[0], xt_first[2]
+
+    (ours_xt, *ours_rest), (ref_xt, *ref_rest) = run(False, seeds[0]), run(True, seeds[1])
+    assert ours_xt.scaled is None and ref_xt.scaled is not None
+    for name in ("codes", "scale_codes", "tensor_scale", "tensor_amax"):
+        assert torch.equal(getattr(ours_xt, name), getattr(ref_xt, name)), name
+    assert ours_xt.meta() == ref_xt.meta()
+    assert torch.equal(_bits(ours_xt.dequantize()), _bits(ref_xt.dequantize()))
+    for ours, ref in zip(ours_rest, ref_rest, strict=True):
+        assert torch.equal(_bits(ours.scaled), _bits(ref.scaled))
+    assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1]))
+
+
+def test_an_operand_without_values_must_be_packed():
+    from nemofp4.kernels.program import quantize_tokens_operand
+
+    with pytest.raises(ValueError, match="values=False keeps only the packed form: it needs pack=True"):
+        quantize_tokens_operand(torch.randn(16, 16), OperandQuant(scale_format="ue5m3"), values=False)
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_nvfp4_dequantize_of_a_wgrad_operand_without_codes_is_the_reference_one(hadamard):
     """Without packed codes NVFP4's dequantize divides the scaled form by the block scales; a wgrad
