@@ -272,7 +272,11 @@ def test_an_operand_only_saved_for_backward_comes_packed_alone(entry, fmt, hadam
     """``values=False`` (``values_xt=False``): X^T has no scaled values, and everything else (its
     packed and scale codes, tensor scale and reference, X and W, the random bits drawn) is bitwise
     what the same call with values gives; its dequantize (decoded from the codes) too."""
-    from nemofp4.kernels.program import quantize_forward_operands, quantize_operand_pair, quantize_tokens_operand
+    from nemofp4.kernels.program import (
+        quantize_forward_operands,
+        quantize_operand_pair,
+        quantize_tokens_operand,
+    )
 
     op = OperandQuant(scale_format=fmt, rounding="sr8", hadamard=hadamard)
     gen = torch.Generator().manual_seed(5)
