@@ -74,8 +74,8 @@ class Backend(Protocol):
     def quantize_forward(self, x_TK: torch.Tensor, weight: torch.Tensor, spec_x: BlockSpec, spec_xt: BlockSpec | None,
                          spec_w: BlockSpec, *, x_amax: torch.Tensor | None = None,
                          w_amax: torch.Tensor | None = None, pack_x: bool = False, pack_xt: bool = True,
-                         values_xt: bool = True, pack_w: bool = False, **options) -> tuple[QuantizedBlocks, QuantizedBlocks | None,
-                                                                   QuantizedBlocks]: ...  # fmt: skip
+                         values_xt: bool = True, pack_w: bool = False,
+                         **options) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]: ...  # fmt: skip
 
     def amax(self, x: torch.Tensor) -> torch.Tensor: ...
 

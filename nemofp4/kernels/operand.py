@@ -85,7 +85,8 @@ def _seed(rounding: str, generator: torch.Generator | None, device: torch.device
     ).to(device)  # fmt: skip
 
 
-def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, values: bool, stats: bool) -> QuantizedBlocks:
+def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, values: bool,
+                   stats: bool) -> QuantizedBlocks:  # fmt: skip
     """``q`` as the torch program returns it: the operand's own (unpadded-token) shape, packed
     codes only when asked for, the scaled values unless ``values`` is False (the fused pair's kernel
     writes X^T's anyway), and the three block counts (a test compares the two)."""

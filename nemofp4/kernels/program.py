@@ -179,9 +179,9 @@ def _quantize_core(
     hashed from it and the element's index), sr_exact float64 uniforms shaped like ``blocks``; both in
     the element order of the operand: row-major over ``x``, or over ``x^T`` with ``spec.columns``.
 
-    Returns (scaled values shaped like ``blocks`` | None (not ``spec.values``), tensor_scale, g, packed E2M1 codes
-    (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None, counts [3]: saturated,
-    underflowed and zero blocks).
+    Returns (scaled values shaped like ``blocks`` | None (not ``spec.values``), tensor_scale, g,
+    packed E2M1 codes (:func:`_packed`) | None, scale codes [R or R/b, C/b] or [C, R/b] | None,
+    counts [3]: saturated, underflowed and zero blocks).
     """
     # float32-wide vectors in the compiled loops (see _copysign): a float32 input without the Hadamard
     # transform's BF16 buffer, or a BF16/FP16 input read along its rows
@@ -365,9 +365,9 @@ def quantize_operand(
     tensor_amax, op.rounding, generator)`` bitwise (``scaled`` == its ``scaled_values()``).
     The result has the scaled form; ``pack`` adds the packed codes (for operands saved for
     backward), and with ``values=False`` it has them alone (``scaled`` None: for an operand that is
-    only saved, so no float32 buffer is written for it). ``stats`` keeps the saturation/underflow/zero counts (on the device, no
-    synchronization). ``compiled`` runs the core through ``torch.compile`` (inside an already
-    compiled region it is inlined).
+    only saved, so no float32 buffer is written for it). ``stats`` keeps the
+    saturation/underflow/zero counts (on the device, no synchronization). ``compiled`` runs the
+    core through ``torch.compile`` (inside an already compiled region it is inlined).
     """
     (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax, values),), generator, stats, compiled)
     return q
@@ -413,9 +413,9 @@ def quantize_operand_pair(
     compiled: bool = False,
 ) -> tuple[QuantizedBlocks, QuantizedBlocks]:
     """(``quantize_operand(x_TK, op_x, pack=pack_x)``, ``quantize_tokens_operand(x_TK, op_xt,
-    pack=pack_xt, values=values_xt)``) with one tensor reference, bit for bit (X's random bits drawn first), as one
-    compiled graph: one call, one set of guards, for the two operands a linear's forward quantizes
-    from its input."""
+    pack=pack_xt, values=values_xt)``) with one tensor reference, bit for bit (X's random bits drawn
+    first), as one compiled graph: one call, one set of guards, for the two operands a linear's
+    forward quantizes from its input."""
     if op_xt.hadamard:
         raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
     operands = (
@@ -508,6 +508,7 @@ def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax, va
 
 
 def _values(pack: bool, values: bool) -> bool:
+    """``values``, refused without ``pack``: the result would hold neither form."""
     if not (values or pack):
         raise ValueError("values=False keeps only the packed form: it needs pack=True")
     return values

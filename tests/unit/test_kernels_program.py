@@ -262,8 +262,8 @@ def test_the_forward_operands_are_bitwise_the_pair_then_the_weight(case, with_xt
     assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1]))
 
 
-_PACKED_ALONE_CASES = [("tokens", "ue5m3", False, False), ("tokens", "e4m3", True, False), ("pair", "ue5m3", False, False),
-                       ("forward", "e4m3", False, False),
+_PACKED_ALONE_CASES = [("tokens", "ue5m3", False, False), ("tokens", "e4m3", True, False),
+                       ("pair", "ue5m3", False, False), ("forward", "e4m3", False, False),
                        pytest.param("forward", "ue5m3", False, True, marks=needs_compiler)]  # fmt: skip
 
 
@@ -359,7 +359,8 @@ def test_sr8_bytes_are_the_unsigned_32_bit_hash_for_every_key_and_index(compiled
 
     from nemofp4.formats import sr8_bytes_at
 
-    index = torch.cat([torch.arange(4099), torch.arange((1 << 31) - 2, (1 << 31) + 2), torch.arange((1 << 32) - 4096, 1 << 32)])
+    top_bit, last = torch.arange((1 << 31) - 2, (1 << 31) + 2), torch.arange((1 << 32) - 4096, 1 << 32)
+    index = torch.cat([torch.arange(4099), top_bit, last])
 
     def documented(key: int) -> np.ndarray:
         x = index.numpy().astype(np.uint32) ^ np.uint32(key)
