@@ -20,7 +20,7 @@ import torch
 from nemofp4.formats import BlockSpec, QuantizedBlocks
 from nemofp4.formats.spec import BLOCK_STATS
 
-from .program import TOKEN_MULTIPLE
+from .program import TOKEN_MULTIPLE, check_values
 from .quantize import triton_quantize
 
 __all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
@@ -36,6 +36,7 @@ def triton_quantize_operand(
     if x.dim() != 2:
         raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
     spec = op if two_d is None or two_d == op.two_d else dataclasses.replace(op, two_d=two_d)
+    check_values(pack, values)
     seed = _seed(op.rounding, generator, x.device)
     scaled_dtype = torch.float32 if values else None  # the packed form alone: no values written
     rows, _ = triton_quantize(x, spec, tensor_amax=tensor_amax, seed=seed, scaled_dtype=scaled_dtype, stats=stats)
@@ -63,6 +64,7 @@ def triton_quantize_operand_pair(
         )
     if op_x.two_d or op_xt.two_d or op_x.hadamard or op_xt.hadamard:
         raise ValueError("fused X/X^T quantization supports 1-D blocks without a Hadamard transform only")
+    check_values(pack_xt, values_xt)
     tokens, features = x_TK.shape
     seed = _seed(op_x.rounding, generator, x_TK.device)
     rows, cols = triton_quantize(
@@ -90,8 +92,6 @@ def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, value
     """``q`` as the torch program returns it: the operand's own (unpadded-token) shape, packed
     codes only when asked for, the scaled values unless ``values`` is False (the fused pair's kernel
     writes X^T's anyway), and the three block counts (a test compares the two)."""
-    if not (values or pack):
-        raise ValueError("values=False keeps only the packed form: it needs pack=True")
     counts = {name: q.counts[name] for name in BLOCK_STATS} if stats else {}
     codes = q.codes if pack else None  # the block-scale codes stay: NVFP4's dequantize reads them
     scaled = q.scaled if values else None

@@ -485,7 +485,8 @@ def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, 
     rows_p, cols_p = xp.shape
     row_block = b if two_d else 1
     blocks = xp.view(rows_p // row_block, row_block, cols_p // b, b)
-    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None, values=_values(pack, values))
+    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None,
+                 values=check_values(pack, values))  # fmt: skip
     return _Operand(op, spec, blocks, (rows, cols), (rows_p, cols_p), tensor_amax)
 
 
@@ -503,12 +504,12 @@ def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax, va
     rows_p = xp.shape[0]  # tokens padded to 16, then to the block
     blocks = xp.view(rows_p // b, b, features, 1)
     spec = _Spec(op.scale_format, b, False, op.rounding, pack, measure=tensor_amax is None, columns=True,
-                 hadamard=op.hadamard, values=_values(pack, values))  # fmt: skip
+                 hadamard=op.hadamard, values=check_values(pack, values))  # fmt: skip
     return _Operand(op, spec, blocks, (features, padded_tokens), (features, rows_p), tensor_amax)
 
 
-def _values(pack: bool, values: bool) -> bool:
-    """``values``, refused without ``pack``: the result would hold neither form."""
+def check_values(pack: bool, values: bool) -> bool:
+    """``values``, refused without ``pack`` (every backend's check): the result would hold neither form."""
     if not (values or pack):
         raise ValueError("values=False keeps only the packed form: it needs pack=True")
     return values

@@ -262,16 +262,16 @@ def test_the_forward_operands_are_bitwise_the_pair_then_the_weight(case, with_xt
     assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1]))
 
 
-_PACKED_ALONE_CASES = [("tokens", "ue5m3", False, False), ("tokens", "e4m3", True, False),
-                       ("pair", "ue5m3", False, False), ("forward", "e4m3", False, False),
+_PACKED_ALONE_CASES = [("rows", "ue5m3", False, False), ("tokens", "ue5m3", False, False),
+                       ("tokens", "e4m3", True, False), ("pair", "ue5m3", False, False), ("forward", "e4m3", False, False),
                        pytest.param("forward", "ue5m3", False, True, marks=needs_compiler)]  # fmt: skip
 
 
 @pytest.mark.parametrize("entry,fmt,hadamard,compiled", _PACKED_ALONE_CASES)
 def test_an_operand_only_saved_for_backward_comes_packed_alone(entry, fmt, hadamard, compiled):
-    """``values=False`` (``values_xt=False``): X^T has no scaled values, and everything else (its
-    packed and scale codes, tensor scale and reference, X and W, the random bits drawn) is bitwise
-    what the same call with values gives; its dequantize (decoded from the codes) too."""
+    """``values=False`` (``values_xt=False``): the operand (X^T) has no scaled values, and everything
+    else (its packed and scale codes, tensor scale and reference, X and W, the random bits drawn) is
+    bitwise what the same call with values gives; its dequantize (decoded from the codes) too."""
     from nemofp4.kernels.program import (
         quantize_forward_operands,
         quantize_operand_pair,
@@ -285,6 +285,8 @@ def test_an_operand_only_saved_for_backward_comes_packed_alone(entry, fmt, hadam
 
     def run(values: bool, seed: torch.Generator):
         options = dict(generator=seed, compiled=compiled)
+        if entry == "rows":
+            return (quantize_operand(x, op, pack=True, values=values, **options),)
         if entry == "tokens":
             return (quantize_tokens_operand(x, op, pack=True, values=values, **options),)
         if entry == "pair":
