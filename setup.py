@@ -1,6 +1,7 @@
 """Packaging that pyproject.toml cannot say: the repository's configs/, slurm/ and data/ folders
 ship inside the wheel as package data under nemofp4/share/, without moving them (the code finds
-them through nemofp4.data.paths.REPO_ROOT, in a checkout and in an installed wheel alike)."""
+them through nemofp4.data.paths.REPO_ROOT, in a checkout and in an installed wheel alike); the
+native CPU quantizer's C++ source ships beside its module, which builds it on first use."""
 
 from setuptools import find_packages, setup
 
@@ -15,6 +16,7 @@ SHARED_FILES = {
 setup(
     packages=[*find_packages(include=["nemofp4", "nemofp4.*"]), *SHARED],
     package_dir=SHARED,
-    package_data={"nemofp4.evaluation": ["lm_eval_tasks/*.yaml", "lm_eval_tasks/*.py"], **SHARED_FILES},
+    package_data={"nemofp4.evaluation": ["lm_eval_tasks/*.yaml", "lm_eval_tasks/*.py"],
+                  "nemofp4.kernels": ["cpu_quantize.cpp"], **SHARED_FILES},  # fmt: skip
     exclude_package_data={"nemofp4.share.data": ["cache/**"]},
 )

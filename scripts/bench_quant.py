@@ -1,10 +1,14 @@
 """CPU FP4 quantize -> dequantize on the training step's path, against the copy floor and torchao.
 
-    python scripts/bench_quant.py [--size 4096] [--repeats 7] [--threads 1 2]
+    python scripts/bench_quant.py [--size 4096] [--repeats 7] [--threads 1 2] [--dtype bfloat16]
+                                  [--kernels auto]
 
-Each case quantizes a bf16 [size, size] Gaussian tensor with the quantizer a training step on CPU
-takes (``kernels.backend_for("auto", "cpu")``: the compiled program where a C++ compiler is present,
-current scaling, so the amax is measured inside) and dequantizes it back to float32. The cases are
+Each case quantizes a bf16 (``--dtype``) [size, size] Gaussian tensor with the quantizer a training
+step on CPU takes (``kernels.backend_for("auto", "cpu")``: where a C++ compiler is present, the
+native kernel for the float32 operands it covers and the compiled program for the rest; current
+scaling, so the amax is measured inside) and dequantizes it back to float32. ``--kernels`` adds the
+cases on other settings to the same run (``--kernels native compiled``: the two CPU paths side by
+side). The cases are
 the issue's: NVFP4 in 1-D blocks of 16, in 16x16 weight tiles, and the wgrad operand after the 16x16
 Hadamard transform (``quantize_tokens``); UE5M3 with RNE and with the paper's 8-bit stochastic
 rounding. The floor is ``x.clone()`` of the same tensor (one read, one write); the baseline
@@ -38,7 +42,7 @@ import warnings
 import torch
 
 from nemofp4.formats.spec import BlockSpec
-from nemofp4.kernels import backend_for, resolve_backend
+from nemofp4.kernels import BACKENDS, backend_for, resolve_backend
 
 
 def _torchao_nvfp4():
@@ -75,18 +79,25 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the input's dtype (a CPU training step quantizes float32 operands)")
+    parser.add_argument("--kernels", nargs="+", choices=list(BACKENDS), default=["auto"],
+                        help="the cases on each of these kernel settings, in the same run")
     args = parser.parse_args()
 
     logging.disable(logging.WARNING)  # torchao logs about its optional CUDA extensions
     warnings.filterwarnings("ignore")
-    x = torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(0)).to(dtype)
     held = torch.empty_like(x)
     variants = {
         "clone (floor)": lambda x: x.clone(),
         "copy into a held tensor": lambda x: held.copy_(x),  # the same bytes, no fresh pages
         "torchao NVFP4": _torchao_nvfp4(),
-        **_cases(backend_for("auto", "cpu")),
     }
+    for kernels in args.kernels:
+        suffix = f" ({kernels}: {resolve_backend(kernels, 'cpu')})" if len(args.kernels) > 1 else ""
+        variants.update({name + suffix: case for name, case in _cases(backend_for(kernels, "cpu")).items()})
     for threads in args.threads:  # warm-up: builds (or loads) the compiled programs
         torch.set_num_threads(threads)
         for fn in variants.values():
@@ -100,9 +111,11 @@ def main() -> None:
                 fn(x)
                 times[name, threads].append(time.perf_counter() - start)
     median = {key: statistics.median(values) for key, values in times.items()}
+    paths = ", ".join(f"{kernels}: {resolve_backend(kernels, 'cpu')}" for kernels in args.kernels)
 
     print(
-        f"quantize->dequantize, bf16 [{args.size}, {args.size}], path {resolve_backend('auto', 'cpu')!r}, "
+        f"quantize->dequantize, {args.dtype} [{args.size}, {args.size}], "
+        f"paths {paths}, "
         f"torch {torch.__version__}, {platform.machine()}, median of {args.repeats} interleaved rounds, "
         f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}, "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"

@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemofp4.kernels import backend_for
+from nemofp4.kernels import BACKENDS, backend_for
 from nemofp4.models import build_model, get_model_config
 from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
 from nemofp4.quant.fp4_linear import register_ops
@@ -434,7 +434,7 @@ def main() -> None:
     parser.add_argument("--memory-tokens", type=int, default=64)
     parser.add_argument("--tiny-bf16-last-layers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--kernels", choices=["auto", "compiled", "eager"], default="auto",
+    parser.add_argument("--kernels", choices=list(BACKENDS), default="auto",
                         help="FP4 kernels backend, as train.kernels (eager: the torch program run op by op)")
     parser.add_argument("--stats", action="store_true",
                         help="collect quantization statistics every step (the trainer does so only on logging steps)")

@@ -54,7 +54,7 @@ class EvaluateConfig:
     dtype: str = "auto"
     """Compute dtype: auto (the run's train.dtype on CUDA, float32 on CPU) | float32 | bfloat16."""
     kernels: str = "auto"
-    """FP4 quantization kernels, as the trainer's train.kernels: auto | triton | compiled | eager
+    """FP4 quantization kernels, as the trainer's train.kernels: auto | triton | native | compiled | eager
     (the same numerics on every path; eager skips the compile of the first forward)."""
     out: str = ""
     """Results JSON path ('' prints only); a markdown table is written next to it (.md)."""

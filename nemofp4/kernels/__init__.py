@@ -1,9 +1,12 @@
-"""Fast forms of the FP4 programs, chosen by a backend setting: ``auto | triton | compiled | eager``.
+"""Fast forms of the FP4 programs, chosen by a backend setting: ``auto | triton | native | compiled | eager``.
 
 * ``eager``: the torch quantization program (:mod:`nemofp4.kernels.program`) run op by op;
 * ``compiled``: the same program compiled by Inductor (C++ on CPU), one graph per spec;
+* ``native``: on CPU, a C++ kernel of the program's core (:mod:`nemofp4.kernels.native`, built on
+  first use) for the float32 operands in blocks or tiles of 16 with E4M3/UE5M3 scales, one call
+  each; the compiled program for the others;
 * ``triton``: fused Triton kernels (:mod:`nemofp4.kernels.quantize`) on CUDA tensors;
-* ``auto``: Triton on CUDA when importable, the compiled program on CPU when a C++ compiler is
+* ``auto``: Triton on CUDA when importable, the native kernel on CPU when a C++ compiler is
   present, the eager program otherwise.
 
 Each path is a :class:`~nemofp4.kernels.backend.Backend` object (:mod:`nemofp4.kernels.backend`):

@@ -4,16 +4,18 @@ A :class:`Backend` does the five things a quantized linear asks of the kernels: 
 operand, quantize the token-major wgrad operand (and the X / X^T pair that shares one tensor
 reference, and the forward's X, X^T and W together), measure an amax, apply the wgrad Hadamard
 transform, and run the hardware GEMM model.
-Three implementations, with the same numerics:
+Four implementations, with the same numerics:
 
 * :class:`EagerBackend`: the torch program (:mod:`nemofp4.kernels.program`) op by op;
 * :class:`CompiledBackend`: the same program compiled by Inductor (C++ on CPU). A spec whose build
   fails warns once, naming the spec, and runs eagerly from then on; every other spec still compiles;
+* :class:`NativeBackend`: on CPU, the native kernel of :mod:`nemofp4.kernels.native` for the
+  operands it covers (checked bit for bit against the program), the compiled program for the rest;
 * :class:`TritonBackend`: the fused Triton kernels (CUDA, or Triton's CPU interpreter in tests), the
   torch program for block sizes they have no kernel for.
 
-:func:`backend_for` turns the knob (``auto | triton | compiled | eager``, the trainer's
-``train.kernels``, the evaluator's ``kernels``) and a device into one of the three; a QuantLinear
+:func:`backend_for` turns the knob (``auto | triton | native | compiled | eager``, the trainer's
+``train.kernels``, the evaluator's ``kernels``) and a device into one of the four; a QuantLinear
 calls it once per device and keeps the result (:meth:`nemofp4.quant.QuantLinearState.kernels_for`).
 """
 
@@ -30,7 +32,7 @@ import torch
 from nemofp4.formats import QuantizedBlocks, amax, quantize_blocks, wgrad_hadamard_transform
 from nemofp4.formats.spec import BlockSpec
 
-from . import program
+from . import native, program
 from .program import cpu_compile_available, tokens_transposed
 from .quantize import SUPPORTED_BLOCK_SIZES
 
@@ -39,6 +41,7 @@ __all__ = [
     "Backend",
     "CompiledBackend",
     "EagerBackend",
+    "NativeBackend",
     "TritonBackend",
     "backend_for",
     "check_backend",
@@ -47,7 +50,7 @@ __all__ = [
     "triton_available",
 ]
 
-BACKENDS = ("auto", "triton", "compiled", "eager")
+BACKENDS = ("auto", "triton", "native", "compiled", "eager")
 
 
 class Backend(Protocol):
@@ -90,24 +93,25 @@ class EagerBackend:
     name = "eager"
     reads_packed_codes = False
     _compiled = False
+    _native = False
 
     def __repr__(self) -> str:
         return f"<{self.name} FP4 kernels>"
 
     def quantize(self, x, spec, **options):
         """``x`` [rows, cols] quantized along its last dim (or in tiles) as ``spec`` says."""
-        return program.quantize_operand(x, spec, compiled=self._compiled, **options)
+        return program.quantize_operand(x, spec, compiled=self._compiled, native=self._native, **options)
 
     def quantize_tokens(self, x_TD, spec, **options):
         """The wgrad operand of a token-major ``x_TD`` [T, D]: its transpose [D, Tp] (tokens padded to
         16) quantized along the tokens, after ``spec.hadamard``'s transform."""
-        return program.quantize_tokens_operand(x_TD, spec, compiled=self._compiled, **options)
+        return program.quantize_tokens_operand(x_TD, spec, compiled=self._compiled, native=self._native, **options)
 
     def quantize_pair(self, x_TK, spec_x, spec_xt, *, pack_x=False, pack_xt=True, **options):
         """(X along K, X^T [K, tokens padded to 16] along the tokens) sharing one tensor reference (one
         compiled graph for the two)."""
         return program.quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt,
-                                             compiled=self._compiled, **options)  # fmt: skip
+                                             compiled=self._compiled, native=self._native, **options)  # fmt: skip
 
     def quantize_forward(self, x_TK, weight, spec_x, spec_xt, spec_w, *, x_amax=None, w_amax=None, pack_x=False,
                          pack_xt=True, pack_w=False, **options):  # fmt: skip
@@ -115,7 +119,7 @@ class EagerBackend:
         graph for the three."""
         return program.quantize_forward_operands(x_TK, weight, spec_x, spec_xt, spec_w, x_amax=x_amax, w_amax=w_amax,
                                                  pack_x=pack_x, pack_xt=pack_xt, pack_w=pack_w,
-                                                 compiled=self._compiled, **options)  # fmt: skip
+                                                 compiled=self._compiled, native=self._native, **options)  # fmt: skip
 
     def quantize_blocks(self, x, *args, **kwargs):
         """:func:`nemofp4.formats.quantize_blocks` (same arguments)."""
@@ -144,6 +148,17 @@ class CompiledBackend(EagerBackend):
 
     def hadamard_transform(self, x):
         return program.compiled_hadamard_transform(x)
+
+
+class NativeBackend(CompiledBackend):
+    """The native CPU kernel (:mod:`nemofp4.kernels.native`) for the operands it supports, one ctypes
+    call each; the compiled program for the rest (the same bits)."""
+
+    name = "native"
+    _native = True
+
+    def amax(self, x):
+        return native.amax(x) if native.supports_amax(x) else super().amax(x)
 
 
 class TritonBackend(EagerBackend):
@@ -226,7 +241,7 @@ class TritonBackend(EagerBackend):
 
 
 _QUANTIZE_BLOCKS = inspect.signature(quantize_blocks)
-_BACKENDS = {backend.name: backend for backend in (EagerBackend(), CompiledBackend(), TritonBackend())}
+_BACKENDS = {backend.name: backend for backend in (EagerBackend(), CompiledBackend(), NativeBackend(), TritonBackend())}
 
 
 # ------------------------------------------------------------------------------------ resolution
@@ -248,22 +263,28 @@ def check_backend(backend: str) -> str:
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The path (``triton``, ``compiled`` or ``eager``) that ``backend`` takes for tensors on ``device``."""
+    """The path (``triton``, ``native``, ``compiled`` or ``eager``) that ``backend`` takes for tensors on
+    ``device``."""
     check_backend(backend)
     device = torch.device(device)
     if backend == "auto":
         if device.type == "cuda":
             return "triton" if _triton_importable() else "eager"
         if device.type == "cpu" and cpu_compile_available():
-            return "compiled"
+            return "native" if native.available() else "compiled"
         return "eager"
     if backend == "triton" and not (device.type == "cuda" and _triton_importable()):
         raise ValueError(
             f"backend 'triton' needs CUDA tensors and an importable triton; got a {device.type} tensor"
-            f"{'' if _triton_importable() else ' and no triton'} (use 'auto', 'compiled' or 'eager')"
+            f"{'' if _triton_importable() else ' and no triton'} (use 'auto', 'native', 'compiled' or 'eager')"
         )
-    if backend == "compiled" and device.type == "cpu" and not cpu_compile_available():
+    if backend == "native" and device.type != "cpu":
+        raise ValueError(f"backend 'native' quantizes CPU tensors; got a {device.type} tensor (use 'auto', 'triton', "
+                         "'compiled' or 'eager')")
+    if backend in ("native", "compiled") and device.type == "cpu" and not cpu_compile_available():
         return "eager"  # no C++ compiler: same numerics
+    if backend == "native" and not native.available():
+        return "compiled"  # the build failed (it warned): same numerics
     return backend
 
 
@@ -277,6 +298,9 @@ def describe(device: torch.device | str, backend: str = "auto") -> str:
     path = resolve_backend(backend, device)
     if path == "triton":
         return "FP4 quantization: fused Triton kernels"
+    if path == "native":
+        return ("FP4 quantization: native CPU kernel (built on first use), the compiled torch program for the "
+                "operands it does not cover")
     if path == "compiled":
         return "FP4 quantization: compiled torch program (torch.compile; the first step builds it)"
     if backend == "eager":

@@ -22,6 +22,11 @@ the loop that rounds (compiled, no random bytes are stored or read); sr_exact dr
 Unlike the reference the program does not check for NaN/Inf (that would synchronize): a
 non-finite input yields non-finite values, which the trainer's checks catch.
 
+``native=True`` hands each operand that :mod:`nemofp4.kernels.native` covers (float32, blocks or
+tiles of 16, E4M3/UE5M3 scales, RNE/sr/sr8) to that C++ kernel of :func:`_quantize_core` instead,
+after the same padding and the same draws; tests/unit/test_kernels_native.py holds it to this
+program bit for bit.
+
 Compiling needs a C++ compiler (:func:`cpu_compile_available`); a spec whose build fails anyway
 warns once, naming the spec, and runs its core eagerly on the same inputs from then on (the other
 specs still compile).
@@ -53,6 +58,8 @@ from nemofp4.formats.scaling import (
     scaled_target,
 )
 from nemofp4.formats.spec import BLOCK_STATS, DEFAULT_SCALE_TARGET, SCALE_FORMAT_TABLE, BlockSpec
+
+from . import native as _native
 
 __all__ = [
     "TOKEN_MULTIPLE",
@@ -357,6 +364,7 @@ def quantize_operand(
     values: bool = True,
     stats: bool = True,
     compiled: bool = False,
+    native: bool = False,
 ) -> QuantizedBlocks:
     """Quantize a 2-D ``x`` along its last dim (or in 2-D tiles) as ``op`` (a
     :class:`~nemofp4.formats.BlockSpec`, e.g. an ``OperandQuant``) says.
@@ -367,9 +375,10 @@ def quantize_operand(
     backward), and with ``values=False`` it has them alone (``scaled`` None: for an operand that is
     only saved, so no float32 buffer is written for it). ``stats`` keeps the
     saturation/underflow/zero counts (on the device, no synchronization). ``compiled`` runs the
-    core through ``torch.compile`` (inside an already compiled region it is inlined).
+    core through ``torch.compile`` (inside an already compiled region it is inlined); ``native`` runs
+    the native kernel where it supports the operand (:mod:`nemofp4.kernels.native`), the same bits.
     """
-    (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax, values),), generator, stats, compiled)
+    (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax, values),), generator, stats, compiled, native)
     return q
 
 
@@ -383,6 +392,7 @@ def quantize_tokens_operand(
     values: bool = True,
     stats: bool = True,
     compiled: bool = False,
+    native: bool = False,
 ) -> QuantizedBlocks:
     """The wgrad operand of a token-major ``x_TD`` [T, D]: its transpose [D, Tp] (tokens zero-padded
     to 16) quantized along the tokens, after ``op.hadamard``'s wgrad transform along them.
@@ -395,7 +405,7 @@ def quantize_tokens_operand(
     strides ``(1, D)``); packed codes and scale codes are row-major ``[D, ...]``, as
     ``quantize_operand`` gives them. ``pack`` and ``values`` as in :func:`quantize_operand`.
     """
-    (q,) = _quantize((_down_columns(x_TD, op, pack, tensor_amax, values),), generator, stats, compiled)
+    (q,) = _quantize((_down_columns(x_TD, op, pack, tensor_amax, values),), generator, stats, compiled, native)
     return q
 
 
@@ -411,6 +421,7 @@ def quantize_operand_pair(
     values_xt: bool = True,
     stats: bool = True,
     compiled: bool = False,
+    native: bool = False,
 ) -> tuple[QuantizedBlocks, QuantizedBlocks]:
     """(``quantize_operand(x_TK, op_x, pack=pack_x)``, ``quantize_tokens_operand(x_TK, op_xt,
     pack=pack_xt, values=values_xt)``) with one tensor reference, bit for bit (X's random bits drawn
@@ -422,7 +433,7 @@ def quantize_operand_pair(
         _along_rows(x_TK, op_x, None, pack_x, tensor_amax),
         _down_columns(x_TK, op_xt, pack_xt, tensor_amax, values_xt),
     )
-    qx, qxt = _quantize(operands, generator, stats, compiled)
+    qx, qxt = _quantize(operands, generator, stats, compiled, native)
     return qx, qxt
 
 
@@ -442,6 +453,7 @@ def quantize_forward_operands(
     pack_w: bool = False,
     stats: bool = True,
     compiled: bool = False,
+    native: bool = False,
 ) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]:
     """What a linear's forward quantizes, as one compiled graph (one call, one set of guards): X
     along K, X^T along the tokens sharing X's tensor reference ``x_amax`` (``op_xt`` None: not
@@ -454,7 +466,7 @@ def quantize_forward_operands(
     if op_xt is not None:
         operands.append(_down_columns(x_TK, op_xt, pack_xt, x_amax, values_xt))
     operands.append(_along_rows(weight, op_w, None, pack_w, w_amax))
-    *quantized, qw = _quantize(tuple(operands), generator, stats, compiled)
+    *quantized, qw = _quantize(tuple(operands), generator, stats, compiled, native)
     return quantized[0], quantized[1] if op_xt is not None else None, qw
 
 
@@ -524,19 +536,30 @@ def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
     return x.contiguous()
 
 
-def _quantize(operands: tuple[_Operand, ...], generator, stats: bool, compiled: bool):
-    """Draw each operand's random bits (in its element order, operand after operand) and run the cores,
-    as one compiled graph or eagerly; one :class:`QuantizedBlocks` per operand."""
-    args = [arg for operand in operands for arg in _core_args(operand, generator)]
-    specs = tuple(operand.spec for operand in operands)
-    if compiled and not torch.compiler.is_compiling():
-        for operand, draws in zip(operands, args[3::4]):
-            torch._dynamo.mark_dynamic(operand.blocks, (0, 2))  # one graph for every operand shape
-            if operand.op.rounding == "sr_exact":
-                torch._dynamo.mark_dynamic(draws, (0, 2))
-        outputs = _run_compiled(specs, *args)
-    else:
-        outputs = _quantize_cores(specs, *args)
+def _quantize(operands: tuple[_Operand, ...], generator, stats: bool, compiled: bool, native: bool = False):
+    """Draw each operand's random bits (in its element order, operand after operand) and run the cores:
+    with ``native``, the native kernel for each operand it supports (:mod:`nemofp4.kernels.native`),
+    then the others as one compiled graph or eagerly; one :class:`QuantizedBlocks` per operand."""
+    args = [_core_args(operand, generator) for operand in operands]
+    outputs: list = [None] * len(operands)
+    if native:
+        for i, (operand, core_args) in enumerate(zip(operands, args)):
+            if _native.supports(operand.spec, operand.blocks):
+                outputs[i] = _native.quantize_core(operand.spec, *core_args)
+    rest = [i for i, output in enumerate(outputs) if output is None]
+    if rest:
+        specs = tuple(operands[i].spec for i in rest)
+        rest_args = [arg for i in rest for arg in args[i]]
+        if compiled and not torch.compiler.is_compiling():
+            for i in rest:
+                torch._dynamo.mark_dynamic(operands[i].blocks, (0, 2))  # one graph for every operand shape
+                if operands[i].op.rounding == "sr_exact":
+                    torch._dynamo.mark_dynamic(args[i][3], (0, 2))
+            rest_outputs = _run_compiled(specs, *rest_args)
+        else:
+            rest_outputs = _quantize_cores(specs, *rest_args)
+        for i, output in zip(rest, rest_outputs):
+            outputs[i] = output
     return tuple(_result(operand, output, stats) for operand, output in zip(operands, outputs))
 
 

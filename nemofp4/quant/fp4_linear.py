@@ -109,7 +109,7 @@ class QuantLinearState(OpaqueBase):
         self.collect_stats = True
         """Keep the statistics of each quantization (:func:`nemofp4.quant.set_quant_stats`)."""
         self.backend = "auto"
-        """The kernels setting ('auto', 'triton', 'compiled' or 'eager'), stored here only."""
+        """The kernels setting ('auto', 'triton', 'native', 'compiled' or 'eager'), stored here only."""
         self._resolved: dict[torch.device, kernels.Backend] = {}
         self.seed = 0
         self.rank = 0

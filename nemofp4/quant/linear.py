@@ -63,7 +63,7 @@ class QuantLinear(nn.Linear):
 
     @property
     def quant_backend(self) -> str:
-        """The kernels setting: 'auto', 'triton', 'compiled' or 'eager' (kept in :attr:`quant_state`)."""
+        """The kernels setting: 'auto', 'triton', 'native', 'compiled' or 'eager' (kept in :attr:`quant_state`)."""
         return self.quant_state.backend
 
     @quant_backend.setter

@@ -256,8 +256,9 @@ def set_quant_stats(model: nn.Module, enabled: bool) -> None:
 
 
 def set_quant_backend(model: nn.Module, backend: str) -> None:
-    """Which kernels quantize every QuantLinear's operands: 'auto' (Triton on CUDA, the compiled
-    torch program on CPU with a C++ compiler, else eager), 'triton', 'compiled' or 'eager'. All
+    """Which kernels quantize every QuantLinear's operands: 'auto' (Triton on CUDA, the native
+    kernel and the compiled torch program on CPU with a C++ compiler, else eager), 'triton', 'native',
+    'compiled' or 'eager'. All
     have the same numerics (see :mod:`nemofp4.kernels`)."""
     kernels.check_backend(backend)
     for _, module in quant_linears(model):

@@ -66,8 +66,9 @@ class TrainConfig:
     matmuls on CUDA): true turns the default ``fp32`` head into ``tf32``; with ``bf16`` it is an error."""
     kernels: str = "auto"
     """FP4 quantization kernels (nemofp4.kernels): 'auto' (fused Triton kernels on CUDA when
-    importable; on CPU the torch program compiled by torch.compile when a C++ compiler is present;
-    else the eager torch program), 'triton', 'compiled' or 'eager'. Same numerics on every path
+    importable; on CPU, when a C++ compiler is present, the native CPU kernel built on first use and
+    the torch program compiled by torch.compile for what it does not cover; else the eager torch
+    program), 'triton', 'native', 'compiled' or 'eager'. Same numerics on every path
     (Triton's stochastic rounding draws its own random bits). 'reference' is a deprecated alias
     of 'eager'."""
     weight_cache: bool = True

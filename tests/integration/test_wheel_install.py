@@ -66,6 +66,13 @@ def test_the_wheel_carries_configs_template_and_data_and_trains_outside_the_chec
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert (run_dir / "checkpoints" / "step-2").is_dir()
+    # the native CPU quantizer's source travels in the wheel, and builds from there
+    source, is_file, available = _run(
+        [str(venv / "bin" / "python"), "-c", "from nemofp4.kernels import native; "
+         "print(native.SOURCE, native.SOURCE.is_file(), native.available())"],
+        cwd=work, env={**env, "NEMOFP4_CACHE_DIR": str(work / "kernel-cache")}).split()  # fmt: skip
+    assert Path(source).is_relative_to(site) and is_file == "True", source
+    assert available == str(bool(shutil.which("c++") or shutil.which("g++"))), available
     script = _run([str(venv / "bin" / "nemofp4-launch"), "slurm.nodes=2", "experiment=nemotron_h_8b_ue5m3",
                    "dry_run=true"], cwd=work, env=env)
     assert "#SBATCH" in script and "nemofp4.train" in script

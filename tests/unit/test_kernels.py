@@ -401,7 +401,7 @@ def test_dispatch_and_switch(monkeypatch):
     monkeypatch.setattr("nemofp4.kernels.quantize.triton_quantize_blocks", lambda *a, **k: calls.append(1))
     assert_same(kernels.quantize_blocks(x, "ue5m3"), quantize_blocks(x, "ue5m3"))
     assert torch.equal(kernels.amax(x), amax(x)) and not calls
-    assert kernels.resolve_backend("auto", "cpu") in ("compiled", "eager")
+    assert kernels.resolve_backend("auto", "cpu") in ("native", "compiled", "eager")
     with pytest.raises(ValueError, match="backend 'triton' needs CUDA tensors"):
         kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend="triton")
     with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):

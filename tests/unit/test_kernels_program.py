@@ -10,7 +10,7 @@ import torch
 from nemofp4 import kernels
 from nemofp4.formats import quantize_blocks
 from nemofp4.kernels import backend as kernel_backends
-from nemofp4.kernels import program
+from nemofp4.kernels import native, program
 from nemofp4.kernels.program import cpu_compile_available, quantize_operand
 from nemofp4.quant import OperandQuant
 from tests.conftest import QUANT_CASES as CASES
@@ -382,17 +382,24 @@ def test_sr8_bytes_are_the_unsigned_32_bit_hash_for_every_key_and_index(compiled
 def test_backend_setting_picks_the_path(monkeypatch):
     calls = []
     real = program.quantize_operand
-    monkeypatch.setattr(program, "quantize_operand", lambda *a, **k: calls.append(k["compiled"]) or real(*a, **k))
+    monkeypatch.setattr(program, "quantize_operand",
+                        lambda *a, **k: calls.append((k["compiled"], k["native"])) or real(*a, **k))  # fmt: skip
     monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: True)
     x = torch.randn(16, 32)
-    for backend in ("auto", "compiled", "eager"):
+    for backend in ("auto", "native", "compiled", "eager"):
         kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend=backend)
-    assert calls == [True, True, False]
+    auto = (True, True) if native.available() else (True, False)
+    assert calls == [auto, (True, True), (True, False), (False, False)]
+    monkeypatch.setattr(native, "available", lambda: False)  # the native build failed: the compiled program
+    assert kernels.resolve_backend("auto", "cpu") == kernels.resolve_backend("native", "cpu") == "compiled"
     monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: False)
     assert kernels.resolve_backend("auto", "cpu") == "eager"
     assert kernels.resolve_backend("compiled", "cpu") == "eager"  # no compiler: same numerics, eagerly
+    assert kernels.resolve_backend("native", "cpu") == "eager"
+    with pytest.raises(ValueError, match="backend 'native' quantizes CPU tensors; got a cuda tensor"):
+        kernels.resolve_backend("native", "cuda")
     with pytest.raises(
-        ValueError, match="unknown FP4 kernel backend 'fast'; valid: auto, triton, compiled, eager"
+        ValueError, match="unknown FP4 kernel backend 'fast'; valid: auto, triton, native, compiled, eager"
     ):
         kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend="fast")
 
@@ -471,7 +478,7 @@ def test_train_kernels_takes_every_backend_and_reference_is_a_deprecated_alias()
         assert TrainConfig(kernels=backend).kernels == backend
     with pytest.warns(FutureWarning, match="train.kernels=reference is deprecated; it means train.kernels=eager"):
         assert TrainConfig(kernels="reference").kernels == "eager"
-    with pytest.raises(ValueError, match="train.kernels='fast'; valid: auto, triton, compiled, eager"):
+    with pytest.raises(ValueError, match="train.kernels='fast'; valid: auto, triton, native, compiled, eager"):
         TrainConfig(kernels="fast")
 
 

@@ -1,0 +1,205 @@
+"""The CPU quantizer as one native call: ``cpu_quantize.cpp``, the quantization program's core
+(:func:`nemofp4.kernels.program._quantize_core`) for the operands most CPU steps quantize: float32,
+1-D blocks of 16 along the rows or down the columns (the wgrad operands) or 16x16 weight tiles,
+E4M3 or UE5M3 block scales, RNE, ``sr`` or ``sr8``. Bit for bit the program
+(``tests/unit/test_kernels_native.py``); the program quantizes every other operand.
+
+Why: a compiled quantizer call runs Dynamo's guards and Inductor's Python wrapper before its
+kernel, which on the tiny model's operands weigh as much as the kernel; a ctypes call is a few
+Python operations. The kernel also does the program's arithmetic in fewer instructions: each
+block's amax as an integer maximum of the magnitudes' bits, 16 blocks' scales in one vector, the
+codes from the rounded values' bits (docs/benchmarks.md, "Ninth round").
+
+The library is built on first use with the C++ compiler that ``torch.compile`` uses on CPU
+(``CXX``, else ``c++``/``g++``/``clang++``) for this machine's instruction set, into
+``$NEMOFP4_CACHE_DIR`` (default ``~/.cache/nemofp4``) under a name hashed from the source, the
+flags, the compiler and the CPU's features, so every process on a node, and every later run, loads
+the same file; the build writes a temporary file and renames it, so concurrent ranks never load a
+partial library. Without a compiler, or if the build fails, it warns once and the program runs
+(compiled by Inductor) instead: the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from nemofp4.formats.minifloat import _HASH_MULTIPLIER, _HASH_ROUNDS
+from nemofp4.formats.scaling import scale_grid
+from nemofp4.formats.spec import SCALE_FORMAT_TABLE
+
+__all__ = ["amax", "available", "library_path", "quantize_core", "supports", "supports_amax"]
+
+SOURCE = Path(__file__).with_name("cpu_quantize.cpp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread")
+"""No fast-math and no FMA contraction: every float operation rounds as the program's does."""
+
+_ROUNDINGS = {"rne": 0, "sr": 1, "sr8": 2}
+_P = ctypes.c_void_p
+
+
+class _Grid(ctypes.Structure):
+    """``nf4_grid`` of cpu_quantize.cpp."""
+
+    _fields_ = [
+        ("mantissa_bits", ctypes.c_int32),
+        ("bias", ctypes.c_int32),
+        ("zero_code_to_one", ctypes.c_int32),
+        ("min_normal", ctypes.c_float),
+        ("min_subnormal", ctypes.c_float),
+        ("max_finite", ctypes.c_float),
+        ("subnormal_magic", ctypes.c_float),
+        ("hash_multiplier", ctypes.c_uint32),
+        ("hash_rounds", ctypes.c_int32),
+    ]
+
+
+@functools.cache
+def _grid(scale_format: str) -> _Grid:
+    grid, row = scale_grid(scale_format), SCALE_FORMAT_TABLE[scale_format]
+    magic = 1.5 * 2.0 ** (23 + math.log2(grid.min_subnormal))  # formats.scaling.round_scale_rne's
+    return _Grid(grid.mantissa_bits, grid.bias, int(row.zero_code_to_one), grid.min_normal, grid.min_subnormal,
+                 grid.max_finite, magic, _HASH_MULTIPLIER, _HASH_ROUNDS)  # fmt: skip
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (what ``-march=native`` compiles for), or the machine's name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("NEMOFP4_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nemofp4"
+    return Path(root) / "kernels"
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built by ``compiler`` for this CPU lives (its name hashes what it is built from)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_features()]).encode()).hexdigest()
+    return _cache_dir() / f"cpu_quantize-{key[:20]}.so"
+
+
+def _build(compiler: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
+                                check=False)  # fmt: skip
+        if result.returncode:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    try:
+        path = library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        warnings.warn(f"could not build the native CPU FP4 quantizer ({error}); the compiled torch program "
+                      "quantizes instead (same numerics)", stacklevel=3)  # fmt: skip
+        return None
+    lib.nf4_amax.argtypes, lib.nf4_amax.restype = [_P, ctypes.c_int64], ctypes.c_float
+    layout = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Grid), ctypes.c_int32, ctypes.c_uint32,
+              ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _P, ctypes.c_int32]  # fmt: skip
+    for kernel in (lib.nf4_quantize_rows, lib.nf4_quantize_tiles, lib.nf4_quantize_columns):
+        kernel.argtypes, kernel.restype = layout, None
+    return lib
+
+
+def available() -> bool:
+    """The native library is built (or can be) and loads here."""
+    return _library() is not None
+
+
+def supports_amax(x: torch.Tensor) -> bool:
+    """Whether :func:`amax` measures ``x``: a plain contiguous non-empty float32 CPU tensor, outside
+    ``torch.compile``."""
+    return (type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+            and x.numel() > 0 and not torch.compiler.is_compiling() and _library() is not None)  # fmt: skip
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor (exact; a NaN wins), in one pass (:func:`supports_amax` must hold)."""
+    return torch.tensor(_library().nf4_amax(x.data_ptr(), x.numel()), dtype=torch.float32)
+
+
+def supports(spec, blocks: torch.Tensor) -> bool:
+    """Whether the native kernel quantizes this operand (``spec``: the program's ``_Spec``; ``blocks``
+    its padded input viewed as blocks): a plain float32 CPU tensor, outside ``torch.compile``, in
+    blocks of 16 (or 16x16 tiles) without the Hadamard transform, E4M3/UE5M3 scales, RNE/sr/sr8."""
+    return (
+        type(blocks) is torch.Tensor
+        and blocks.device.type == "cpu"
+        and blocks.dtype == torch.float32
+        and spec.block_size == 16
+        and not (spec.hadamard or spec.power_of_two)
+        and spec.rounding in _ROUNDINGS
+        and blocks.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and _library() is not None
+    )
+
+
+def quantize_core(spec, blocks: torch.Tensor, g: torch.Tensor | None, target: torch.Tensor,
+                  key: torch.Tensor | None) -> tuple:  # fmt: skip
+    """``program._quantize_core(blocks, g, target, key, spec)``'s outputs, from the native kernel
+    (:func:`supports` must hold): (values shaped like ``blocks`` | None, tensor_scale, g, packed codes
+    (flat) | None, scale codes, counts)."""
+    lib = _library()
+    flat = blocks.view(-1)
+    if g is None:  # current scaling: max |x| (the padding is zero)
+        g = amax(flat)
+    if spec.columns:  # [Tp / 16, 16, D, 1]: x [Tp, D], token-major
+        rows, cols, kernel = blocks.shape[0] * blocks.shape[1], blocks.shape[2], lib.nf4_quantize_columns
+        scale_shape = (cols, rows // 16)
+    elif spec.two_d:  # [R / 16, 16, C / 16, 16]
+        rows, cols, kernel = blocks.shape[0] * blocks.shape[1], blocks.shape[2] * blocks.shape[3], lib.nf4_quantize_tiles
+        scale_shape = (rows // 16, cols // 16)
+    else:  # [R, 1, C / 16, 16]
+        rows, cols, kernel = blocks.shape[0], blocks.shape[2] * blocks.shape[3], lib.nf4_quantize_rows
+        scale_shape = (rows, cols // 16)
+    values = torch.empty(blocks.shape, dtype=torch.float32) if spec.values else None
+    packed = torch.empty(flat.numel() // 2, dtype=torch.uint8) if spec.pack else None
+    scale_codes = torch.empty(scale_shape, dtype=torch.uint8)
+    counts = torch.empty(3, dtype=torch.int64)
+    tensor_scale = torch.empty((), dtype=torch.float32)
+    kernel(flat.data_ptr(), rows, cols, _grid(spec.scale_format), _ROUNDINGS[spec.rounding],
+           0 if key is None else int(key) & 0xFFFFFFFF, float(g), float(target),
+           None if values is None else values.data_ptr(), None if packed is None else packed.data_ptr(),
+           scale_codes.data_ptr(), counts.data_ptr(), tensor_scale.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return values, tensor_scale, g, packed, scale_codes, counts
