@@ -1,7 +1,7 @@
 // The CPU FP4 quantizer of nemofp4.kernels.native: the quantization program of
 // nemofp4/kernels/program.py (_quantize_core) for float32 operands in 1-D blocks of 16 along their
-// rows, in 16x16 tiles, or down the columns of a token-major tensor (the wgrad operands), with E4M3/UE5M3 block
-// scales and RNE, sr or sr8 rounding. Every float operation is the program's, in its order and in
+// rows, in 16x16 tiles, or down the columns of a token-major tensor (the wgrad operands), with
+// E4M3/UE5M3 block scales and RNE, sr or sr8 rounding. Every float operation is the program's, in its order and in
 // float32 (built with -ffp-contract=off, no fast-math), so the results are bit for bit the
 // program's; tests/unit/test_kernels_native.py holds them to it.
 //
@@ -13,7 +13,6 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #define NF4_INLINE inline __attribute__((always_inline))
@@ -55,7 +54,6 @@ struct nf4_grid {
 namespace {
 
 inline vf splat(float v) { return vf{} + v; }
-inline vi splati(int32_t v) { return vi{} + v; }
 inline vf bits_to_float(vi v) { return (vf)v; }
 inline vi float_bits(vf v) { return (vi)v; }
 
@@ -219,28 +217,63 @@ struct Job {
     uint8_t* scale_codes;
 };
 
-// A thread costs tens of microseconds to start: each takes at least this much of an operand.
-constexpr int64_t kMinElementsPerThread = int64_t{1} << 19;
+// Each thread takes at least this much of an operand (a smaller one runs on the caller's alone).
+constexpr int64_t kMinElementsPerThread = int64_t{1} << 15;
 
-// body(job, begin, end, counts) over units [0, units) of elements_per_unit elements each, on up to
-// `threads` threads (contiguous ranges; each unit's results do not depend on the split).
-template <typename Body>
-void run(const Job& job, int64_t units, int64_t elements_per_unit, int threads, Body body, Counts& totals) {
+// fn(part, begin, end) over units [0, units) of elements_per_unit elements each, in contiguous parts
+// on up to `threads` OpenMP threads; each unit's result does not depend on the split. The library
+// links the libgomp that torch has loaded, so its threads are the team torch's own kernels use.
+template <typename Fn>
+void parallel_for(int64_t units, int64_t elements_per_unit, int threads, Fn fn) {
     const int64_t per_thread = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(1, elements_per_unit));
     const int n = static_cast<int>(std::min<int64_t>(std::max(threads, 1), (units + per_thread - 1) / per_thread));
     if (n <= 1) {
-        body(job, 0, units, totals);
+        fn(0, 0, units);
         return;
     }
     const int64_t step = (units + n - 1) / n;
-    std::vector<Counts> parts(n);
-    std::vector<std::thread> pool;
-    for (int i = 1; i < n; i++) {
-        pool.emplace_back([&, i] { body(job, std::min(units, i * step), std::min(units, (i + 1) * step), parts[i]); });
-    }
-    body(job, 0, std::min(units, step), parts[0]);
-    for (std::thread& thread : pool) thread.join();
+#pragma omp parallel for num_threads(n) schedule(static, 1)
+    for (int part = 0; part < n; part++) fn(part, std::min(units, part * step), std::min(units, (part + 1) * step));
+}
+
+// body(job, begin, end, counts) over the units of an operand, each part counting its own blocks.
+template <typename Body>
+void run(const Job& job, int64_t units, int64_t elements_per_unit, int threads, Body body, Counts& totals) {
+    std::vector<Counts> parts(std::max(threads, 1));
+    parallel_for(units, elements_per_unit, threads,
+                 [&](int part, int64_t begin, int64_t end) { body(job, begin, end, parts[part]); });
     for (const Counts& part : parts) totals.merge(part);
+}
+
+// The largest |x| of n float32 as bits (a NaN above infinity).
+int32_t max_magnitude_bits(const float* x, int64_t n) {
+    vi acc = vi{};
+    int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {
+        vi a = float_bits(load(x + i)) & kAbsMask;
+        acc = a > acc ? a : acc;
+    }
+    int32_t best = max_lane(acc);
+    for (; i < n; i++) {
+        int32_t a;
+        std::memcpy(&a, x + i, sizeof a);
+        a &= kAbsMask;
+        best = a > best ? a : best;
+    }
+    return best;
+}
+
+// The scales of up to 16 blocks along the rows from their amaxes' bits (lanes past `count` are not
+// blocks: not counted), each block's encode and scale also as a float array to broadcast from.
+NF4_INLINE Scales counted_scales(const Job& job, const int32_t (&amax_bits)[kBlock], int count, Counts& totals,
+                                 float (&encode)[kBlock], float (&block_scale)[kBlock]) {
+    vi amax;
+    std::memcpy(&amax, amax_bits, sizeof amax);
+    const Scales s = block_scales(job.grid, bits_to_float(amax), job.code_multiplier, job.tensor_scale);
+    totals.add(s, (vi)kLanes < count);
+    std::memcpy(encode, &s.encode, sizeof encode);
+    std::memcpy(block_scale, &s.block_scale, sizeof block_scale);
+    return s;
 }
 
 // Blocks of 16 along the rows; a unit is 16 consecutive blocks, whose scales are one vector.
@@ -253,13 +286,8 @@ void rows_part(const Job& job, int64_t begin, int64_t end, Counts& totals) {
         const float* xs = job.x + first * kBlock;
         alignas(64) int32_t amax_bits[kBlock] = {};
         for (int j = 0; j < count; j++) amax_bits[j] = max_lane(float_bits(load(xs + j * kBlock)) & kAbsMask);
-        vi amax;
-        std::memcpy(&amax, amax_bits, sizeof amax);
-        const Scales s = block_scales(grid, bits_to_float(amax), job.code_multiplier, job.tensor_scale);
-        totals.add(s, (vi)kLanes < count);
         alignas(64) float encode[kBlock], block_scale[kBlock];
-        std::memcpy(encode, &s.encode, sizeof encode);
-        std::memcpy(block_scale, &s.block_scale, sizeof block_scale);
+        const Scales s = counted_scales(job, amax_bits, count, totals, encode, block_scale);
         for (int j = 0; j < count; j++) {
             const int64_t block = first + j;
             job.scale_codes[block] = static_cast<uint8_t>(s.codes[j]);
@@ -294,21 +322,17 @@ void tiles_part(const Job& job, int64_t begin, int64_t end, Counts& totals) {
                 }
                 amax_bits[j] = max_lane(a);
             }
-            vi amax;
-            std::memcpy(&amax, amax_bits, sizeof amax);
-            const Scales s = block_scales(grid, bits_to_float(amax), job.code_multiplier, job.tensor_scale);
-            totals.add(s, (vi)kLanes < count);
             alignas(64) float encode[kBlock], block_scale[kBlock];
-            std::memcpy(encode, &s.encode, sizeof encode);
-            std::memcpy(block_scale, &s.block_scale, sizeof block_scale);
+            const Scales s = counted_scales(job, amax_bits, count, totals, encode, block_scale);
             for (int j = 0; j < count; j++) {
                 job.scale_codes[(r0 / kBlock) * tile_cols + first + j] = static_cast<uint8_t>(s.codes[j]);
-                const vf tile_encode = splat(encode[j]), tile_scale = splat(block_scale[j]);
-                for (int r = 0; r < kBlock; r++) {
+            }
+            for (int r = 0; r < kBlock; r++) {  // row by row: each row's writes are one contiguous run
+                for (int j = 0; j < count; j++) {
                     const int64_t at = (r0 + r) * cols + (first + j) * kBlock;
                     const vu index = kLanes + static_cast<uint32_t>(at);
-                    const Rounded out = round_elements<kRounding, kValues, kPacked>(grid, load(job.x + at), tile_encode,
-                                                                                     tile_scale, index, job.key);
+                    const Rounded out = round_elements<kRounding, kValues, kPacked>(
+                        grid, load(job.x + at), splat(encode[j]), splat(block_scale[j]), index, job.key);
                     if (kValues) store(job.values + at, out.values);
                     if (kPacked) {
                         const vb8 bytes = pack_pairs(out.codes);
@@ -428,23 +452,16 @@ void quantize(const float* x, int64_t rows, int64_t cols, const nf4_grid* grid, 
 
 extern "C" {
 
-// max |x| over n float32 (a NaN wins): the measured tensor reference.
-float nf4_amax(const float* x, int64_t n) {
-    vi acc = vi{};
-    int64_t i = 0;
-    for (; i + kBlock <= n; i += kBlock) {
-        vi a = float_bits(load(x + i)) & kAbsMask;
-        acc = a > acc ? a : acc;
-    }
-    int32_t best = max_lane(acc);
-    for (; i < n; i++) {
-        int32_t a;
-        std::memcpy(&a, x + i, sizeof a);
-        a &= kAbsMask;
-        best = a > best ? a : best;
-    }
+// max |x| over n float32 (a NaN wins), on up to `threads` threads: the measured tensor reference.
+float nf4_amax(const float* x, int64_t n, int32_t threads) {
+    constexpr int64_t kChunk = 4096;
+    std::vector<int32_t> best(std::max(threads, 1), 0);
+    parallel_for((n + kChunk - 1) / kChunk, kChunk, threads, [&](int part, int64_t begin, int64_t end) {
+        best[part] = max_magnitude_bits(x + begin * kChunk, std::min(n, end * kChunk) - begin * kChunk);
+    });
+    const int32_t bits = *std::max_element(best.begin(), best.end());
     float out;
-    std::memcpy(&out, &best, sizeof out);
+    std::memcpy(&out, &bits, sizeof out);
     return out;
 }
 

@@ -42,8 +42,9 @@ from nemofp4.formats.spec import SCALE_FORMAT_TABLE
 __all__ = ["amax", "available", "library_path", "quantize_core", "supports", "supports_amax"]
 
 SOURCE = Path(__file__).with_name("cpu_quantize.cpp")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread")
-"""No fast-math and no FMA contraction: every float operation rounds as the program's does."""
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+"""No fast-math and no FMA contraction: every float operation rounds as the program's does. OpenMP:
+the library's libgomp.so.1 is the one torch has already loaded, whose threads torch's kernels use."""
 
 _ROUNDINGS = {"rne": 0, "sr": 1, "sr8": 2}
 _P = ctypes.c_void_p
@@ -133,7 +134,7 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"could not build the native CPU FP4 quantizer ({error}); the compiled torch program "
                       "quantizes instead (same numerics)", stacklevel=3)  # fmt: skip
         return None
-    lib.nf4_amax.argtypes, lib.nf4_amax.restype = [_P, ctypes.c_int64], ctypes.c_float
+    lib.nf4_amax.argtypes, lib.nf4_amax.restype = [_P, ctypes.c_int64, ctypes.c_int32], ctypes.c_float
     layout = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Grid), ctypes.c_int32, ctypes.c_uint32,
               ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _P, ctypes.c_int32]  # fmt: skip
     for kernel in (lib.nf4_quantize_rows, lib.nf4_quantize_tiles, lib.nf4_quantize_columns):
@@ -154,8 +155,9 @@ def supports_amax(x: torch.Tensor) -> bool:
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 0-d tensor (exact; a NaN wins), in one pass (:func:`supports_amax` must hold)."""
-    return torch.tensor(_library().nf4_amax(x.data_ptr(), x.numel()), dtype=torch.float32)
+    """max |x| as a float32 0-d tensor (exact; a NaN wins), in one pass on torch's intra-op threads
+    (:func:`supports_amax` must hold)."""
+    return torch.tensor(_library().nf4_amax(x.data_ptr(), x.numel(), torch.get_num_threads()), dtype=torch.float32)
 
 
 def supports(spec, blocks: torch.Tensor) -> bool:

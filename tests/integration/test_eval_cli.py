@@ -107,7 +107,7 @@ def test_the_kernels_knob_reaches_every_fp4_linear_and_keeps_the_numerics(nvfp4_
     assert {m.quant_backend for _, m in quant_linears(session.model)} == {"eager"}
     trainer_final = [r for r in read_metrics(nvfp4_run, "eval") if r["step"] == 3][0]
     assert evaluate(cfg, session)["val_loss"] == trainer_final["val_loss"]
-    with pytest.raises(ValueError, match="kernels='gpu'; valid: auto, triton, compiled, eager"):
+    with pytest.raises(ValueError, match="kernels='gpu'; valid: auto, triton, native, compiled, eager"):
         EvaluateConfig(checkpoint=str(nvfp4_run), kernels="gpu")
 
 

@@ -151,19 +151,22 @@ def test_main_command_end_to_end_with_offline_wandb(tmp_path):
     assert all(p.name.endswith(run_id) for p in (tmp_path / "wandb").glob("offline-run-*"))
 
 
-def test_compiled_cpu_quantizer_trains_exactly_as_the_eager_path(tmp_path):
-    """train.kernels=auto (the compiled torch program, when a C++ compiler is here) and
-    train.kernels=eager give the same losses and gradient norms, step for step."""
+def test_native_and_compiled_cpu_quantizers_train_exactly_as_the_eager_path(tmp_path):
+    """train.kernels=auto (the native CPU kernel, when a C++ compiler is here), train.kernels=compiled
+    (the torch program compiled by Inductor) and train.kernels=eager give the same losses and gradient
+    norms, step for step."""
     from nemofp4.kernels import cpu_compile_available
 
     if not cpu_compile_available():
-        pytest.skip("needs a C++ compiler for torch.compile")
+        pytest.skip("needs a C++ compiler")
     common = ["precision=ue5m3", "train.max_steps=4", "checkpoint.save_final=false"]
-    fast = run_train(tmp_path / "auto", *common)
+    native = run_train(tmp_path / "auto", *common)
+    compiled = run_train(tmp_path / "compiled", *common, "train.kernels=compiled")
     eager = run_train(tmp_path / "eager", *common, "train.kernels=eager")
-    assert "FP4 quantization: compiled torch program" in fast.stdout + fast.stderr
+    assert "FP4 quantization: native CPU kernel" in native.stdout + native.stderr
+    assert "FP4 quantization: compiled torch program" in compiled.stdout + compiled.stderr
     assert "FP4 quantization: eager torch program" in eager.stdout + eager.stderr
-    assert train_curve(tmp_path / "auto") == train_curve(tmp_path / "eager")
+    assert train_curve(tmp_path / "auto") == train_curve(tmp_path / "compiled") == train_curve(tmp_path / "eager")
 
 
 @pytest.mark.slow  # in CI: tests/integration/test_quant_state_resume.py resumes bitwise with activation checkpointing toggled
