@@ -158,6 +158,7 @@ class NativeBackend(CompiledBackend):
     _native = True
 
     def amax(self, x):
+        """max |x| in one native pass for a contiguous float32 tensor (exact), else the program's."""
         return native.amax(x) if native.supports_amax(x) else super().amax(x)
 
 
