@@ -96,11 +96,10 @@ def test_every_covered_operand_is_the_programs_and_the_references(layout, fmt, r
                     assert torch.equal(_bits(fast.scaled), _bits(ref.scaled_values())), where
 
 
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_threads_split_an_operand_without_changing_a_bit(layout, native_calls):
-    """An operand large enough for two threads (each takes at least 2^19 elements) gives the bits of
-    one thread, and of the program."""
+    """An operand split across two threads (each takes at least 2^15 elements) gives the bits of one
+    thread, and of the program."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1040, 1008, generator=g) * torch.logspace(-6, 6, 1008)
     op = OperandQuant(scale_format="ue5m3", rounding="sr8")
@@ -258,7 +257,7 @@ def fresh_library(monkeypatch, tmp_path):
     native._library.cache_clear()
 
 
-def test_the_library_is_built_once_under_a_name_of_its_source(fresh_library, monkeypatch):
+def test_the_library_is_built_once_into_the_cache_and_loaded_from_it(fresh_library, monkeypatch):
     assert native.available()
     built = sorted(p.name for p in fresh_library.iterdir())
     assert len(built) == 1 and built[0].startswith("cpu_quantize-") and built[0].endswith(".so"), built
