@@ -111,6 +111,9 @@ def quantize_with_spec(
 ) -> QuantizedBlocks:
     """:func:`quantize_blocks` of ``x`` as ``spec`` says (its ``hadamard`` is the caller's: the
     reference quantizes the tensor it is given)."""
+    if spec.is_fp8:
+        raise ValueError(f"quantize_blocks is the FP4 reference; FP8 ({spec.element_format!r} payloads) is quantized "
+                         "by nemofp4.kernels.quantize_operand")  # fmt: skip
     spec.check_input(x, tensor_amax, name=name, stacklevel=stacklevel)
     row = spec.format
     fmt = row.codes

@@ -2,11 +2,12 @@
 compiled) and the Triton kernels return, what backward saves and what every GEMM consumes.
 
 A :class:`QuantizedBlocks` carries the layout (shape, padding, block size, 1-D blocks or 2-D
-tiles, scale format), the FP32 tensor scale and amax, and one or both forms of the data:
+tiles, element and scale formats), the FP32 tensor scale and amax, and one or both forms of the data:
 
-* packed: E2M1 codes two per byte (even element in the low nibble) and uint8 block-scale codes,
-  4.5 bits per element, the form saved for backward and read by the hardware GEMM model;
-* scaled: ``E2M1 value x block scale`` as float32 (exact, and exact in BF16 too), the form a
+* packed: E2M1 codes two per byte (even element in the low nibble), or FP8 codes one per byte, and
+  uint8 block-scale codes (none for per-tensor scaling): 4.5 bits per element for NVFP4, 8.25 for
+  MXFP8, 8 for per-tensor FP8; the form saved for backward and read by the hardware GEMM model;
+* scaled: ``value x block scale`` as float32 (exact, and exact in BF16 too), the form a
   scaled GEMM multiplies directly.
 
 ``scaled_values()`` decodes the packed form when the scaled one is absent, exactly.
@@ -22,11 +23,11 @@ import torch
 
 from .minifloat import E2M1
 from .scaling import gemm_alpha, nvfp4_dequantize_scale
-from .spec import DEFAULT_SCALE_TARGET, SCALE_FORMAT_TABLE, SCALE_FORMATS
+from .spec import DEFAULT_SCALE_TARGET, ELEMENT_FORMATS, SCALE_FORMAT_TABLE, SCALE_FORMATS
 
 __all__ = ["QuantizedBlocks", "e2m1_pair_table", "scale_code_table", "tensor_scale_product"]
 
-_META_FIELDS = ("scale_format", "shape", "padded_shape", "block_size", "two_d", "scale_target")
+_META_FIELDS = ("scale_format", "element_format", "shape", "padded_shape", "block_size", "two_d", "scale_target")
 
 
 @functools.lru_cache(maxsize=32)
@@ -37,6 +38,12 @@ def e2m1_pair_table(device: torch.device) -> torch.Tensor:
     values = E2M1.code_values()
     byte = torch.arange(256)
     return torch.stack((values[byte & 15], values[byte >> 4]), dim=-1).view(torch.int64).view(-1).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def element_code_table(element_format: str, device: torch.device) -> torch.Tensor:
+    """[256] float32: the value of every code of an FP8 payload format (NaN/Inf where it has them)."""
+    return ELEMENT_FORMATS[element_format].code_values(device)
 
 
 @functools.lru_cache(maxsize=32)
@@ -62,17 +69,22 @@ class QuantizedBlocks:
     """``block_size`` x ``block_size`` tiles over a 2-D tensor instead of blocks along the last dim."""
     scale_format: str
     tensor_scale: torch.Tensor
-    """float32 0-d decode multiplier applied after the block scales (1/G; 1.0 for ue8m0)."""
+    """float32 0-d decode multiplier applied after the block scales (1/G; 1.0 for ue8m0; FP8
+    per-tensor scaling: TE's ``scale_inv``)."""
     tensor_amax: torch.Tensor
     """float32 0-d reference g that was used (given or measured)."""
     scale_target: float = DEFAULT_SCALE_TARGET
     """T, the block-scale code the reference g maps to (the GEMM's tensor-scale product needs it)."""
+    element_format: str = "e2m1"
+    """The payload format: 'e2m1' (FP4) or 'e4m3' / 'e5m2' (FP8)."""
     codes: torch.Tensor | None = None
-    """uint8 [*padded_shape[:-1], padded_shape[-1] // 2], two E2M1 codes per byte, even element low."""
+    """uint8 [*padded_shape[:-1], padded_shape[-1] // 2], two E2M1 codes per byte, even element low;
+    FP8: uint8 ``padded_shape``, one code per element."""
     scale_codes: torch.Tensor | None = None
-    """uint8 [*shape[:-1], n_blocks] (1-D blocks) or [row_tiles, col_tiles] (2-D tiles)."""
+    """uint8 [*shape[:-1], n_blocks] (1-D blocks) or [row_tiles, col_tiles] (2-D tiles); empty for
+    per-tensor scaling."""
     scaled: torch.Tensor | None = None
-    """float32 E2M1 value x block scale, ``padded_shape``."""
+    """float32 payload value x block scale, ``padded_shape``."""
     counts: dict[str, torch.Tensor] = field(default_factory=dict)
     """Device counts: saturated / underflowed (non-zero) / all-zero blocks, and, from the
     reference and the Triton kernels, clipped elements."""
@@ -110,8 +122,16 @@ class QuantizedBlocks:
     def scale_fmt(self):
         return SCALE_FORMATS[self.scale_format]
 
+    @property
+    def per_tensor(self) -> bool:
+        """One scale for the tensor, no block scales (FP8 current scaling)."""
+        return SCALE_FORMAT_TABLE[self.scale_format].per_tensor
+
     def values(self) -> torch.Tensor:
-        """Decoded E2M1 payloads, float32, padded shape (needs the packed form)."""
+        """Decoded payloads, float32, padded shape (needs the packed form)."""
+        if self.element_format != "e2m1":
+            table = element_code_table(self.element_format, self.codes.device)
+            return torch.index_select(table, 0, self.codes.reshape(-1).int()).view(self.padded_shape)
         # One gather of both nibbles per byte; int32 indices are ~1.5x faster than int64 on CPU.
         pairs = torch.index_select(e2m1_pair_table(self.codes.device), 0, self.codes.reshape(-1).int())
         return pairs.view(torch.float32).view(self.padded_shape)
@@ -130,6 +150,8 @@ class QuantizedBlocks:
         if self.scaled is not None:
             return self.scaled
         values = self.values()
+        if self.per_tensor:
+            return values
         scales = self.block_scales()
         b = self.block_size
         if self.two_d:

@@ -10,6 +10,8 @@ one place. (The Triton kernels restate them in Triton's language; tests hold the
 * :func:`round_scale_rne` / :func:`encode_scales`: a block scale rounded onto an E4M3/UE5M3 grid
   and its uint8 code, as integer operations on the float32 bits (they compile to vector code).
 * :func:`mx_floor_exponent`: OCP MX's exact power-of-two block exponent.
+* :func:`fp8_tensor_scale` / :func:`mx_fp8_scale_codes`: the FP8 recipes' scales, as Transformer
+  Engine computes them (per-tensor current scaling; MXFP8's round-up E8M0 block exponent).
 * :func:`gemm_alpha`: the factor a scaled GEMM multiplies its block-scaled product by, in each
   source's order of operations (not ``tensor_scale_a * tensor_scale_b``, one ulp away).
 """
@@ -22,18 +24,24 @@ from typing import NamedTuple
 
 import torch
 
-from .spec import SCALE_FORMAT_TABLE, SCALE_FORMATS
+from .minifloat import FloatFormat
+from .spec import ELEMENT_FORMATS, SCALE_FORMAT_TABLE, SCALE_FORMATS
 
 __all__ = [
     "E2M1_EMAX",
     "FLT_MAX",
     "FP4_MAX",
     "ScaleGrid",
+    "element_grid",
     "encode_scales",
+    "fp8_max",
+    "fp8_tensor_scale",
     "gemm_alpha",
     "global_scales",
     "nvfp4_dequantize_scale",
     "mx_floor_exponent",
+    "mx_fp8_encode",
+    "mx_fp8_scale_codes",
     "round_scale_rne",
     "scale_grid",
     "scaled_target",
@@ -84,10 +92,21 @@ class ScaleGrid(NamedTuple):
     max_finite: float
 
 
+def _grid(fmt: FloatFormat) -> ScaleGrid:
+    return ScaleGrid(fmt.mantissa_bits, fmt.bias, fmt.min_normal, fmt.min_subnormal, fmt.max_finite)
+
+
 @functools.lru_cache(maxsize=16)
 def scale_grid(scale_format: str) -> ScaleGrid:
-    fmt = SCALE_FORMATS[scale_format]
-    return ScaleGrid(fmt.mantissa_bits, fmt.bias, fmt.min_normal, fmt.min_subnormal, fmt.max_finite)
+    """The grid of a block-scale format's codes."""
+    return _grid(SCALE_FORMATS[scale_format])
+
+
+@functools.lru_cache(maxsize=16)
+def element_grid(element_format: str) -> ScaleGrid:
+    """The grid of an FP8 payload format (E4M3, E5M2): :func:`round_scale_rne` and
+    :func:`encode_scales` round and encode its magnitudes as they do a scale's."""
+    return _grid(ELEMENT_FORMATS[element_format])
 
 
 def round_scale_rne(v: torch.Tensor, grid: ScaleGrid) -> torch.Tensor:
@@ -116,11 +135,54 @@ def encode_scales(scale: torch.Tensor, grid: ScaleGrid) -> torch.Tensor:
     return torch.where(scale < grid.min_normal, subnormal, normal).to(torch.uint8)
 
 
-def mx_floor_exponent(block_amax: torch.Tensor) -> torch.Tensor:
-    """OCP MX's block exponent ``floor(log2(amax_b)) - 2`` (-127 for a zero block), unclamped,
-    int32, computed exactly from the float32 exponent (a float ``log2`` can be one off)."""
+def mx_floor_exponent(block_amax: torch.Tensor, element_emax: int = E2M1_EMAX) -> torch.Tensor:
+    """OCP MX's block exponent ``floor(log2(amax_b)) - emax`` (-127 for a zero block), unclamped,
+    int32, computed exactly from the float32 exponent (a float ``log2`` can be one off). ``emax`` is the
+    payload's largest exponent: 2 for E2M1, 8 for E4M3, 15 for E5M2 (torchao's FLOOR mode for MXFP8)."""
     _, exp = torch.frexp(block_amax)  # amax = mantissa * 2^exp, mantissa in [0.5, 1)
-    return torch.where(block_amax > 0, exp - 1 - E2M1_EMAX, -127)
+    return torch.where(block_amax > 0, exp - 1 - element_emax, -127)
+
+
+def fp8_max(element_format: str) -> float:
+    """The largest finite value of an FP8 payload format (448 for E4M3, 57,344 for E5M2)."""
+    return ELEMENT_FORMATS[element_format].max_finite
+
+
+def fp8_tensor_scale(amax: torch.Tensor, max_value: torch.Tensor, power_of_two: bool) -> torch.Tensor:
+    """The per-tensor FP8 scale of Transformer Engine's current scaling: ``compute_scale_from_amax``
+    (``common/recipe/recipe_common.cuh``, amax epsilon 0), float32 0-d.
+
+    ``scale = max / amax`` (one IEEE division, ``__fdiv_rn``; ``max_value`` a float32 0-d tensor: a
+    Python number over a tensor would multiply by a rounded reciprocal); 1 for an amax that is 0,
+    Inf or NaN; FLT_MAX where the quotient overflows; with ``power_of_two`` the mantissa bits
+    cleared (``scale_bits &= 0xFF800000``). The payload is ``x * scale``; the decode factor
+    (TE's ``scale_inv``) is ``1 / scale``.
+    """
+    scale = max_value / amax
+    scale = torch.where(torch.isinf(scale), FLT_MAX, scale)
+    scale = torch.where((amax == 0) | torch.isinf(amax) | torch.isnan(amax), 1.0, scale)
+    if power_of_two:
+        scale = (scale.view(torch.int32) & -(1 << 23)).view(torch.float32)  # 0xFF800000: sign and exponent
+    return scale
+
+
+def mx_fp8_scale_codes(block_amax: torch.Tensor, max_reciprocal: float) -> torch.Tensor:
+    """MXFP8's biased E8M0 block exponents as Transformer Engine computes them (int32): the block amax
+    times ``fp32(1 / max)`` (``Quantized_Limits::max_norm_rcp``), rounded up to a power of two
+    (``ptx::float_to_e8m0``, ``cvt.rp.satfinite.ue8m0x2.f32``): 0 for values up to 2^-127, 254 for
+    Inf, 255 for NaN. The payload multiplier is :func:`mx_fp8_encode` of the code."""
+    v = block_amax * max_reciprocal
+    bits = v.view(torch.int32)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    code = exponent + up.int()
+    return torch.where(torch.isnan(v), 255, torch.where(torch.isinf(v), 254, code))
+
+
+def mx_fp8_encode(code: torch.Tensor) -> torch.Tensor:
+    """The payload multiplier of a biased E8M0 code, as TE's ``ptx::exp2f_rcp``: 1 for code 0, else
+    the float32 whose bits are ``(254 - code) << 23`` (2^(127 - code); 0 for code 254)."""
+    return torch.where(code == 0, 1.0, ((254 - code) << 23).view(torch.float32))
 
 
 def gemm_alpha(

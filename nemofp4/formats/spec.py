@@ -13,9 +13,17 @@ scale format   block    power of two   zero code -> 1.0     dequantize      GEMM
 ``ue5m3``      16       no             yes (the paper)     the paper's     the paper's
 ``ue5m3_cuda`` 16       no             yes                 the paper's     the paper's
 ``ue8m0``      32       yes (OCP MX)   n/a                 the paper's     ts_a * ts_b
+``fp32``       none     no             n/a                 the paper's     ts_a * ts_b
 =============  =======  =============  ==================  ==============  ===========
 
-The columns, as :class:`ScaleFormat` fields: ``power_of_two`` (OCP MX: block scales 2^e, no tensor
+``fp32`` is per-tensor scaling (Transformer Engine's ``Float8CurrentScaling``): one float32 scale
+for the whole tensor and no block scales; its ``block_size`` is only the granule the operand is
+padded to (16, the alignment cuBLAS's FP8 GEMMs need). The element (payload) format is the
+spec's ``element_format``: ``e2m1`` (FP4, with block-scale formats) or ``e4m3`` / ``e5m2`` (FP8, with
+``fp32`` or ``ue8m0`` scales; :data:`ELEMENT_SCALE_FORMATS`).
+
+The columns, as :class:`ScaleFormat` fields: ``per_tensor`` (no block scales: the ``fp32`` row),
+``power_of_two`` (OCP MX: block scales 2^e, no tensor
 scale, so no tensor reference), ``zero_code_to_one`` (the UE5M3 emulator replaces a zero block-scale
 code by 1.0 before the reciprocal, and maps a zero tensor reference to G = 1; TE keeps code 0 and
 only replaces G = 0 by 1: :func:`nemofp4.formats.scaling.global_scales`), ``dequantize`` and
@@ -32,11 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .minifloat import E4M3, ROUNDING_MODES, UE5M3, UE5M3_CUDA, UE8M0, FloatFormat
+from .minifloat import E2M1, E4M3, E5M2, ROUNDING_MODES, UE5M3, UE5M3_CUDA, UE8M0, FloatFormat
 
 __all__ = [
     "BLOCK_STATS",
     "DEFAULT_SCALE_TARGET",
+    "ELEMENT_FORMATS",
+    "ELEMENT_SCALE_FORMATS",
     "INPUT_DTYPES",
     "MX_SCALE_MODES",
     "ROUNDING_MODES",
@@ -57,6 +67,11 @@ BLOCK_STATS = ("saturated_blocks", "underflow_blocks", "zero_blocks")
 """The block counts every quantizer keeps (on the device)."""
 STAT_NAMES = (*BLOCK_STATS, "clipped_elements")
 """The counts the reference and the Triton kernels keep (the torch program keeps the block counts)."""
+ELEMENT_FORMATS: dict[str, FloatFormat] = {fmt.name: fmt for fmt in (E2M1, E4M3, E5M2)}
+"""The payload formats: FP4 E2M1 (two codes a byte) and FP8 E4M3 / E5M2 (one code a byte)."""
+ELEMENT_SCALE_FORMATS = {"e2m1": ("e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"), "e4m3": ("fp32", "ue8m0"),
+                         "e5m2": ("fp32", "ue8m0")}  # fmt: skip
+"""The scale formats each element format is quantized with (FP8: per-tensor or OCP MX)."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +79,8 @@ class ScaleFormat:
     """One row of the scale-format table: how a block-scale format differs from the others."""
 
     name: str
-    codes: FloatFormat
-    """The block-scale code format (E4M3, UE5M3, UE8M0)."""
+    codes: FloatFormat | None
+    """The block-scale code format (E4M3, UE5M3, UE8M0); None for per-tensor scaling (no block scales)."""
     default_block_size: int
     power_of_two: bool
     """OCP MX: power-of-two block scales and no tensor scale (no tensor reference)."""
@@ -78,6 +93,8 @@ class ScaleFormat:
     alpha: str | None
     """The GEMM's tensor-scale product between two operands of the same family: 'te' or 'paper'
     (from the two amaxes, in that source's order); None: ``tensor_scale_a * tensor_scale_b``."""
+    per_tensor: bool = False
+    """One float32 scale for the tensor and no block scales (``block_size`` is the padding granule)."""
 
     @property
     def has_tensor_scale(self) -> bool:
@@ -95,10 +112,14 @@ SCALE_FORMAT_TABLE: dict[str, ScaleFormat] = {
                     zero_code_to_one=True, dequantize="paper", alpha="paper"),
         ScaleFormat(name="ue8m0", codes=UE8M0, default_block_size=32, power_of_two=True, zero_code_to_one=False,
                     dequantize="paper", alpha=None),
+        ScaleFormat(name="fp32", codes=None, default_block_size=16, power_of_two=False, zero_code_to_one=False,
+                    dequantize="paper", alpha=None, per_tensor=True),
     )
 }  # fmt: skip
-SCALE_FORMATS: dict[str, FloatFormat] = {name: row.codes for name, row in SCALE_FORMAT_TABLE.items()}
-"""Scale-format name -> its block-scale code format (``nemofp4.formats.SCALE_FORMATS``)."""
+SCALE_FORMATS: dict[str, FloatFormat] = {
+    name: row.codes for name, row in SCALE_FORMAT_TABLE.items() if row.codes is not None
+}
+"""Block-scale format name -> its block-scale code format (``nemofp4.formats.SCALE_FORMATS``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +147,10 @@ class BlockSpec:
     """The 16x16 wgrad Hadamard transform along the blocks' dim before quantizing (wgrad operands)."""
     mx_scale_mode: str = "floor"
     """UE8M0 only: 'floor' (OCP reference) or 'ceil' (TE's pow-2 mode, never saturates)."""
+    element_format: str = "e2m1"
+    """The payload format: 'e2m1' (FP4), or 'e4m3' / 'e5m2' (FP8, with 'fp32' or 'ue8m0' scales)."""
+    power_of_two_scale: bool = False
+    """'fp32' only: the per-tensor scale's mantissa cleared (TE's ``force_pow_2_scales``)."""
 
     def __post_init__(self) -> None:
         if self.block_size is None and self.scale_format in SCALE_FORMAT_TABLE:
@@ -150,6 +175,25 @@ class BlockSpec:
             errors.append(f"scale_target must be a finite positive number, got {target!r}")
         if self.mx_scale_mode not in MX_SCALE_MODES:
             errors.append(f"unknown mx_scale_mode {self.mx_scale_mode!r}; valid: {', '.join(MX_SCALE_MODES)}")
+        errors += self._element_errors()
+        return errors
+
+    def _element_errors(self) -> list[str]:
+        element = self.element_format
+        if element not in ELEMENT_FORMATS:
+            return [f"unknown element_format {element!r}; valid: {', '.join(ELEMENT_FORMATS)}"]
+        errors = []
+        valid = ELEMENT_SCALE_FORMATS[element]
+        if self.scale_format in SCALE_FORMAT_TABLE and self.scale_format not in valid:
+            errors.append(f"element_format={element!r} takes scale_format {' or '.join(map(repr, valid))}, "
+                          f"not {self.scale_format!r}")  # fmt: skip
+        if self.power_of_two_scale and self.scale_format != "fp32":
+            errors.append("power_of_two_scale=True is for per-tensor scaling (scale_format='fp32')")
+        if element != "e2m1":  # FP8 as Transformer Engine runs it: RNE, 1-D blocks, no transform
+            for name, value, allowed in (("rounding", self.rounding, "rne"), ("two_d", self.two_d, False),
+                                         ("hadamard", self.hadamard, False)):  # fmt: skip
+                if value != allowed:
+                    errors.append(f"element_format={element!r} takes {name}={allowed!r}, not {value!r}")
         return errors
 
     @property
@@ -162,10 +206,19 @@ class BlockSpec:
         """UE8M0 (MX) scales are absolute powers of two: no tensor reference is involved."""
         return self.format.has_tensor_scale
 
+    @property
+    def element(self) -> FloatFormat:
+        """The payload format (E2M1, E4M3 or E5M2)."""
+        return ELEMENT_FORMATS[self.element_format]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.element_format != "e2m1"
+
     def blocks_like(self, other: BlockSpec) -> bool:
-        """Same scale format, block size and rounding: two quantizations one launch can share."""
-        return (self.scale_format, self.block_size, self.rounding) == (other.scale_format, other.block_size,
-                                                                        other.rounding)  # fmt: skip
+        """Same formats, block size and rounding: two quantizations one launch can share."""
+        fields = ("scale_format", "element_format", "block_size", "rounding")
+        return all(getattr(self, name) == getattr(other, name) for name in fields)
 
     def check_input(self, x, tensor_amax=None, *, name: str = "x", warn: bool = True, stacklevel: int = 3) -> None:
         """The one argument check of a quantizer: ``x`` a non-empty float32/bfloat16/float16 tensor
@@ -195,5 +248,10 @@ class BlockSpec:
             if tensor_amax is not None:
                 warnings.warn(f"tensor_amax has no effect with scale_format={self.scale_format!r} (no tensor scale)",
                               stacklevel=stacklevel)  # fmt: skip
-        elif self.mx_scale_mode != "floor":
-            warnings.warn(f"mx_scale_mode has no effect with scale_format={self.scale_format!r}", stacklevel=stacklevel)
+        else:
+            if self.mx_scale_mode != "floor":
+                warnings.warn(f"mx_scale_mode has no effect with scale_format={self.scale_format!r}",
+                              stacklevel=stacklevel)  # fmt: skip
+            if self.format.per_tensor and self.scale_target != DEFAULT_SCALE_TARGET:
+                warnings.warn("scale_target has no effect with scale_format='fp32' (the amax maps to the element "
+                              "format's largest value)", stacklevel=stacklevel)  # fmt: skip

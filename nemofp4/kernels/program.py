@@ -35,6 +35,7 @@ specs still compile).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import types
@@ -50,14 +51,19 @@ from nemofp4.formats.minifloat import BYTE_DRAW_ROUNDINGS, sr8_bytes_at, sr8_key
 from nemofp4.formats.scaling import (
     FLT_MAX,
     FP4_MAX,
+    element_grid,
     encode_scales,
+    fp8_max,
+    fp8_tensor_scale,
     global_scales,
     mx_floor_exponent,
+    mx_fp8_encode,
+    mx_fp8_scale_codes,
     round_scale_rne,
     scale_grid,
     scaled_target,
 )
-from nemofp4.formats.spec import BLOCK_STATS, DEFAULT_SCALE_TARGET, SCALE_FORMAT_TABLE, BlockSpec
+from nemofp4.formats.spec import BLOCK_STATS, DEFAULT_SCALE_TARGET, ELEMENT_FORMATS, SCALE_FORMAT_TABLE, BlockSpec
 
 from . import native as _native
 
@@ -73,8 +79,14 @@ __all__ = [
 ]
 
 _POW2_MIN = 2.0**-127  # the smallest UE8M0 scale, a float32 subnormal
-_SCALE_GRIDS = {name: scale_grid(name) for name, row in SCALE_FORMAT_TABLE.items() if not row.power_of_two}
+_SCALE_GRIDS = {name: scale_grid(name) for name, row in SCALE_FORMAT_TABLE.items()
+                if row.codes is not None and not row.power_of_two}  # fmt: skip
 """Plain dict of named tuples: the compiled core reads them as constants."""
+_FP8_GRIDS = {name: element_grid(name) for name in ELEMENT_FORMATS if name != "e2m1"}
+_FP8_MAX_RECIPROCALS = {name: float(torch.tensor(1.0 / fp8_max(name), dtype=torch.float32)) for name in _FP8_GRIDS}
+"""TE's ``Quantized_Limits::max_norm_rcp``: ``1.0 / max`` in double, stored as a float32."""
+_FP8_EMAX = {name: int(math.floor(math.log2(fp8_max(name)))) for name in _FP8_GRIDS}
+"""The FP8 payloads' largest exponents (8 for E4M3, 15 for E5M2): OCP MX's floor-mode offset."""
 
 
 @dataclass(frozen=True)
@@ -100,19 +112,39 @@ class _Spec:
     values: bool = True
     """The scaled values are an output. An operand only saved for backward (X^T) needs its packed
     form alone: its values would be a float32 buffer written, faulted in and thrown away."""
+    element: str = "e2m1"
+    """The payload format: 'e2m1' (:func:`_quantize_core`) or an FP8 format (:func:`_fp8_core`)."""
+    mx_scale_mode: str = "floor"
+    power_of_two_scale: bool = False
     power_of_two: bool = field(init=False)
     """The scale format's columns of the table (plain bools: the compiled core reads constants)."""
     zero_code_to_one: bool = field(init=False)
+    per_tensor: bool = field(init=False)
 
     def __post_init__(self) -> None:
         row = SCALE_FORMAT_TABLE[self.scale_format]
         object.__setattr__(self, "power_of_two", row.power_of_two)
         object.__setattr__(self, "zero_code_to_one", row.zero_code_to_one)
+        object.__setattr__(self, "per_tensor", row.per_tensor)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.element != "e2m1"
 
     def describe(self) -> str:
         blocks = f"{self.block_size}x{self.block_size} tiles" if self.two_d else f"blocks of {self.block_size}"
+        if self.per_tensor:
+            blocks = "per tensor"
         layout = ", down the columns" + (" after the Hadamard transform" if self.hadamard else "") if self.columns else ""
-        return f"{self.scale_format} {blocks}, {self.rounding}{layout}"
+        return f"{self.element}/{self.scale_format} {blocks}, {self.rounding}{layout}"
+
+    @classmethod
+    def of(cls, op: BlockSpec, pack: bool, measure: bool, values: bool, *, two_d: bool = False,
+           columns: bool = False) -> _Spec:  # fmt: skip
+        """The spec of quantizing with ``op`` in the given layout."""
+        return cls(op.scale_format, op.block_size, two_d, op.rounding, pack, measure=measure, columns=columns,
+                   hadamard=op.hadamard and columns, values=check_values(pack, values), element=op.element_format,
+                   mx_scale_mode=op.mx_scale_mode, power_of_two_scale=op.power_of_two_scale)  # fmt: skip
 
 
 @functools.cache
@@ -267,10 +299,71 @@ def _quantize_core(
     return values, tensor_scale, g, codes, scale_codes, counts
 
 
+def _fp8_core(blocks: torch.Tensor, g: torch.Tensor, max_value: torch.Tensor, draws: None, spec: _Spec):
+    """Quantize ``blocks`` (laid out as for :func:`_quantize_core`) to an FP8 payload as Transformer
+    Engine's cast kernels do: per-tensor current scaling (``fp32``: ``x * scale`` with TE's
+    :func:`~nemofp4.formats.scaling.fp8_tensor_scale`, decode factor ``1 / scale``) or MXFP8
+    (``ue8m0``: a power-of-two scale per block, TE's round-up code in 'ceil' mode, OCP's floor
+    exponent in 'floor' mode), then ``cvt.rn.satfinite``: round to nearest even, magnitudes beyond
+    the format's largest clamped to it, NaN kept. The amaxes skip NaN (``fmaxf``), so a NaN element
+    quantizes to NaN without changing the others' scale.
+
+    ``max_value`` is the format's largest value (float32 0-d). Returns what
+    :func:`_quantize_core` does; codes are one byte per element (sign, then the magnitude's code;
+    NaN is 0x7F), scale codes the blocks' biased exponents (MX) or an empty tensor (per tensor).
+    """
+    grid = _FP8_GRIDS[spec.element]
+    blocks = blocks.float()
+    magnitude = blocks.abs()
+    block_amax = torch.where(torch.isnan(magnitude), 0.0, magnitude).amax(dim=(1, 3), keepdim=True)
+    block_scale = None
+    if spec.per_tensor:
+        if spec.measure:
+            g = block_amax.amax()
+        encode = fp8_tensor_scale(g, max_value, spec.power_of_two_scale)
+        tensor_scale = torch.reciprocal(encode)
+        scale_codes = torch.empty(0, dtype=torch.uint8, device=blocks.device)
+    else:
+        tensor_scale = torch.ones((), dtype=torch.float32, device=blocks.device)
+        if spec.mx_scale_mode == "ceil":
+            code = mx_fp8_scale_codes(block_amax, _FP8_MAX_RECIPROCALS[spec.element])
+            encode = mx_fp8_encode(code)
+        else:  # OCP's floor exponent, as torchao's default MXFP8 cast
+            exponent = mx_floor_exponent(block_amax, _FP8_EMAX[spec.element]).clamp(-127, 127)
+            code, encode = exponent + 127, _pow2(-exponent)
+        block_scale = _materialized(_pow2(code - 127))
+        encode = _materialized(encode)
+        scale_codes = code.to(torch.uint8).view(block_amax.shape[0], block_amax.shape[2])
+        if spec.columns:
+            scale_codes = scale_codes.t().contiguous()
+        g = block_amax.amax() if g is None else g
+    peak = block_amax * encode
+    scaled = blocks * encode
+    clamped = torch.clamp(scaled.abs(), max=grid.max_finite)  # NaN stays NaN
+    nan = torch.isnan(clamped)
+    rounded = round_scale_rne(torch.where(nan, 0.0, clamped), grid)
+    signed = torch.where(nan, clamped, _copysign(rounded, blocks, True))
+    values = None
+    if spec.values:
+        values = signed if block_scale is None else signed * block_scale
+    codes = None
+    if spec.pack:
+        negative = _copysign(torch.ones_like(blocks), blocks, True) < 0
+        magnitude_code = torch.where(nan, 0x7F, encode_scales(rounded, grid).int())
+        codes = _materialized((magnitude_code | torch.where(negative, 0x80, 0)).to(torch.uint8))
+        codes = codes.view(-1, codes.shape[2]).t().contiguous() if spec.columns else codes
+    underflow = (peak < grid.min_subnormal / 2) & (block_amax > 0)
+    counts = torch.stack([mask.sum(dtype=torch.int32) for mask in (peak > grid.max_finite, underflow,
+                                                                   block_amax == 0)]).long()  # fmt: skip
+    return values, tensor_scale, g, codes, scale_codes, counts
+
+
 def _quantize_cores(specs: tuple[_Spec, ...], *args):
-    """:func:`_quantize_core` for each spec in turn, on its four arguments (``args`` holds them in
-    the order of ``specs``): the operands that one call quantizes, in one graph when compiled."""
-    return tuple(_quantize_core(*args[4 * i : 4 * i + 4], spec) for i, spec in enumerate(specs))
+    """The core of each spec in turn (:func:`_fp8_core` for an FP8 payload, :func:`_quantize_core`
+    otherwise), on its four arguments (``args`` holds them in the order of ``specs``): the operands
+    that one call quantizes, in one graph when compiled."""
+    return tuple((_fp8_core if spec.is_fp8 else _quantize_core)(*args[4 * i : 4 * i + 4], spec)
+                 for i, spec in enumerate(specs))  # fmt: skip
 
 
 @functools.cache
@@ -497,8 +590,7 @@ def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, 
     rows_p, cols_p = xp.shape
     row_block = b if two_d else 1
     blocks = xp.view(rows_p // row_block, row_block, cols_p // b, b)
-    spec = _Spec(op.scale_format, b, two_d, op.rounding, pack, measure=tensor_amax is None,
-                 values=check_values(pack, values))  # fmt: skip
+    spec = _Spec.of(op, pack, tensor_amax is None, values, two_d=two_d)
     return _Operand(op, spec, blocks, (rows, cols), (rows_p, cols_p), tensor_amax)
 
 
@@ -515,8 +607,7 @@ def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax, va
     xp = _padded(x_TD, padded_tokens - tokens + -padded_tokens % b, 0)
     rows_p = xp.shape[0]  # tokens padded to 16, then to the block
     blocks = xp.view(rows_p // b, b, features, 1)
-    spec = _Spec(op.scale_format, b, False, op.rounding, pack, measure=tensor_amax is None, columns=True,
-                 hadamard=op.hadamard, values=check_values(pack, values))  # fmt: skip
+    spec = _Spec.of(op, pack, tensor_amax is None, values, columns=True)
     return _Operand(op, spec, blocks, (features, padded_tokens), (features, rows_p), tensor_amax)
 
 
@@ -568,6 +659,8 @@ def _core_args(operand: _Operand, generator) -> tuple:
     spec, op, blocks = operand.spec, operand.op, operand.blocks
     device = blocks.device
     g = None if operand.tensor_amax is None else operand.tensor_amax.detach().float().reshape(())
+    if spec.is_fp8:  # the core's "target" is the payload's largest value
+        return blocks, g, _fp8_max_tensor(spec.element, device), None
     target = scaled_target(DEFAULT_SCALE_TARGET if spec.power_of_two else op.scale_target, device)
     draws = None
     if op.rounding in BYTE_DRAW_ROUNDINGS:
@@ -576,6 +669,11 @@ def _core_args(operand: _Operand, generator) -> tuple:
         draws = torch.rand(operand.padded_shape, generator=generator, device=device, dtype=torch.float64)
         draws = (draws.t() if spec.columns else draws).view(blocks.shape)
     return blocks, g, target, draws
+
+
+@functools.lru_cache(maxsize=16)
+def _fp8_max_tensor(element: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor(fp8_max(element), dtype=torch.float32, device=device)
 
 
 def _packed(codes: torch.Tensor, spec: _Spec) -> torch.Tensor:
@@ -599,8 +697,9 @@ def _result(operand: _Operand, outputs: tuple, stats: bool) -> QuantizedBlocks:
     if values is not None:  # over x [Tp, D] for a wgrad operand
         values = values.view(cols_p, rows_p).t() if spec.columns else values.view(rows_p, cols_p)
     if codes is not None:
-        codes = codes.view(rows_p, cols_p // 2)
+        codes = codes.view(rows_p, cols_p if spec.is_fp8 else cols_p // 2)
     return QuantizedBlocks(
+        element_format=spec.element,
         shape=operand.shape,
         padded_shape=operand.padded_shape,
         block_size=b,

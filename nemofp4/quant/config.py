@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from nemofp4.formats import ROUNDING_MODES, SCALE_FORMAT_TABLE, BlockSpec
+from nemofp4.formats.spec import ELEMENT_FORMATS as _ELEMENT_FORMATS
 
 __all__ = [
     "ELEMENT_FORMATS",
@@ -40,7 +41,7 @@ __all__ = [
     "Role",
 ]
 
-ELEMENT_FORMATS = ("e2m1",)
+ELEMENT_FORMATS = tuple(_ELEMENT_FORMATS)
 SCALE_FORMATS = tuple(SCALE_FORMAT_TABLE)
 GEMM_MODES = ("scaled", "decoded", "hardware")
 
@@ -61,8 +62,6 @@ class OperandQuant(BlockSpec):
     rounding, scale target, Hadamard transform: what the kernels read) plus what training adds, the
     element format and the tensor reference's refresh interval."""
 
-    element_format: str = "e2m1"
-    """Element (payload) format; FP4 E2M1 is the only one the block quantizer implements."""
     block_size: int = 16
     """Elements per block along the reduction dimension (16 NVFP4/UE5M3, 32 MXFP4)."""
     hadamard: bool = False
@@ -76,8 +75,6 @@ class OperandQuant(BlockSpec):
 
     def _errors(self) -> list[str]:
         errors = super()._errors()
-        if self.element_format not in ELEMENT_FORMATS:
-            errors.append(f"element_format={self.element_format!r} (valid: {ELEMENT_FORMATS})")
         interval = self.reference_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
             errors.append(f"reference_interval={interval!r} (0 = current scaling, or D >= 1)")
@@ -88,11 +85,16 @@ class OperandQuant(BlockSpec):
         parts = [f"{self.element_format}/{self.scale_format}", f"b{self.block_size}"]
         if self.two_d:
             parts[-1] = f"{self.block_size}x{self.block_size}"
+        if self.format.per_tensor:
+            parts[-1] = "per-tensor" + (" pow2" if self.power_of_two_scale else "")
+        elif self.format.power_of_two and self.is_fp8:
+            parts[-1] += f" {self.mx_scale_mode}"
         parts.append(self.rounding)
         if self.hadamard:
             parts.append("rht")
         if self.uses_tensor_reference:
-            parts.append(f"T={self.scale_target:g}")
+            if not self.format.per_tensor:
+                parts.append(f"T={self.scale_target:g}")
             parts.append("cur" if self.reference_interval == 0 else f"D={self.reference_interval}")
         return " ".join(parts)
 
@@ -107,7 +109,8 @@ class LinearQuantConfig:
     dy_wgrad: OperandQuant
     x_wgrad: OperandQuant
     kind: ClassVar[str] = "fp4"
-    """What a precision recipe calls a linear of this config: an emulated FP4 linear."""
+    """What a precision recipe calls a linear of this config: an emulated low-precision linear (FP4, or
+    FP8 when its operands' ``element_format`` says so: :attr:`precision`)."""
     gemm: str = "scaled"
     """'scaled': block-scaled operands (FP4 value x block scale, exact in BF16) multiplied
     with FP32 accumulation, tensor scales applied after the product (fast). 'decoded': fully
@@ -118,6 +121,12 @@ class LinearQuantConfig:
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_MODES:
             raise ValueError(f"gemm={self.gemm!r} is not a GEMM mode; valid modes are {GEMM_MODES}")
+        fp8 = {self.operand(role).is_fp8 for role in Role}
+        if len(fp8) > 1:
+            raise ValueError("a linear's operands are all FP8 or all FP4 (E2M1): element formats "
+                             f"{ {role.value: self.operand(role).element_format for role in Role} }")  # fmt: skip
+        if fp8 == {True} and self.gemm == "hardware":
+            raise ValueError("gemm='hardware' models an FP4 tensor core; FP8 linears take 'scaled' or 'decoded'")
         for role in (Role.X, Role.DY_DGRAD, Role.DY_WGRAD, Role.X_WGRAD):
             if self.operand(role).two_d:
                 raise ValueError(f"{role.value}: two_d tiles are for weights only (activations use 1-D blocks)")
@@ -142,6 +151,11 @@ class LinearQuantConfig:
                     f"roles {names} share the {ref!r} tensor reference but ask for different "
                     f"reference_interval values {sorted(intervals)}"
                 )
+
+    @property
+    def precision(self) -> str:
+        """'fp8' or 'fp4': the payload width of its operands."""
+        return "fp8" if self.x.is_fp8 else "fp4"
 
     def operand(self, role: Role) -> OperandQuant:
         return getattr(self, Role(role).value)
