@@ -163,9 +163,11 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def supports(spec, blocks: torch.Tensor) -> bool:
     """Whether the native kernel quantizes this operand (``spec``: the program's ``_Spec``; ``blocks``
     its padded input viewed as blocks): a plain float32 CPU tensor, outside ``torch.compile``, in
-    blocks of 16 (or 16x16 tiles) without the Hadamard transform, E4M3/UE5M3 scales, RNE/sr/sr8."""
+    blocks of 16 (or 16x16 tiles) without the Hadamard transform, E2M1 payloads with E4M3/UE5M3 scales,
+    RNE/sr/sr8."""
     return (
-        type(blocks) is torch.Tensor
+        not spec.is_fp8
+        and type(blocks) is torch.Tensor
         and blocks.device.type == "cpu"
         and blocks.dtype == torch.float32
         and spec.block_size == 16

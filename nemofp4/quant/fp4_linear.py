@@ -342,10 +342,13 @@ def _saves_packed_weight(config: LinearQuantConfig, backend: kernels.Backend) ->
 def _packed_shapes(spec: OperandQuant, rows, cols, *, two_d: bool) -> list[tuple]:
     """The shapes of a packed operand's tensors (:meth:`QuantizedBlocks.tensors`: codes, scale codes,
     tensor scale, tensor amax) for a [rows, cols] operand quantized along ``cols`` (``two_d``: in
-    tiles), as the quantizers lay them out: padded to the block, two codes a byte."""
+    tiles), as the quantizers lay them out: padded to the block, two FP4 codes or one FP8 code a byte,
+    no block scales for per-tensor scaling."""
     b = spec.block_size
     rows_p, cols_p = rows + (-rows % b if two_d else 0), cols + -cols % b
-    return [(rows_p, cols_p // 2), (rows_p // (b if two_d else 1), cols_p // b), (), ()]
+    codes = (rows_p, cols_p if spec.is_fp8 else cols_p // 2)
+    scales = (0,) if spec.format.per_tensor else (rows_p // (b if two_d else 1), cols_p // b)
+    return [codes, scales, (), ()]
 
 
 def _saved_shapes(config: LinearQuantConfig, backend: kernels.Backend, x_TK: torch.Tensor, weight: torch.Tensor,

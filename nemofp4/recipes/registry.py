@@ -16,7 +16,9 @@ from .rules import Rule, last_layers, layer_indices
 
 __all__ = [
     "BF16",
+    "FP8",
     "MXFP4",
+    "MXFP8",
     "NVFP4",
     "UE5M3",
     "NVFP4AllFP4NoRHT",
@@ -306,6 +308,78 @@ class MXFP4(PrecisionConfig):
             wgrad_hadamard=True, scale_target=448.0, reference_interval=0, gemm=self.gemm,
         )  # fmt: skip
         return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
+
+
+FP8_FORMATS = ("hybrid", "e4m3")
+"""Transformer Engine's ``Format`` choices for FP8 training: HYBRID (E4M3 forward, E5M2 gradients) or E4M3."""
+
+
+def _fp8_linear(*, scale_format: str, block_size: int, fp8_format: str, gemm: str, **scaling) -> LinearQuantConfig:
+    """One FP8 linear as Transformer Engine quantizes it: X and W in E4M3, dY in E5M2 (``hybrid``) or
+    E4M3, round-to-nearest-even, each operand along its own GEMM's reduction dim, current scaling."""
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(f"fp8_format={fp8_format!r}; valid: {', '.join(FP8_FORMATS)}")
+
+    def op(element: str) -> OperandQuant:
+        return OperandQuant(scale_format=scale_format, block_size=block_size, element_format=element, **scaling)
+
+    forward, backward = op("e4m3"), op("e5m2" if fp8_format == "hybrid" else "e4m3")
+    return LinearQuantConfig(x=forward, w=forward, dy_dgrad=backward, dy_wgrad=backward, x_wgrad=forward, gemm=gemm)
+
+
+@register_recipe
+@dataclass(kw_only=True)
+class FP8(PrecisionConfig):
+    """Per-tensor FP8 with current scaling, as Transformer Engine's Float8CurrentScaling, emulated.
+
+    X and W in E4M3, dY in E5M2 (TE's default HYBRID format), one float32 scale per tensor from its
+    current amax (``scale = max / amax``; 448 for E4M3, 57,344 for E5M2), round-to-nearest-even with
+    saturation; every linear but the LM head in FP8 (Megatron's and TE's default), the LM head in FP32.
+    """
+
+    name: str = "fp8"
+    fp8_format: str = "hybrid"
+    """'hybrid' (E4M3 forward, E5M2 gradients; TE's default) or 'e4m3' (E4M3 everywhere)."""
+    power_of_two_scales: bool = False
+    """Per-tensor scales rounded down to a power of two (TE's ``use_power_2_scales``)."""
+    num_bf16_last_layers: int = 0
+    """Pattern layers at the end of the stack kept in BF16 (at most a fifth of the layers)."""
+    gemm: str = "scaled"
+    """'scaled' (FP8 operands, FP32 accumulation, the scale product after it) or 'decoded'."""
+
+    def build(self) -> Recipe:
+        fp8 = _fp8_linear(scale_format="fp32", block_size=16, fp8_format=self.fp8_format, gemm=self.gemm,
+                          power_of_two_scale=self.power_of_two_scales)  # fmt: skip
+        return _recipe(self, {"fp8": fp8, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers, "fp8"))
+
+
+@register_recipe
+@dataclass(kw_only=True)
+class MXFP8(PrecisionConfig):
+    """OCP MXFP8 as Transformer Engine's MXFP8BlockScaling, emulated.
+
+    E4M3 values (gradients too: TE's default E4M3 format) in 32-element blocks along each GEMM
+    operand's own reduction dimension, a power-of-two UE8M0 scale per block rounded up from
+    ``amax * fp32(1/448)`` (TE's and cuBLAS's rule; torchao's default is OCP's floor exponent:
+    ``mx_scale_mode=floor``), no tensor scale, round-to-nearest-even with saturation; every linear
+    but the LM head in MXFP8, the LM head in FP32.
+    """
+
+    name: str = "mxfp8"
+    fp8_format: str = "e4m3"
+    """'e4m3' (TE's MXFP8 default) or 'hybrid' (E5M2 gradients)."""
+    mx_scale_mode: str = "ceil"
+    """'ceil' (Transformer Engine: the block scale never lets a value saturate) or 'floor' (OCP's
+    reference and torchao's default: ``floor(log2(amax)) - 8``, which can saturate the block's largest)."""
+    num_bf16_last_layers: int = 0
+    """Pattern layers at the end of the stack kept in BF16 (at most a fifth of the layers)."""
+    gemm: str = "scaled"
+    """'scaled' (block-scaled operands, FP32 accumulation) or 'decoded'."""
+
+    def build(self) -> Recipe:
+        fp8 = _fp8_linear(scale_format="ue8m0", block_size=32, fp8_format=self.fp8_format, gemm=self.gemm,
+                          mx_scale_mode=self.mx_scale_mode)  # fmt: skip
+        return _recipe(self, {"fp8": fp8, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers, "fp8"))
 
 
 def emulated_config(part: Part) -> LinearQuantConfig | None:
