@@ -63,7 +63,13 @@ from nemofp4.formats.scaling import (
     scale_grid,
     scaled_target,
 )
-from nemofp4.formats.spec import BLOCK_STATS, DEFAULT_SCALE_TARGET, ELEMENT_FORMATS, SCALE_FORMAT_TABLE, BlockSpec
+from nemofp4.formats.spec import (
+    BLOCK_STATS,
+    DEFAULT_SCALE_TARGET,
+    ELEMENT_FORMATS,
+    SCALE_FORMAT_TABLE,
+    BlockSpec,
+)
 
 from . import native as _native
 
