@@ -33,7 +33,8 @@ from tests.conftest import StandInModel
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "precision"
-ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed"]
+ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed", "fp8",
+       "mxfp8"]
 EMULATED = [name for name in ALL if name != "nvfp4_te"]
 
 

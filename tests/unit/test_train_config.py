@@ -10,7 +10,8 @@ from nemofp4.models import build_model, get_model_config
 from nemofp4.recipes import apply_recipe, list_recipes, recipe_from_config
 from nemofp4.training.config import JobConfig, compute_budget
 
-RECIPES = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed"]
+RECIPES = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed", "fp8",
+           "mxfp8"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
