@@ -47,6 +47,7 @@ __all__ = [
     "complete_checkpoints",
     "crc32",
     "is_complete",
+    "is_step_name",
     "latest_checkpoint",
     "load_tensors",
     "read_marker",
@@ -79,6 +80,11 @@ def crc32(path: Path, chunk: int = 1 << 24) -> int:
 
 def step_of(path: Path) -> int:
     return int(Path(path).name[len(STEP_PREFIX) :])
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a step folder's name (`step-<N>`), not a set-aside or temporary one."""
+    return _STEP_NAME.fullmatch(name) is not None
 
 
 def is_complete(path: Path) -> bool:

@@ -15,6 +15,9 @@ barrier; deleting pruned or replaced folders (rename first, then delete in a bac
 so a damaged checkpoint is reported by name, and `resume=auto` falls back to the previous complete
 one. Retention ranks checkpoints by save order, never by step number.
 
+At start (`recover`), a same-step re-save that a kill interrupted between its two renames is completed
+from whichever complete copy exists.
+
 Longer than 600 lines on purpose: it is one protocol (a step folder written, published, pruned and
 read back, sync or async) whose steps share its invariants (the temporary and final names, who owns
 which file, when a folder counts as complete), so the writer stays in one place; what needs none of
@@ -58,6 +61,7 @@ from nemofp4.checkpointing import (
     complete_checkpoints,
     crc32,
     is_complete,
+    is_step_name,
     latest_checkpoint,
     load_tensors,
     read_marker,
@@ -152,6 +156,34 @@ def _atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _marker_problem(folder: Path) -> str | None:
+    """Why `folder` has no valid marker (missing, unreadable, no file table), or None when it has one."""
+    if not (folder / MARKER).is_file():
+        return f"no {MARKER}"
+    try:
+        read_marker(folder)
+    except CheckpointError as err:
+        return str(err).removeprefix(f"checkpoint {folder}: ")
+    return None
+
+
+def _on_rank_0(action: Callable[[], None], what: str) -> None:
+    """Run `action` on rank 0 alone; if it fails, every rank raises one CheckpointError (none waits in
+    a barrier for a rank 0 that failed)."""
+    error = None
+    if _rank() == 0:
+        try:
+            action()
+        except OSError as err:
+            error = f"{what} failed: {err}"
+    if _world() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def _owner_of(relative: str, world: int) -> int:
@@ -338,24 +370,52 @@ class CheckpointManager:
                  or (p.name.startswith(STEP_PREFIX) and not is_complete(p) and _DAMAGED not in p.name))
         )
 
-    def remove_incomplete(self) -> list[Path]:
-        """Delete what interrupted saves and deletions left behind (rank 0, at start, under the run lock;
-        moved aside at once, deleted in the background)."""
+    def recover(self) -> list[Path]:
+        """Put the checkpoints folder in order at start (rank 0 acts, under the run lock; collective): a
+        same-step re-save a kill interrupted is completed from whichever complete copy exists, and what
+        interrupted saves and deletions left is deleted (moved aside at once, deleted in the background);
+        a step folder without marker is left for a human. Returns those leftovers (rank 0)."""
+        removed: list[Path] = []
+
+        def act() -> None:
+            if not self.root.is_dir():
+                return
+            self._repair_resaves()
+            removed.extend(self._remove_leftovers())
+
+        _on_rank_0(act, f"putting {self.root} in order at start")
+        return removed
+
+    def _repair_resaves(self) -> None:
+        """A same-step re-save renames `step-N` to `.old-step-N`, then `.tmp-step-N` (complete, its
+        marker written first) to `step-N`. A kill between the two leaves no `step-N`: put back the new
+        copy if its marker is valid, else the old one."""
+        for old in sorted(self.root.glob(f"{_OLD_PREFIX}*")):
+            suffix = old.name[len(_OLD_PREFIX):]
+            final, new = self.root / f"{STEP_PREFIX}{suffix}", self.root / f"{TMP_PREFIX}{suffix}"
+            if not old.is_dir() or not is_step_name(final.name) or final.exists():
+                continue  # the replacement is in place: the old copy is a leftover
+            source = new if new.is_dir() and _marker_problem(new) is None else old
+            os.replace(source, final)
+            _fsync_dir(self.root)
+            log.warning("a kill interrupted the re-save of %s between its two renames: restored it from %s (the %s copy)",
+                        final.name, source.name, "new" if source is new else "previous")  # fmt: skip
+
+    def _remove_leftovers(self) -> list[Path]:
+        """Delete what interrupted saves and deletions left: `.tmp-step-*` (never published),
+        `.old-step-*` whose replacement is in place, `.deleting-*`."""
         removed = []
-        if _rank() == 0:
-            for path in self.incomplete():
-                if path.name.startswith(STEP_PREFIX):
-                    continue  # a step folder without marker is never ours to half-write; leave it for a human
-                if path.name.startswith(_DISCARD_PREFIX):
-                    if self._janitor is None:
-                        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-delete")
-                    self._janitor.submit(shutil.rmtree, path, ignore_errors=True)
-                else:
-                    self._discard(path)
-                removed.append(path)
-            if removed:
-                log.info("removed %d unfinished checkpoint folder(s): %s", len(removed), ", ".join(p.name for p in removed))
-        _barrier()
+        for path in sorted(p for p in self.root.iterdir()
+                           if p.is_dir() and p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))):  # fmt: skip
+            if path.name.startswith(_DISCARD_PREFIX):
+                if self._janitor is None:
+                    self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-delete")
+                self._janitor.submit(shutil.rmtree, path, ignore_errors=True)
+            else:
+                self._discard(path)
+            removed.append(path)
+        if removed:
+            log.info("removed %d unfinished checkpoint folder(s): %s", len(removed), ", ".join(p.name for p in removed))
         return removed
 
     # ----------------------------------------------------------------------------- saving
