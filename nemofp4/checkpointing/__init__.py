@@ -11,6 +11,11 @@ neither imports the other. Layout under `<run_dir>/checkpoints/`:
         rank/rank-<r>.pt       per rank: generator states (and held references where ranks differ)
         COMPLETE.json          written last: save order, health, file sizes and CRC32s
     latest                     text file naming the newest complete step folder (a hint only)
+    step-<N>.damaged           set aside: a damaged checkpoint `resume=auto` fell back from
+    step-<N>.incomplete        set aside: a step folder found at start without a valid marker
+
+Only `step-<N>` folders directly in `checkpoints/` are ever loaded by `resume=auto` or counted by
+retention.
 
 Safety: every `torch.load` here uses `weights_only=True`; DCP's `.metadata` (a pickle) is read by an
 unpickler that only admits DCP's own metadata classes, and DCP's non-tensor entries are loaded with

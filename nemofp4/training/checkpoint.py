@@ -16,7 +16,8 @@ so a damaged checkpoint is reported by name, and `resume=auto` falls back to the
 one. Retention ranks checkpoints by save order, never by step number.
 
 At start (`recover`), a same-step re-save that a kill interrupted between its two renames is completed
-from whichever complete copy exists.
+from whichever complete copy exists, and a step folder without a valid marker is set aside
+(`step-<N>.incomplete`), never deleted or replaced.
 
 Longer than 600 lines on purpose: it is one protocol (a step folder written, published, pruned and
 read back, sync or async) whose steps share its invariants (the temporary and final names, who owns
@@ -93,6 +94,9 @@ _DCP_METADATA = ".metadata"
 _DEFAULT_GROUP_TIMEOUT_S = 1800.0
 _DAMAGED = ".damaged"
 """Suffix of a damaged checkpoint set aside (`step-<N>.damaged`): kept for a human, never loaded."""
+_INCOMPLETE = ".incomplete"
+"""Suffix of a step folder found at start without a valid marker (`step-<N>.incomplete`): never loaded,
+never replaced or deleted by a later save of that step; kept for a human."""
 
 
 @dataclass(kw_only=True)
@@ -167,6 +171,14 @@ def _marker_problem(folder: Path) -> str | None:
     except CheckpointError as err:
         return str(err).removeprefix(f"checkpoint {folder}: ")
     return None
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path-<k>` with the first k not taken: a set-aside folder never replaces another."""
+    free, k = path, 1
+    while free.exists():
+        free, k = path.with_name(f"{path.name}-{k}"), k + 1
+    return free
 
 
 def _on_rank_0(action: Callable[[], None], what: str) -> None:
@@ -359,7 +371,8 @@ class CheckpointManager:
         return latest_checkpoint(self.root)
 
     def incomplete(self) -> list[Path]:
-        """Folders left by interrupted saves (never loaded)."""
+        """What interrupted saves and deletions left (never loaded), and step folders without a valid
+        marker; folders set aside (`.damaged`, `.incomplete`) are not listed."""
         if not self.root.is_dir():
             return []
         return sorted(
@@ -367,20 +380,22 @@ class CheckpointManager:
             for p in self.root.iterdir()
             if p.is_dir()
             and (p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))
-                 or (p.name.startswith(STEP_PREFIX) and not is_complete(p) and _DAMAGED not in p.name))
+                 or (is_step_name(p.name) and _marker_problem(p) is not None))
         )
 
     def recover(self) -> list[Path]:
         """Put the checkpoints folder in order at start (rank 0 acts, under the run lock; collective): a
-        same-step re-save a kill interrupted is completed from whichever complete copy exists, and what
-        interrupted saves and deletions left is deleted (moved aside at once, deleted in the background);
-        a step folder without marker is left for a human. Returns those leftovers (rank 0)."""
+        same-step re-save a kill interrupted is completed from whichever complete copy exists, step
+        folders without a valid marker are set aside (logged, never deleted), and what interrupted saves
+        and deletions left is deleted (moved aside at once, deleted in the background). Returns those
+        leftovers (rank 0)."""
         removed: list[Path] = []
 
         def act() -> None:
             if not self.root.is_dir():
                 return
             self._repair_resaves()
+            self._set_aside_unmarked()
             removed.extend(self._remove_leftovers())
 
         _on_rank_0(act, f"putting {self.root} in order at start")
@@ -389,7 +404,8 @@ class CheckpointManager:
     def _repair_resaves(self) -> None:
         """A same-step re-save renames `step-N` to `.old-step-N`, then `.tmp-step-N` (complete, its
         marker written first) to `step-N`. A kill between the two leaves no `step-N`: put back the new
-        copy if its marker is valid, else the old one."""
+        copy if its marker is valid, else the old one (which the marker check after this sets aside if
+        its own marker is not)."""
         for old in sorted(self.root.glob(f"{_OLD_PREFIX}*")):
             suffix = old.name[len(_OLD_PREFIX):]
             final, new = self.root / f"{STEP_PREFIX}{suffix}", self.root / f"{TMP_PREFIX}{suffix}"
@@ -400,6 +416,18 @@ class CheckpointManager:
             _fsync_dir(self.root)
             log.warning("a kill interrupted the re-save of %s between its two renames: restored it from %s (the %s copy)",
                         final.name, source.name, "new" if source is new else "previous")  # fmt: skip
+
+    def _set_aside_unmarked(self) -> None:
+        """Move each `step-N` folder without a valid marker to `step-N.incomplete`, saying so: it is never
+        loaded, counted by retention, replaced by a save of step N, or deleted."""
+        for folder in sorted(self.root.iterdir()):
+            if not folder.is_dir() or not is_step_name(folder.name):
+                continue
+            problem = _marker_problem(folder)
+            if problem is not None:
+                aside = self._move_aside(folder, _INCOMPLETE)
+                log.warning("checkpoint %s has %s: moved it aside to %s; it is never loaded, and nothing was "
+                            "deleted (look at it, then remove it)", folder, problem, aside.name)
 
     def _remove_leftovers(self) -> list[Path]:
         """Delete what interrupted saves and deletions left: `.tmp-step-*` (never published),
@@ -417,6 +445,13 @@ class CheckpointManager:
         if removed:
             log.info("removed %d unfinished checkpoint folder(s): %s", len(removed), ", ".join(p.name for p in removed))
         return removed
+
+    def _move_aside(self, folder: Path, suffix: str) -> Path:
+        """Rank 0: rename `folder` to `<name><suffix>` (or `-<k>` after it if taken), durably."""
+        aside = _free_name(folder.with_name(f"{folder.name}{suffix}"))
+        os.replace(folder, aside)
+        _fsync_dir(folder.parent)
+        return aside
 
     # ----------------------------------------------------------------------------- saving
     def save(
@@ -570,7 +605,12 @@ class CheckpointManager:
             _atomic_write_text(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True))
             _fsync_dir(tmp)
             old = None
-            if final.exists():  # the same step saved again: keep the old folder until the new one is in place
+            problem = _marker_problem(final) if final.exists() else None
+            if problem is not None:  # not a checkpoint of ours: set aside, never replaced or deleted
+                aside = self._move_aside(final, _INCOMPLETE)
+                log.warning("checkpoint %s has %s: moved it aside to %s before saving step %d there (nothing was "
+                            "deleted)", final, problem, aside.name, step)
+            elif final.exists():  # the same step saved again: keep the old folder until the new one is in place
                 old = self.root / f"{_OLD_PREFIX}{step}"
                 self._discard(old)  # a leftover of an earlier failure: moved aside, deleted in the background
                 os.replace(final, old)
@@ -588,7 +628,7 @@ class CheckpointManager:
         The others leave every listing now and are deleted in the background."""
         if self.cfg.keep_last_k == 0:
             return
-        complete = [p for p in self.complete_checkpoints() if p != newest] + [newest]
+        complete = [p for p in self.complete_checkpoints() if p != newest and _marker_problem(p) is None] + [newest]
         for old in complete[: -self.cfg.keep_last_k]:
             self._discard(old)
 
@@ -658,12 +698,7 @@ class CheckpointManager:
         deleted. Returns the new path on rank 0 (None on the others); collective."""
         folder, aside = Path(folder), None
         if _rank() == 0:
-            aside = folder.with_name(f"{folder.name}{_DAMAGED}")
-            k = 1
-            while aside.exists():
-                aside, k = folder.with_name(f"{folder.name}{_DAMAGED}-{k}"), k + 1
-            os.replace(folder, aside)
-            _fsync_dir(self.root)
+            aside = self._move_aside(folder, _DAMAGED)
         _barrier()
         return aside
 

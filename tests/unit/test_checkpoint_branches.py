@@ -1,7 +1,8 @@
-"""Checkpoint repairs at start: a same-step re-save killed at any of its renames leaves a complete step.
-Kills are simulated by raising a BaseException at the chosen rename, which no clean-up of the save
-catches (as after a SIGKILL)."""
+"""Checkpoint repairs at start: a same-step re-save killed at any of its renames leaves a complete step,
+and a step folder without a valid marker is set aside, never replaced or deleted. Kills are simulated by
+raising a BaseException at the chosen rename, which no clean-up of the save catches (as after a SIGKILL)."""
 
+import logging
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from nemofp4.training.checkpoint import (
+    MARKER,
     CheckpointConfig,
     CheckpointManager,
     latest_checkpoint,
@@ -89,3 +91,48 @@ def test_an_old_copy_alone_is_put_back_when_the_new_one_has_no_marker(tmp_path):
     restarted.close()
     assert _names(tmp_path) == ["step-5"]
     assert _value(restarted, tmp_path / "step-5") == 1.0
+
+
+# ------------------------------------------------------------------------------ folders without a valid marker
+@pytest.mark.parametrize("damage", ["missing", "unreadable", "no_files_table"])
+def test_a_step_folder_without_a_valid_marker_is_set_aside_and_logged_never_replaced(tmp_path, caplog, damage):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=0))
+    _save(mgr, 1, 1.0)
+    folder = _save(mgr, 2, 2.0)
+    if damage == "missing":
+        (folder / MARKER).unlink()
+    else:
+        (folder / MARKER).write_bytes(b"\x80\x04garbage" if damage == "unreadable" else b'{"step": 2}')
+    shard = next(folder.glob("*.distcp")).name
+    with caplog.at_level(logging.WARNING, logger="nemofp4.training.checkpoint"):
+        restarted = _restart(tmp_path)
+    assert f"checkpoint {folder} has " in caplog.text and "moved it aside to step-2.incomplete" in caplog.text
+    assert (tmp_path / "step-2.incomplete" / shard).is_file() and not folder.exists()
+    assert restarted.incomplete() == [] and [p.name for p in restarted.candidates("auto")] == ["step-1"]
+    # the run saves step 2 again, then more: nothing replaces or prunes the folder set aside
+    restarted.cfg.keep_last_k = 1
+    for step in (2, 3, 4):
+        _save(restarted, step, step)
+    restarted.close()
+    assert _names(tmp_path) == ["step-2.incomplete", "step-4"]
+    assert (tmp_path / "step-2.incomplete" / shard).is_file()
+
+
+def test_a_step_folder_without_marker_met_by_a_save_is_set_aside_not_replaced(tmp_path):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=0))
+    (tmp_path / "step-3").mkdir(parents=True)
+    (tmp_path / "step-3" / "notes.txt").write_text("copied by hand")  # appeared while the run trained
+    _save(mgr, 3, 3.0)
+    mgr.close()
+    assert _names(tmp_path) == ["step-3", "step-3.incomplete"]
+    assert (tmp_path / "step-3.incomplete" / "notes.txt").read_text() == "copied by hand"
+
+
+def test_retention_never_prunes_a_folder_whose_marker_became_unreadable(tmp_path):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=1))
+    first = _save(mgr, 1, 1.0)
+    (first / MARKER).write_bytes(b"\xff\xfe")
+    _save(mgr, 2, 2.0)
+    _save(mgr, 3, 3.0)
+    mgr.close()
+    assert _names(tmp_path) == ["step-1", "step-3"]  # step-1 is left for the start's check to set aside
