@@ -13,9 +13,12 @@ neither imports the other. Layout under `<run_dir>/checkpoints/`:
     latest                     text file naming the newest complete step folder (a hint only)
     step-<N>.damaged           set aside: a damaged checkpoint `resume=auto` fell back from
     step-<N>.incomplete        set aside: a step folder found at start without a valid marker
+    abandoned/<tag>/           set aside: the checkpoints (and metrics rows) of a branch a resume from
+                               an older checkpoint left, with ABANDONED.json naming them
 
 Only `step-<N>` folders directly in `checkpoints/` are ever loaded by `resume=auto` or counted by
-retention.
+retention; a set-aside `abandoned/<tag>/step-<N>` is still a complete checkpoint that `resume=<path>`,
+evaluation and `train.init_from` can name.
 
 Safety: every `torch.load` here uses `weights_only=True`; DCP's `.metadata` (a pickle) is read by an
 unpickler that only admits DCP's own metadata classes, and DCP's non-tensor entries are loaded with

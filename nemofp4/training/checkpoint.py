@@ -17,7 +17,9 @@ one. Retention ranks checkpoints by save order, never by step number.
 
 At start (`recover`), a same-step re-save that a kill interrupted between its two renames is completed
 from whichever complete copy exists, and a step folder without a valid marker is set aside
-(`step-<N>.incomplete`), never deleted or replaced.
+(`step-<N>.incomplete`), never deleted or replaced. A resume from a checkpoint older than the run's
+newest ones sets the newer ones aside (`abandon`: into `abandoned/<tag>/`, a record written first), so
+`resume=auto` after a kill continues the branch that resumed.
 
 Longer than 600 lines on purpose: it is one protocol (a step folder written, published, pruned and
 read back, sync or async) whose steps share its invariants (the temporary and final names, who owns
@@ -28,7 +30,9 @@ them, the layout and the safe reading, is already in ``nemofp4.checkpointing``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
+import hashlib
 import itertools
 import json
 import logging
@@ -71,6 +75,7 @@ from nemofp4.checkpointing import (
 )
 
 __all__ = [
+    "ABANDONED",
     "LATEST",
     "MARKER",
     "STEP_PREFIX",
@@ -97,6 +102,12 @@ _DAMAGED = ".damaged"
 _INCOMPLETE = ".incomplete"
 """Suffix of a step folder found at start without a valid marker (`step-<N>.incomplete`): never loaded,
 never replaced or deleted by a later save of that step; kept for a human."""
+ABANDONED = "abandoned"
+"""Folder of the checkpoints folder holding the branches a resume left behind, one `<tag>/` each."""
+_ABANDON_RECORD = "ABANDONED.json"
+"""In `abandoned/<tag>/`, committed before anything moves: the folders to set aside, each with its
+marker's sha256, so a start after a kill finishes the move and never takes a later save for one."""
+_STAGING_PREFIX = ".tmp-"
 
 
 @dataclass(kw_only=True)
@@ -171,6 +182,10 @@ def _marker_problem(folder: Path) -> str | None:
     except CheckpointError as err:
         return str(err).removeprefix(f"checkpoint {folder}: ")
     return None
+
+
+def _marker_digest(folder: Path) -> str:
+    return hashlib.sha256((folder / MARKER).read_bytes()).hexdigest()
 
 
 def _free_name(path: Path) -> Path:
@@ -370,9 +385,14 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
 
+    def owns(self, folder: Path) -> bool:
+        """Whether `folder` is one of this run's step folders (directly in its checkpoints folder)."""
+        folder = Path(folder)
+        return is_step_name(folder.name) and folder.parent.resolve() == self.root.resolve()
+
     def incomplete(self) -> list[Path]:
         """What interrupted saves and deletions left (never loaded), and step folders without a valid
-        marker; folders set aside (`.damaged`, `.incomplete`) are not listed."""
+        marker; folders set aside (`.damaged`, `.incomplete`, `abandoned/`) are not listed."""
         if not self.root.is_dir():
             return []
         return sorted(
@@ -385,16 +405,17 @@ class CheckpointManager:
 
     def recover(self) -> list[Path]:
         """Put the checkpoints folder in order at start (rank 0 acts, under the run lock; collective): a
-        same-step re-save a kill interrupted is completed from whichever complete copy exists, step
-        folders without a valid marker are set aside (logged, never deleted), and what interrupted saves
-        and deletions left is deleted (moved aside at once, deleted in the background). Returns those
-        leftovers (rank 0)."""
+        same-step re-save a kill interrupted is completed from whichever complete copy exists, a set-aside
+        of abandoned checkpoints a kill interrupted is finished, step folders without a valid marker are
+        set aside (logged, never deleted), and what interrupted saves and deletions left is deleted (moved
+        aside at once, deleted in the background). Returns those leftovers (rank 0)."""
         removed: list[Path] = []
 
         def act() -> None:
             if not self.root.is_dir():
                 return
             self._repair_resaves()
+            self._finish_abandoning()
             self._set_aside_unmarked()
             removed.extend(self._remove_leftovers())
 
@@ -452,6 +473,87 @@ class CheckpointManager:
         os.replace(folder, aside)
         _fsync_dir(folder.parent)
         return aside
+
+    # ----------------------------------------------------------------------------- branches
+    def abandon(self, resumed: Path, *, keep: Callable[[Path], None] | None = None) -> tuple[Path | None, list[str]]:
+        """After a resume from `resumed`, set aside this run's complete checkpoints outside its history:
+        those saved after it, or at a higher step (another branch). Then `resume=auto` after a kill
+        continues the branch that resumed, and retention neither counts nor deletes them. They move into
+        `abandoned/<UTC time>-from-<resumed name>/`, whose record is committed first (with what
+        `keep(folder)` adds: the metrics rows), so a start after a kill finishes the move. Nothing is set
+        aside for a checkpoint of another directory. Rank 0 acts, durably, before this returns
+        (collective); returns the folder and the names set aside on rank 0, else (None, [])."""
+        result: list = [None, []]
+
+        def act() -> None:
+            if not self.owns(resumed):
+                return
+            complete = [p for p in self.complete_checkpoints() if _marker_problem(p) is None]
+            names = [p.name for p in complete]
+            if resumed.name not in names:
+                return
+            i, step = names.index(resumed.name), step_of(resumed)
+            others = sorted((p for j, p in enumerate(complete) if j > i or step_of(p) > step), key=step_of)
+            if others:
+                result[:] = self._set_aside_branch(resumed, others, keep)
+
+        _on_rank_0(act, f"setting aside the checkpoints newer than {resumed}")
+        return result[0], result[1]
+
+    def _set_aside_branch(self, resumed: Path, others: list[Path],
+                          keep: Callable[[Path], None] | None) -> tuple[Path, list[str]]:  # fmt: skip
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+        aside = _free_name(self.root / ABANDONED / f"{stamp}-from-{resumed.name}")
+        staging = aside.with_name(f"{_STAGING_PREFIX}{aside.name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        if keep is not None:
+            keep(staging)
+        record = {"resumed_from": resumed.name, "time": time.time(),
+                  "checkpoints": {p.name: _marker_digest(p) for p in others}}  # fmt: skip
+        _atomic_write_text(staging / _ABANDON_RECORD, json.dumps(record, indent=1, sort_keys=True))
+        _fsync_dir(staging)
+        os.replace(staging, aside)  # the commit: from here on a start finishes the move
+        _fsync_dir(aside.parent)
+        _fsync_dir(self.root)
+        for folder in others:
+            os.replace(folder, aside / folder.name)
+        _fsync_dir(aside)
+        _fsync_dir(self.root)
+        _atomic_write_text(self.root / LATEST, resumed.name + "\n")
+        return aside, [p.name for p in others]
+
+    def _finish_abandoning(self) -> None:
+        """Finish a set-aside of abandoned checkpoints a kill interrupted (its record is committed: move
+        the folders it names that are still here with the same marker); drop an uncommitted one (it
+        holds copies only)."""
+        base = self.root / ABANDONED
+        if not base.is_dir():
+            return
+        for staging in base.glob(f"{_STAGING_PREFIX}*"):
+            shutil.rmtree(staging, ignore_errors=True)
+        for record in sorted(base.glob(f"*/{_ABANDON_RECORD}")):
+            try:
+                entries = json.loads(record.read_text())["checkpoints"]
+                entries = {str(name): str(digest) for name, digest in entries.items()}
+            except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as err:
+                log.warning("%s is unreadable (%s); not finishing what it records", record, err)
+                continue
+            moved = []
+            for name, digest in sorted(entries.items()):
+                source, target = self.root / name, record.parent / name
+                if (is_step_name(name) and not target.exists() and is_complete(source)
+                        and _marker_problem(source) is None and _marker_digest(source) == digest):
+                    os.replace(source, target)
+                    moved.append(name)
+            if moved:
+                _fsync_dir(record.parent)
+                _fsync_dir(self.root)
+                log.warning("finished setting aside %s into %s (a kill had interrupted it)", ", ".join(moved),
+                            record.parent)
+                newest = self.complete_checkpoints()
+                if newest:
+                    _atomic_write_text(self.root / LATEST, newest[-1].name + "\n")
 
     # ----------------------------------------------------------------------------- saving
     def save(

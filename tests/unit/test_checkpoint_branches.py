@@ -1,7 +1,9 @@
-"""Checkpoint repairs at start: a same-step re-save killed at any of its renames leaves a complete step,
-and a step folder without a valid marker is set aside, never replaced or deleted. Kills are simulated by
+"""Checkpoint repairs at start and branches: a same-step re-save killed at any of its renames leaves a
+complete step, a step folder without a valid marker is set aside, never replaced or deleted, and a
+resume from an older checkpoint sets the newer ones aside (never deleted). Kills are simulated by
 raising a BaseException at the chosen rename, which no clean-up of the save catches (as after a SIGKILL)."""
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -9,12 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from nemofp4.checkpointing import resolve_checkpoint
 from nemofp4.training.checkpoint import (
+    ABANDONED,
     MARKER,
     CheckpointConfig,
     CheckpointManager,
     latest_checkpoint,
 )
+from nemofp4.training.metrics import copy_rows_after, read_metrics, truncate_after
 
 
 class Killed(BaseException):
@@ -136,3 +141,124 @@ def test_retention_never_prunes_a_folder_whose_marker_became_unreadable(tmp_path
     _save(mgr, 3, 3.0)
     mgr.close()
     assert _names(tmp_path) == ["step-1", "step-3"]  # step-1 is left for the start's check to set aside
+
+
+# ------------------------------------------------------------------------------ branches
+def _run_3_6_9(root: Path) -> CheckpointManager:
+    mgr = CheckpointManager(root, CheckpointConfig(keep_last_k=0))
+    for step in (3, 6, 9):
+        _save(mgr, step, step)
+    return mgr
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    root = tmp_path / "checkpoints"
+    mgr = _run_3_6_9(root)
+    assert mgr.abandon(root / "step-9") == (None, [])  # the newest: nothing saved later, nothing higher
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in range(1, 10)))
+    aside, names = mgr.abandon(root / "step-3", keep=lambda into: copy_rows_after(metrics, 3, into / "metrics.jsonl"))
+    assert names == ["step-6", "step-9"] and aside.parent == root / ABANDONED and aside.name.endswith("-from-step-3")
+    assert [p.name for p in mgr.complete_checkpoints()] == ["step-3"]
+    assert (root / "latest").read_text().strip() == "step-3"
+    assert [p.name for p in mgr.candidates("auto")] == ["step-3"]  # what a requeued resume=auto takes
+    # set aside, not deleted: still complete checkpoints that resume=<path>, evaluation and init_from can name
+    assert resolve_checkpoint(aside / "step-9") == aside / "step-9" and _value(mgr, aside / "step-9") == 9.0
+    assert [r["step"] for r in read_metrics(aside)] == [4, 5, 6, 7, 8, 9]
+    record = json.loads((aside / "ABANDONED.json").read_text())
+    assert record["resumed_from"] == "step-3" and sorted(record["checkpoints"]) == ["step-6", "step-9"]
+    # the new branch saves and prunes; the set-aside folders are neither counted nor deleted
+    mgr.cfg.keep_last_k = 2
+    for step in (6, 9, 12):
+        _save(mgr, step, 100 + step)
+    mgr.close()
+    assert _names(root) == [ABANDONED, "step-12", "step-9"]
+    assert _names(aside) == ["step-6", "step-9"] and _value(mgr, aside / "step-6") == 6.0
+    # a later start does not take the new branch's step-6 or step-9 for the abandoned ones
+    restarted = _restart(root)
+    assert _names(root) == [ABANDONED, "step-12", "step-9"] and _value(restarted, root / "step-9") == 109.0
+
+
+def test_only_checkpoints_outside_the_resumed_ones_history_are_set_aside(tmp_path):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=0))
+    for step in (10, 20, 11, 12):  # step-20 (an earlier branch) was saved before step-11, at a higher step
+        _save(mgr, step, step)
+    _, names = mgr.abandon(tmp_path / "step-11")
+    assert names == ["step-12", "step-20"]  # saved after step-11, or at a higher step: another branch
+    assert [p.name for p in mgr.complete_checkpoints()] == ["step-10", "step-11"]
+
+
+def test_a_checkpoint_of_another_directory_sets_nothing_aside(tmp_path):
+    mine = _run_3_6_9(tmp_path / "mine")
+    other = _run_3_6_9(tmp_path / "other")
+    assert mine.abandon(tmp_path / "other" / "step-3") == (None, [])
+    assert [p.name for p in mine.complete_checkpoints()] == ["step-3", "step-6", "step-9"]
+    assert [p.name for p in other.complete_checkpoints()] == ["step-3", "step-6", "step-9"]
+    assert not mine.owns(tmp_path / "other" / "step-3") and mine.owns(tmp_path / "mine" / "step-3")
+
+
+@pytest.mark.parametrize("when", ["before_the_record_commits", "after_the_first_move"])
+def test_a_kill_while_setting_a_branch_aside_is_finished_or_undone_at_the_next_start(tmp_path, monkeypatch, when):
+    root = tmp_path / "checkpoints"
+    mgr = _run_3_6_9(root)
+    if when == "before_the_record_commits":
+        match = lambda src, dst: src.name.startswith(".tmp-") and dst.parent.name == ABANDONED  # noqa: E731
+    else:
+        match = lambda src, dst: src.name == "step-9" and dst.parent.parent.name == ABANDONED  # noqa: E731
+    with monkeypatch.context() as patch:
+        _kill_at_rename(patch, match)
+        with pytest.raises(Killed):
+            mgr.abandon(root / "step-3")
+    restarted = _restart(root)
+    live = [p.name for p in restarted.complete_checkpoints()]
+    asides = list((root / ABANDONED).iterdir())
+    if when == "before_the_record_commits":  # nothing was set aside: the run never continued from step 3
+        assert live == ["step-3", "step-6", "step-9"] and asides == []
+    else:  # committed: the start finishes the move, so resume=auto takes step-3
+        assert live == ["step-3"] and len(asides) == 1 and _names(asides[0]) == ["step-6", "step-9"]
+        assert (root / "latest").read_text().strip() == "step-3"
+
+
+def test_copy_rows_after_keeps_the_abandoned_rows_and_truncate_leaves_the_live_branch(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "step": s, "loss": float(s)} for s in range(1, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "st')  # a line cut by a kill
+    assert copy_rows_after(path, 3, tmp_path / "aside.jsonl") == 2
+    assert [json.loads(line) for line in (tmp_path / "aside.jsonl").read_text().splitlines()] == rows[3:]
+    truncate_after(path, 3)
+    assert read_metrics(tmp_path) == rows[:3]
+    assert copy_rows_after(path, 3, tmp_path / "none.jsonl") == 0 and not (tmp_path / "none.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------ the resume's choice
+def _resume(mgr: CheckpointManager, resume: str, run_dir: Path) -> Path | None:
+    from nemofp4.training.resume import load_resume_checkpoint
+
+    return load_resume_checkpoint(mgr, resume, run_dir=run_dir, rank=0, dcp_state=lambda: None, read_collective=None,
+                                  check=lambda *_: None, apply=lambda *_: None)  # fmt: skip
+
+
+def test_a_rollback_is_logged_and_the_metrics_follow_the_branch_that_resumed(tmp_path, caplog):
+    mgr = _run_3_6_9(tmp_path / "checkpoints")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in range(1, 11)))
+    with caplog.at_level(logging.WARNING, logger="nemofp4"):
+        assert _resume(mgr, str(tmp_path / "checkpoints" / "step-3"), tmp_path).name == "step-3"
+    (aside,) = (tmp_path / "checkpoints" / ABANDONED).iterdir()
+    assert (f"resumed from step-3, older than this run's newest checkpoints: set aside step-6, step-9 and 7 metrics "
+            f"rows past step 3 in {aside}, so resume=auto continues from step-3 (nothing was deleted)") in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(aside)] == [4, 5, 6, 7, 8, 9, 10]
+    assert _resume(mgr, "auto", tmp_path).name == "step-3"  # the requeued job, killed before a save
+    assert len(list((tmp_path / "checkpoints" / ABANDONED).iterdir())) == 1  # nothing more to set aside
+
+
+def test_a_checkpoint_of_another_directory_is_refused_where_the_run_has_its_own(tmp_path):
+    _run_3_6_9(tmp_path / "other" / "checkpoints")
+    elsewhere = tmp_path / "other" / "checkpoints" / "step-3"
+    fresh = CheckpointManager(tmp_path / "fresh" / "checkpoints", CheckpointConfig())
+    assert _resume(fresh, str(elsewhere), tmp_path / "fresh") == elsewhere  # a new run starts from it
+    mine = _run_3_6_9(tmp_path / "mine" / "checkpoints")
+    with pytest.raises(ValueError, match=r"resume=.*other/checkpoints/step-3' names a checkpoint outside run_dir .*mine, "
+                                         r"which holds checkpoints of its own \(newest step-9\)"):  # fmt: skip
+        _resume(mine, str(elsewhere), tmp_path / "mine")
+    assert [p.name for p in mine.complete_checkpoints()] == ["step-3", "step-6", "step-9"]
