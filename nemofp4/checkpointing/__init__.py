@@ -11,6 +11,14 @@ neither imports the other. Layout under `<run_dir>/checkpoints/`:
         rank/rank-<r>.pt       per rank: generator states (and held references where ranks differ)
         COMPLETE.json          written last: save order, health, file sizes and CRC32s
     latest                     text file naming the newest complete step folder (a hint only)
+    step-<N>.damaged           set aside: a damaged checkpoint `resume=auto` fell back from
+    step-<N>.incomplete        set aside: a step folder found at start without a valid marker
+    abandoned/<tag>/           set aside: the checkpoints (and metrics rows) of a branch a resume from
+                               an older checkpoint left, with ABANDONED.json naming them
+
+Only `step-<N>` folders directly in `checkpoints/` are ever loaded by `resume=auto` or counted by
+retention; a set-aside `abandoned/<tag>/step-<N>` is still a complete checkpoint that `resume=<path>`,
+evaluation and `train.init_from` can name.
 
 Safety: every `torch.load` here uses `weights_only=True`; DCP's `.metadata` (a pickle) is read by an
 unpickler that only admits DCP's own metadata classes, and DCP's non-tensor entries are loaded with
@@ -47,6 +55,7 @@ __all__ = [
     "complete_checkpoints",
     "crc32",
     "is_complete",
+    "is_step_name",
     "latest_checkpoint",
     "load_tensors",
     "read_marker",
@@ -79,6 +88,11 @@ def crc32(path: Path, chunk: int = 1 << 24) -> int:
 
 def step_of(path: Path) -> int:
     return int(Path(path).name[len(STEP_PREFIX) :])
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a step folder's name (`step-<N>`), not a set-aside or temporary one."""
+    return _STEP_NAME.fullmatch(name) is not None
 
 
 def is_complete(path: Path) -> bool:

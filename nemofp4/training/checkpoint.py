@@ -15,6 +15,12 @@ barrier; deleting pruned or replaced folders (rename first, then delete in a bac
 so a damaged checkpoint is reported by name, and `resume=auto` falls back to the previous complete
 one. Retention ranks checkpoints by save order, never by step number.
 
+At start (`recover`), a same-step re-save that a kill interrupted between its two renames is completed
+from whichever complete copy exists, and a step folder without a valid marker is set aside
+(`step-<N>.incomplete`), never deleted or replaced. A resume from a checkpoint older than the run's
+newest ones sets the newer ones aside (`abandon`: into `abandoned/<tag>/`, a record written first), so
+`resume=auto` after a kill continues the branch that resumed.
+
 Longer than 600 lines on purpose: it is one protocol (a step folder written, published, pruned and
 read back, sync or async) whose steps share its invariants (the temporary and final names, who owns
 which file, when a folder counts as complete), so the writer stays in one place; what needs none of
@@ -24,7 +30,9 @@ them, the layout and the safe reading, is already in ``nemofp4.checkpointing``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
+import hashlib
 import itertools
 import json
 import logging
@@ -58,6 +66,7 @@ from nemofp4.checkpointing import (
     complete_checkpoints,
     crc32,
     is_complete,
+    is_step_name,
     latest_checkpoint,
     load_tensors,
     read_marker,
@@ -66,6 +75,7 @@ from nemofp4.checkpointing import (
 )
 
 __all__ = [
+    "ABANDONED",
     "LATEST",
     "MARKER",
     "STEP_PREFIX",
@@ -89,6 +99,15 @@ _DCP_METADATA = ".metadata"
 _DEFAULT_GROUP_TIMEOUT_S = 1800.0
 _DAMAGED = ".damaged"
 """Suffix of a damaged checkpoint set aside (`step-<N>.damaged`): kept for a human, never loaded."""
+_INCOMPLETE = ".incomplete"
+"""Suffix of a step folder found at start without a valid marker (`step-<N>.incomplete`): never loaded,
+never replaced or deleted by a later save of that step; kept for a human."""
+ABANDONED = "abandoned"
+"""Folder of the checkpoints folder holding the branches a resume left behind, one `<tag>/` each."""
+_ABANDON_RECORD = "ABANDONED.json"
+"""In `abandoned/<tag>/`, committed before anything moves: the folders to set aside, each with its
+marker's sha256, so a start after a kill finishes the move and never takes a later save for one."""
+_STAGING_PREFIX = ".tmp-"
 
 
 @dataclass(kw_only=True)
@@ -152,6 +171,46 @@ def _atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _marker_problem(folder: Path) -> str | None:
+    """Why `folder` has no valid marker (missing, unreadable, no file table), or None when it has one."""
+    if not (folder / MARKER).is_file():
+        return f"no {MARKER}"
+    try:
+        read_marker(folder)
+    except CheckpointError as err:
+        return str(err).removeprefix(f"checkpoint {folder}: ")
+    return None
+
+
+def _marker_digest(folder: Path) -> str:
+    return hashlib.sha256((folder / MARKER).read_bytes()).hexdigest()
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path-<k>` with the first k not taken: a set-aside folder never replaces another."""
+    free, k = path, 1
+    while free.exists():
+        free, k = path.with_name(f"{path.name}-{k}"), k + 1
+    return free
+
+
+def _on_rank_0(action: Callable[[], None], what: str) -> None:
+    """Run `action` on rank 0 alone; if it fails, every rank raises one CheckpointError (none waits in
+    a barrier for a rank 0 that failed)."""
+    error = None
+    if _rank() == 0:
+        try:
+            action()
+        except OSError as err:
+            error = f"{what} failed: {err}"
+    if _world() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def _owner_of(relative: str, world: int) -> int:
@@ -326,8 +385,14 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
 
+    def owns(self, folder: Path) -> bool:
+        """Whether `folder` is one of this run's step folders (directly in its checkpoints folder)."""
+        folder = Path(folder)
+        return is_step_name(folder.name) and folder.parent.resolve() == self.root.resolve()
+
     def incomplete(self) -> list[Path]:
-        """Folders left by interrupted saves (never loaded)."""
+        """What interrupted saves and deletions left (never loaded), and step folders without a valid
+        marker; folders set aside (`.damaged`, `.incomplete`, `abandoned/`) are not listed."""
         if not self.root.is_dir():
             return []
         return sorted(
@@ -335,28 +400,160 @@ class CheckpointManager:
             for p in self.root.iterdir()
             if p.is_dir()
             and (p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))
-                 or (p.name.startswith(STEP_PREFIX) and not is_complete(p) and _DAMAGED not in p.name))
+                 or (is_step_name(p.name) and _marker_problem(p) is not None))
         )
 
-    def remove_incomplete(self) -> list[Path]:
-        """Delete what interrupted saves and deletions left behind (rank 0, at start, under the run lock;
-        moved aside at once, deleted in the background)."""
-        removed = []
-        if _rank() == 0:
-            for path in self.incomplete():
-                if path.name.startswith(STEP_PREFIX):
-                    continue  # a step folder without marker is never ours to half-write; leave it for a human
-                if path.name.startswith(_DISCARD_PREFIX):
-                    if self._janitor is None:
-                        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-delete")
-                    self._janitor.submit(shutil.rmtree, path, ignore_errors=True)
-                else:
-                    self._discard(path)
-                removed.append(path)
-            if removed:
-                log.info("removed %d unfinished checkpoint folder(s): %s", len(removed), ", ".join(p.name for p in removed))
-        _barrier()
+    def recover(self) -> list[Path]:
+        """Put the checkpoints folder in order at start (rank 0 acts, under the run lock; collective): a
+        same-step re-save a kill interrupted is completed from whichever complete copy exists, a set-aside
+        of abandoned checkpoints a kill interrupted is finished, step folders without a valid marker are
+        set aside (logged, never deleted), and what interrupted saves and deletions left is deleted (moved
+        aside at once, deleted in the background). Returns those leftovers (rank 0)."""
+        removed: list[Path] = []
+
+        def act() -> None:
+            if not self.root.is_dir():
+                return
+            self._repair_resaves()
+            self._finish_abandoning()
+            self._set_aside_unmarked()
+            removed.extend(self._remove_leftovers())
+
+        _on_rank_0(act, f"putting {self.root} in order at start")
         return removed
+
+    def _repair_resaves(self) -> None:
+        """A same-step re-save renames `step-N` to `.old-step-N`, then `.tmp-step-N` (complete, its
+        marker written first) to `step-N`. A kill between the two leaves no `step-N`: put back the new
+        copy if its marker is valid, else the old one (which the marker check after this sets aside if
+        its own marker is not)."""
+        for old in sorted(self.root.glob(f"{_OLD_PREFIX}*")):
+            suffix = old.name[len(_OLD_PREFIX):]
+            final, new = self.root / f"{STEP_PREFIX}{suffix}", self.root / f"{TMP_PREFIX}{suffix}"
+            if not old.is_dir() or not is_step_name(final.name) or final.exists():
+                continue  # the replacement is in place: the old copy is a leftover
+            source = new if new.is_dir() and _marker_problem(new) is None else old
+            os.replace(source, final)
+            _fsync_dir(self.root)
+            log.warning("a kill interrupted the re-save of %s between its two renames: restored it from %s (the %s copy)",
+                        final.name, source.name, "new" if source is new else "previous")  # fmt: skip
+
+    def _set_aside_unmarked(self) -> None:
+        """Move each `step-N` folder without a valid marker to `step-N.incomplete`, saying so: it is never
+        loaded, counted by retention, replaced by a save of step N, or deleted."""
+        for folder in sorted(self.root.iterdir()):
+            if not folder.is_dir() or not is_step_name(folder.name):
+                continue
+            problem = _marker_problem(folder)
+            if problem is not None:
+                aside = self._move_aside(folder, _INCOMPLETE)
+                log.warning("checkpoint %s has %s: moved it aside to %s; it is never loaded, and nothing was "
+                            "deleted (look at it, then remove it)", folder, problem, aside.name)
+
+    def _remove_leftovers(self) -> list[Path]:
+        """Delete what interrupted saves and deletions left: `.tmp-step-*` (never published),
+        `.old-step-*` whose replacement is in place, `.deleting-*`."""
+        removed = []
+        for path in sorted(p for p in self.root.iterdir()
+                           if p.is_dir() and p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))):  # fmt: skip
+            if path.name.startswith(_DISCARD_PREFIX):
+                if self._janitor is None:
+                    self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-delete")
+                self._janitor.submit(shutil.rmtree, path, ignore_errors=True)
+            else:
+                self._discard(path)
+            removed.append(path)
+        if removed:
+            log.info("removed %d unfinished checkpoint folder(s): %s", len(removed), ", ".join(p.name for p in removed))
+        return removed
+
+    def _move_aside(self, folder: Path, suffix: str) -> Path:
+        """Rank 0: rename `folder` to `<name><suffix>` (or `-<k>` after it if taken), durably."""
+        aside = _free_name(folder.with_name(f"{folder.name}{suffix}"))
+        os.replace(folder, aside)
+        _fsync_dir(folder.parent)
+        return aside
+
+    # ----------------------------------------------------------------------------- branches
+    def abandon(self, resumed: Path, *, keep: Callable[[Path], None] | None = None) -> tuple[Path | None, list[str]]:
+        """After a resume from `resumed`, set aside this run's complete checkpoints outside its history:
+        those saved after it, or at a higher step (another branch). Then `resume=auto` after a kill
+        continues the branch that resumed, and retention neither counts nor deletes them. They move into
+        `abandoned/<UTC time>-from-<resumed name>/`, whose record is committed first (with what
+        `keep(folder)` adds: the metrics rows), so a start after a kill finishes the move. Nothing is set
+        aside for a checkpoint of another directory. Rank 0 acts, durably, before this returns
+        (collective); returns the folder and the names set aside on rank 0, else (None, [])."""
+        result: list = [None, []]
+
+        def act() -> None:
+            if not self.owns(resumed):
+                return
+            complete = [p for p in self.complete_checkpoints() if _marker_problem(p) is None]
+            names = [p.name for p in complete]
+            if resumed.name not in names:
+                return
+            i, step = names.index(resumed.name), step_of(resumed)
+            others = sorted((p for j, p in enumerate(complete) if j > i or step_of(p) > step), key=step_of)
+            if others:
+                result[:] = self._set_aside_branch(resumed, others, keep)
+
+        _on_rank_0(act, f"setting aside the checkpoints newer than {resumed}")
+        return result[0], result[1]
+
+    def _set_aside_branch(self, resumed: Path, others: list[Path],
+                          keep: Callable[[Path], None] | None) -> tuple[Path, list[str]]:  # fmt: skip
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+        aside = _free_name(self.root / ABANDONED / f"{stamp}-from-{resumed.name}")
+        staging = aside.with_name(f"{_STAGING_PREFIX}{aside.name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        if keep is not None:
+            keep(staging)
+        record = {"resumed_from": resumed.name, "time": time.time(),
+                  "checkpoints": {p.name: _marker_digest(p) for p in others}}  # fmt: skip
+        _atomic_write_text(staging / _ABANDON_RECORD, json.dumps(record, indent=1, sort_keys=True))
+        _fsync_dir(staging)
+        os.replace(staging, aside)  # the commit: from here on a start finishes the move
+        _fsync_dir(aside.parent)
+        _fsync_dir(self.root)
+        for folder in others:
+            os.replace(folder, aside / folder.name)
+        _fsync_dir(aside)
+        _fsync_dir(self.root)
+        _atomic_write_text(self.root / LATEST, resumed.name + "\n")
+        return aside, [p.name for p in others]
+
+    def _finish_abandoning(self) -> None:
+        """Finish a set-aside of abandoned checkpoints a kill interrupted (its record is committed: move
+        the folders it names that are still here with the same marker); drop an uncommitted one (it
+        holds copies only)."""
+        base = self.root / ABANDONED
+        if not base.is_dir():
+            return
+        for staging in base.glob(f"{_STAGING_PREFIX}*"):
+            shutil.rmtree(staging, ignore_errors=True)
+        for record in sorted(base.glob(f"*/{_ABANDON_RECORD}")):
+            try:
+                entries = json.loads(record.read_text())["checkpoints"]
+                entries = {str(name): str(digest) for name, digest in entries.items()}
+            except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as err:
+                log.warning("%s is unreadable (%s); not finishing what it records", record, err)
+                continue
+            moved = []
+            for name, digest in sorted(entries.items()):
+                source, target = self.root / name, record.parent / name
+                if (is_step_name(name) and not target.exists() and is_complete(source)
+                        and _marker_problem(source) is None and _marker_digest(source) == digest):
+                    os.replace(source, target)
+                    moved.append(name)
+            if moved:
+                _fsync_dir(record.parent)
+                _fsync_dir(self.root)
+                log.warning("finished setting aside %s into %s (a kill had interrupted it)", ", ".join(moved),
+                            record.parent)
+                newest = self.complete_checkpoints()
+                if newest:
+                    _atomic_write_text(self.root / LATEST, newest[-1].name + "\n")
 
     # ----------------------------------------------------------------------------- saving
     def save(
@@ -510,7 +707,12 @@ class CheckpointManager:
             _atomic_write_text(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True))
             _fsync_dir(tmp)
             old = None
-            if final.exists():  # the same step saved again: keep the old folder until the new one is in place
+            problem = _marker_problem(final) if final.exists() else None
+            if problem is not None:  # not a checkpoint of ours: set aside, never replaced or deleted
+                aside = self._move_aside(final, _INCOMPLETE)
+                log.warning("checkpoint %s has %s: moved it aside to %s before saving step %d there (nothing was "
+                            "deleted)", final, problem, aside.name, step)
+            elif final.exists():  # the same step saved again: keep the old folder until the new one is in place
                 old = self.root / f"{_OLD_PREFIX}{step}"
                 self._discard(old)  # a leftover of an earlier failure: moved aside, deleted in the background
                 os.replace(final, old)
@@ -528,7 +730,7 @@ class CheckpointManager:
         The others leave every listing now and are deleted in the background."""
         if self.cfg.keep_last_k == 0:
             return
-        complete = [p for p in self.complete_checkpoints() if p != newest] + [newest]
+        complete = [p for p in self.complete_checkpoints() if p != newest and _marker_problem(p) is None] + [newest]
         for old in complete[: -self.cfg.keep_last_k]:
             self._discard(old)
 
@@ -598,12 +800,7 @@ class CheckpointManager:
         deleted. Returns the new path on rank 0 (None on the others); collective."""
         folder, aside = Path(folder), None
         if _rank() == 0:
-            aside = folder.with_name(f"{folder.name}{_DAMAGED}")
-            k = 1
-            while aside.exists():
-                aside, k = folder.with_name(f"{folder.name}{_DAMAGED}-{k}"), k + 1
-            os.replace(folder, aside)
-            _fsync_dir(self.root)
+            aside = self._move_aside(folder, _DAMAGED)
         _barrier()
         return aside
 

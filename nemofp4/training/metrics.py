@@ -3,8 +3,10 @@
 Only rank 0 writes. `metrics.jsonl` holds one JSON object per line with a `kind` ("train",
 "eval", "quant", "event") and the `step`; on resume, lines past the resumed step (written by the
 interrupted run after its last checkpoint) are dropped, and a train or eval record of a step already
-in the file is not written again (a rerun of a finished run), so the file reads as one clean history:
-one train record per step, one eval record per evaluated step.
+in the file is not written again (a rerun of a finished run), so the file reads as one clean history
+of the branch that resumed: one train record per step, one eval record per evaluated step. A resume
+from an older checkpoint first copies the lines past its step beside the checkpoints it sets aside
+(`copy_rows_after`), so the abandoned branch's history is kept out of the live file, not lost.
 """
 
 from __future__ import annotations
@@ -79,6 +81,28 @@ def peak_tflops(cfg: LoggingConfig) -> float:
 
 UNIQUE_KINDS = ("train", "eval")
 """Kinds with at most one record per step."""
+
+
+def _step_of_line(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:  # a line cut by a kill mid-write
+        return None
+    return record.get("step", 0) if isinstance(record, dict) else None
+
+
+def copy_rows_after(path: Path, step: int, dest: Path) -> int:
+    """Write the lines of `path` with step > `step` to `dest`, durably: an abandoned branch's rows, kept
+    before the live file drops them. Returns how many (no file when none)."""
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if (_step_of_line(line) or 0) > step]
+    if lines:
+        with open(dest, "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+    return len(lines)
 
 
 def truncate_after(path: Path, step: int) -> dict[tuple[str, int], dict[str, Any]]:

@@ -169,7 +169,7 @@ class Trainer:
                                    device_type=self.device.type, rank=self.rank)  # fmt: skip
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint,
                                       group_timeout_s=cfg.distributed.startup_timeout_s)
-        self.ckpt.remove_incomplete()
+        self.ckpt.recover()  # interrupted saves repaired or removed, unmarked folders set aside
         self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16)
                          if cfg.train.dtype == "bfloat16" else contextlib.nullcontext)  # fmt: skip
         self._steady = False  # past the first step: the short collective timeout applies

@@ -102,6 +102,38 @@ def test_corrupt_checkpoint_falls_back_under_auto_and_is_named_otherwise(tmp_pat
     assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3, 4]
 
 
+def test_a_rollback_killed_before_its_first_save_is_continued_by_resume_auto(tmp_path):
+    """resume=<step-2> on a run with steps 2, 4 and 6, killed after step 3 (before the new branch's first
+    save): the requeued resume=auto continues from step 2, not from the abandoned step 6; the abandoned
+    checkpoints and metrics rows are set aside, and metrics.jsonl follows the live branch."""
+    common = ["precision=bf16", "train.max_steps=6", "checkpoint.interval=2", "eval.num_sequences=0"]
+    run_train(tmp_path, *common)
+    ckpts = tmp_path / "checkpoints"
+    rollback = run_train(tmp_path, *common, f"resume={ckpts / 'step-2'}", "debug.sigkill_at_step=3", expect_rc=-9)
+    (aside,) = (ckpts / "abandoned").iterdir()
+    said = rollback.stdout + rollback.stderr
+    assert "set aside step-4, step-6 and " in said and f"in {aside}, so resume=auto continues from step-2" in said, said
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned", "latest", "step-2"]
+    assert sorted(p.name for p in aside.iterdir()) == ["ABANDONED.json", "metrics.jsonl", "step-4", "step-6"]
+    abandoned = train_curve(aside)
+    assert sorted(abandoned) == [3, 4, 5, 6]
+    # every reader of metrics.jsonl sees the live branch: steps 1-2, then the new branch's step 3
+    assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3]
+    from tests.conftest import load_script
+
+    study = load_script("scripts/study_common.py")
+    assert [r["step"] for r in study.read_rows(tmp_path, "train")] == [1, 2, 3]
+
+    requeued = run_train(tmp_path, *common)  # resume=auto, as a requeued job
+    assert f"resumed from {ckpts / 'step-2'}" in requeued.stdout + requeued.stderr
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned", "latest", "step-2", "step-4", "step-6"]
+    live = train_curve(tmp_path)
+    assert sorted(live) == [1, 2, 3, 4, 5, 6]
+    # the branch retrained steps 3-6 from step 2 as the abandoned one did: the same data, bit for bit
+    assert {s: live[s] for s in abandoned} == abandoned
+    assert sorted(p.name for p in aside.iterdir()) == ["ABANDONED.json", "metrics.jsonl", "step-4", "step-6"]
+
+
 def test_injected_nan_stops_and_names_the_layer(tmp_path):
     proc = run_train(
         tmp_path, "precision=bf16", "train.max_steps=5", "debug.nan_at_step=3",

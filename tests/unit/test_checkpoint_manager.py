@@ -213,7 +213,7 @@ def test_leftover_temporary_folders_are_removed_at_start(tmp_path):
     (tmp_path / ".tmp-step-2" / "rank" / "rank-00000.pt").write_bytes(b"partial")
     (tmp_path / ".old-step-1").mkdir()
     restarted = CheckpointManager(tmp_path, CheckpointConfig())
-    removed = restarted.remove_incomplete()
+    removed = restarted.recover()
     assert sorted(p.name for p in removed) == [".old-step-1", ".tmp-step-2"]
     # moved aside at once (deleted in the background): a save of step 2 may start at once
     assert not (tmp_path / ".tmp-step-2").exists() and not (tmp_path / ".old-step-1").exists()
