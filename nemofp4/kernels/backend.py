@@ -162,14 +162,19 @@ class NativeBackend(CompiledBackend):
         return native.amax(x) if native.supports_amax(x) else super().amax(x)
 
 
+def _triton_covers(spec: BlockSpec) -> bool:
+    """The Triton kernels quantize FP4 (E2M1) payloads in the block sizes they have kernels for."""
+    return spec.block_size in SUPPORTED_BLOCK_SIZES and not spec.is_fp8
+
+
 class TritonBackend(EagerBackend):
-    """Fused Triton kernels; the torch program for block sizes they have no kernel for."""
+    """Fused Triton kernels; the torch program for FP8 payloads and the block sizes they have no kernel for."""
 
     name = "triton"
     reads_packed_codes = True
 
     def quantize(self, x, spec, **options):
-        if spec.block_size not in SUPPORTED_BLOCK_SIZES:
+        if not _triton_covers(spec):
             return super().quantize(x, spec, **options)
         from .operand import triton_quantize_operand
 
@@ -177,7 +182,7 @@ class TritonBackend(EagerBackend):
 
     def quantize_tokens(self, x_TD, spec, **options):
         """The padded transpose, quantized (after the eager Hadamard transform when ``spec.hadamard``)."""
-        if spec.block_size not in SUPPORTED_BLOCK_SIZES:
+        if not _triton_covers(spec):
             return super().quantize_tokens(x_TD, spec, **options)
         from .operand import triton_quantize_operand
 
@@ -187,7 +192,7 @@ class TritonBackend(EagerBackend):
     def quantize_pair(self, x_TK, spec_x, spec_xt, *, pack_x=False, pack_xt=True, values_xt=True, **options):
         """One fused launch when the two can share it (same format, block and rounding; 1-D blocks
         without a Hadamard transform); two quantizations otherwise."""
-        fusable = (spec_x.blocks_like(spec_xt) and spec_x.block_size in SUPPORTED_BLOCK_SIZES
+        fusable = (spec_x.blocks_like(spec_xt) and _triton_covers(spec_x)
                    and not (spec_x.two_d or spec_xt.two_d or spec_x.hadamard or spec_xt.hadamard))  # fmt: skip
         if spec_xt.hadamard:
             raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")

@@ -363,3 +363,23 @@ def test_each_gemm_of_an_fp8_linear_multiplies_the_reference_operands(name):
         exact = reference_gemm(a, b)
         assert float((out.double() - exact).norm() / exact.norm()) <= 1e-6
     assert torch.equal(y.detach(), captured["fprop"][3] + layer.bias.detach())
+
+
+@pytest.mark.parametrize("name", ["eager", "compiled", "native", "triton"])
+def test_every_backend_quantizes_fp8_with_the_program(name):
+    """The native and Triton kernels are FP4's: each backend hands FP8 operands to the torch program (the
+    Triton backend's methods are called directly here, on CPU tensors, where their fallback runs)."""
+    from nemofp4.kernels.backend import _BACKENDS
+
+    backend = _BACKENDS[name]
+    torch.manual_seed(6)
+    x, w = torch.randn(40, 64), torch.randn(24, 64)
+    for op in (_spec("e4m3", "fp32"), _spec("e5m2", "ue8m0", mx_scale_mode="ceil")):
+        expected_x = program.quantize_operand(x, op, pack=True)
+        expected_xt = program.quantize_tokens_operand(x, op, pack=True)
+        qx, qxt = backend.quantize_pair(x, op, op, pack_x=True)
+        _, _, qw = backend.quantize_forward(x, w, op, None, op, pack_w=True)
+        assert torch.equal(qx.codes, expected_x.codes) and torch.equal(qxt.codes, expected_xt.codes)
+        assert torch.equal(backend.quantize(x, op, pack=True).scaled, expected_x.scaled)
+        assert torch.equal(backend.quantize_tokens(x, op, pack=True).codes, expected_xt.codes)
+        assert torch.equal(qw.codes, program.quantize_operand(w, op, pack=True).codes)
