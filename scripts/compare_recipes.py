@@ -49,7 +49,7 @@ from study_common import (  # noqa: E402
     read_rows,
 )
 
-DEFAULT_RECIPES = ("bf16", "nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht")
+DEFAULT_RECIPES = ("bf16", "nvfp4", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "fp8", "mxfp8")
 DEFAULT_POLICIES = ("current", "delayed", "calibrated", "unquantized")
 # The paper's validation-NLL ordering (recipes.md §1.10, Table 11), best first; "~" ties.
 PAPER_ORDER = "bf16 < ue5m3_te_settings < ue5m3 ~ nvfp4 < nvfp4_all_fp4_no_rht"

@@ -24,7 +24,7 @@ from nemofp4.training.parallel import apply_activation_checkpointing
 from tests.conftest import StandInModel
 
 FP4_RECIPES = [r for r in list_recipes() if any(p.kind == "fp4" for p in get_recipe(r).parts.values())]
-DEFAULT_SET = ("ue5m3", "mxfp4")
+DEFAULT_SET = ("ue5m3", "mxfp4", "fp8")
 """Held 2-D weights with SR on dY; a 1-D weight with current scaling (its dgrad operand cached too).
 The other recipes run outside the default set (a few seconds each)."""
 STEPS, ACCUM, INTERVAL = 3, 3, 2  # held references refresh at steps 1 and 3

@@ -57,7 +57,8 @@ def test_registry_lists_every_recipe_and_each_instantiates_with_its_own_descript
         # a copy-pasted docstring (Bridge's "MXFP8" on an NVFP4 recipe) would fail this
         key = {"bf16": "BF16", "nvfp4": "NVFP4", "nvfp4_te": "Transformer Engine", "ue5m3": "UE5M3",
                "ue5m3_te_settings": "UE5M3", "nvfp4_all_fp4_no_rht": "NVFP4", "mxfp4": "MXFP4",
-               "nvfp4_delayed": "sample-and-hold"}[name]  # fmt: skip
+               "nvfp4_delayed": "sample-and-hold", "fp8": "Float8CurrentScaling",
+               "mxfp8": "MXFP8BlockScaling"}[name]  # fmt: skip
         assert key in recipe.description, (name, recipe.description)
 
 
@@ -80,6 +81,14 @@ def test_layer_tables_on_the_paper_8b_model_have_the_documented_counts(paper_tab
     by_type = {t: sum(row.block_type == t for row in fp4_rows) for t in ("mamba", "attention", "mlp")}
     assert by_type == {"mamba": 48, "attention": 16, "mlp": 48}
     assert paper_tables["ue5m3"][0].by_fqn()["lm_head"].kind == "fp32"
+    for name in ("fp8", "mxfp8"):  # every linear but the LM head (Megatron's and TE's default)
+        assert counts[name] == {"fp4": 112, "fp32": 1}, name
+        table = paper_tables[name][0]
+        assert {table.by_fqn()[row.fqn].part for row in table.rows if row.kind == "fp4"} == {"fp8"}
+        assert get_recipe(name).parts["fp8"].precision == "fp8"
+    tail = build_model(get_model_config("nemotron_h_8b_paper"), device="meta")
+    table = apply_recipe(tail, get_recipe("fp8", num_bf16_last_layers=8), log=False)
+    assert table.counts() == {"fp4": 96, "bf16": 16, "fp32": 1} and _layers_of(table, "bf16") == list(range(44, 52))
 
 
 def test_scale_target_override_lands_on_exactly_the_four_down_projections(paper_tables):
