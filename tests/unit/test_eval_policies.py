@@ -39,7 +39,8 @@ def ue5m3_model():
     return _model("ue5m3")
 
 
-@pytest.mark.parametrize("recipe, step", [("ue5m3", 1), ("nvfp4", 7), ("nvfp4_all_fp4_no_rht", 3)])
+@pytest.mark.parametrize("recipe, step", [("ue5m3", 1), ("nvfp4", 7), ("nvfp4_all_fp4_no_rht", 3), ("fp8", 2),
+                                          ("mxfp8", 2)])  # fmt: skip
 def test_current_equals_the_recipes_training_forward(recipe, step):
     model = _model(recipe)
     x = _batches(1)[0]
@@ -139,8 +140,25 @@ def test_policies_restore_the_models_references_and_mode():
         assert after == before, policy
 
 
-def test_mx_recipe_has_no_tensor_reference_so_policies_agree():
-    model = _model("mxfp4")
+def test_fp8_policies_hold_per_tensor_references_and_unquantized_drops_them():
+    """fp8's per-tensor scales come from tensor references like NVFP4's: delayed D=1 is current, a
+    calibrated reference (a max over sequences) changes the scales, and the BF16 policy is the plain model."""
+    model = _model("fp8")
+    batches = _batches(2)
+    with PolicyForward(model, InferencePolicy(name="current")) as forward:
+        current = [forward(x) for x in batches]
+    with PolicyForward(model, InferencePolicy(name="delayed", delay=1)) as forward:
+        assert all(torch.equal(forward(x), c) for x, c in zip(batches, current))
+    with PolicyForward(model, InferencePolicy(name="calibrated", calibration_sequences=4),
+                       calibration_batches=_batches(2, seed=5)) as forward:  # fmt: skip
+        assert not torch.equal(forward(batches[0]), current[0])
+    with PolicyForward(model, InferencePolicy(name="bf16")) as forward:
+        assert torch.equal(forward(batches[0]), unquantized_copy(model).eval()(batches[0]))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "mxfp8"])
+def test_mx_recipe_has_no_tensor_reference_so_policies_agree(recipe):
+    model = _model(recipe)
     x = _batches(1)[0]
     outs = []
     for name in ("current", "delayed", "calibrated"):
