@@ -75,7 +75,8 @@ from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
 from nemofp4.quant.fp4_linear import register_ops
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
 
-RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_delayed", "nvfp4_all_fp4_no_rht", "mxfp4"]
+RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_delayed", "nvfp4_all_fp4_no_rht", "mxfp4", "fp8",
+           "mxfp8"]
 
 
 def _recipe(name: str, bf16_last_layers: int | None):
