@@ -38,9 +38,10 @@ from .minifloat import (
     unpack_fp4,
 )
 from .operand import QuantizedBlocks, tensor_scale_product
-from .spec import SCALE_FORMAT_TABLE, SCALE_FORMATS, BlockSpec, ScaleFormat
+from .spec import ELEMENT_FORMATS, SCALE_FORMAT_TABLE, SCALE_FORMATS, BlockSpec, ScaleFormat
 
 __all__ = [
+    "ELEMENT_FORMATS",
     "E2M1",
     "E4M3",
     "E5M2",

@@ -22,7 +22,8 @@ pytestmark = [
 
 def _linear(recipe: str) -> QuantLinear:
     torch.manual_seed(0)
-    return QuantLinear.from_linear(nn.Linear(64, 48), get_recipe(recipe).parts["fp4"], index=2)
+    part = next(p for p in get_recipe(recipe).parts.values() if p.kind == "fp4")  # the emulated quantized part
+    return QuantLinear.from_linear(nn.Linear(64, 48), part, index=2)
 
 
 def _step(module, x, dy, step):
@@ -42,7 +43,7 @@ def _assert_bitwise(a, b):
     assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b.view(torch.int32) if b.dtype == torch.float32 else b)
 
 
-@pytest.mark.parametrize("recipe", ["ue5m3", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["ue5m3", "nvfp4", "fp8", "mxfp8"])
 def test_compiled_quant_linear_is_bitwise_the_eager_one(recipe):
     eager = _linear(recipe)
     compiled = torch.compile(copy.deepcopy(eager), fullgraph=True)
