@@ -383,3 +383,22 @@ def test_every_backend_quantizes_fp8_with_the_program(name):
         assert torch.equal(backend.quantize(x, op, pack=True).scaled, expected_x.scaled)
         assert torch.equal(backend.quantize_tokens(x, op, pack=True).codes, expected_xt.codes)
         assert torch.equal(qw.codes, program.quantize_operand(w, op, pack=True).codes)
+
+
+# SQNR in dB of (y, dX, dW) against an unquantized linear, Gaussian data, K = N = 256, 512 tokens (the
+# FP4 recipes' measurement in test_quant_linear.py): one E4M3 operand gives ~31.6 dB, the product of two
+# ~28.6; E5M2's two mantissa bits put fp8's gradients at ~24.6; MXFP8's E4M3 gradients at ~28.4-29.0.
+# The floors sit 1 dB under these seeded measurements; the ceilings say the operands are 8-bit.
+FP8_SQNR = {"fp8": ((27.6, 23.6, 23.5), 31.0), "mxfp8": ((27.9, 27.9, 27.4), 31.0)}
+
+
+@pytest.mark.parametrize("name", sorted(FP8_SQNR))
+def test_fp8_linear_outputs_and_gradients_reach_their_sqnr(name):
+    from tests.unit.test_quant_linear import _layer, _run, _sqnr_db
+
+    ref, layer = _layer(get_recipe(name).parts["fp8"], in_features=256, out_features=256, bias=False)
+    g = torch.Generator().manual_seed(5)
+    x, dy = torch.randn(512, 256, generator=g), torch.randn(512, 256, generator=g)
+    floors, ceiling = FP8_SQNR[name]
+    for what, e, a, floor in zip(("y", "dX", "dW"), _run(ref, x, dy), _run(layer, x, dy), floors):
+        assert floor <= _sqnr_db(e, a) < ceiling, (name, what, _sqnr_db(e, a))
