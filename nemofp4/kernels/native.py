@@ -15,8 +15,10 @@ The library is built on first use with the C++ compiler that ``torch.compile`` u
 ``$NEMOFP4_CACHE_DIR`` (default ``~/.cache/nemofp4``) under a name hashed from the source, the
 flags, the compiler and the CPU's features, so every process on a node, and every later run, loads
 the same file; the build writes a temporary file and renames it, so concurrent ranks never load a
-partial library. Without a compiler, or if the build fails, it warns once and the program runs
-(compiled by Inductor) instead: the same bits.
+partial library. Without a compiler, or when the build fails, :func:`available` is false and
+:func:`unavailable_reason` says why; the kernels' resolution (:func:`nemofp4.kernels.resolve_backend`)
+raises for an explicit ``native`` and warns once for ``auto``, whose compiled torch program gives the
+same bits.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
@@ -39,13 +40,16 @@ from nemofp4.formats.minifloat import _HASH_MULTIPLIER, _HASH_ROUNDS
 from nemofp4.formats.scaling import scale_grid
 from nemofp4.formats.spec import SCALE_FORMAT_TABLE
 
-__all__ = ["amax", "available", "library_path", "quantize_core", "supports", "supports_amax"]
+__all__ = ["amax", "available", "library_path", "quantize_core", "supports", "supports_amax", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("cpu_quantize.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 """No fast-math and no FMA contraction: every float operation rounds as the program's does. OpenMP:
 the library's libgomp.so.1 is the one torch has already loaded, whose threads torch's kernels use."""
 
+COMPILERS = ("c++", "g++", "clang++")
+"""Searched on PATH when ``CXX`` is unset."""
+NO_COMPILER = f"no C++ compiler (CXX is unset and none of {', '.join(COMPILERS)} is on PATH)"
 _ROUNDINGS = {"rne": 0, "sr": 1, "sr8": 2}
 _P = ctypes.c_void_p
 
@@ -75,7 +79,7 @@ def _grid(scale_format: str) -> _Grid:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    for name in (os.environ.get("CXX"), *COMPILERS):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -121,30 +125,38 @@ def _build(compiler: str, path: Path) -> None:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why it is not available here)."""
     compiler = _compiler()
     if compiler is None:
-        return None
+        return None, NO_COMPILER
     try:
         path = library_path(compiler)
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
     except OSError as error:
-        warnings.warn(f"could not build the native CPU FP4 quantizer ({error}); the compiled torch program "
-                      "quantizes instead (same numerics)", stacklevel=3)  # fmt: skip
-        return None
+        return None, f"could not build the native CPU FP4 quantizer ({error})"
     lib.nf4_amax.argtypes, lib.nf4_amax.restype = [_P, ctypes.c_int64, ctypes.c_int32], ctypes.c_float
     layout = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Grid), ctypes.c_int32, ctypes.c_uint32,
               ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _P, ctypes.c_int32]  # fmt: skip
     for kernel in (lib.nf4_quantize_rows, lib.nf4_quantize_tiles, lib.nf4_quantize_columns):
         kernel.argtypes, kernel.restype = layout, None
-    return lib
+    return lib, ""
+
+
+def _library() -> ctypes.CDLL | None:
+    return _load()[0]
 
 
 def available() -> bool:
     """The native library is built (or can be) and loads here."""
     return _library() is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is false ("" when it is true)."""
+    return _load()[1]
 
 
 def supports_amax(x: torch.Tensor) -> bool:
