@@ -15,7 +15,8 @@ The library is built on first use with the C++ compiler that ``torch.compile`` u
 ``$NEMOFP4_CACHE_DIR`` (default ``~/.cache/nemofp4``) under a name hashed from the source, the
 flags, the compiler and the CPU's features, so every process on a node, and every later run, loads
 the same file; the build writes a temporary file and renames it, so concurrent ranks never load a
-partial library. Without a compiler, or when the build fails, :func:`available` is false and
+partial library. A set ``CXX`` that is not one executable on PATH is an error (:func:`compiler`).
+Without a compiler, or when the build fails, :func:`available` is false and
 :func:`unavailable_reason` says why; the kernels' resolution (:func:`nemofp4.kernels.resolve_backend`)
 raises for an explicit ``native`` and warns once for ``auto``, whose compiled torch program gives the
 same bits.
@@ -29,6 +30,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -40,7 +42,8 @@ from nemofp4.formats.minifloat import _HASH_MULTIPLIER, _HASH_ROUNDS
 from nemofp4.formats.scaling import scale_grid
 from nemofp4.formats.spec import SCALE_FORMAT_TABLE
 
-__all__ = ["amax", "available", "library_path", "quantize_core", "supports", "supports_amax", "unavailable_reason"]
+__all__ = ["amax", "available", "compiler", "library_path", "quantize_core", "supports", "supports_amax",
+           "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("cpu_quantize.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
@@ -78,11 +81,23 @@ def _grid(scale_format: str) -> _Grid:
                  grid.max_finite, magic, _HASH_MULTIPLIER, _HASH_ROUNDS)  # fmt: skip
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), *COMPILERS):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+def compiler() -> str | None:
+    """The C++ compiler's path: ``CXX`` when set, else the first of :data:`COMPILERS` on PATH; None
+    without one. A set ``CXX`` that is not one executable on PATH is a ValueError naming it: another
+    compiler in its place would build with a toolchain nobody chose, and ``torch.compile`` (which
+    runs ``CXX`` as one program) would fail on it anyway."""
+    cxx = os.environ.get("CXX")
+    if not cxx:
+        return next((path for path in map(shutil.which, COMPILERS) if path), None)
+    path = shutil.which(cxx)
+    if path is not None:
+        return path
+    if len(shlex.split(cxx)) > 1:
+        raise ValueError(f"CXX={cxx!r} is a command with arguments; torch.compile and the native CPU quantizer run "
+                         "CXX as one executable: set it to the compiler (e.g. CXX=g++), or to a launcher's compiler "
+                         "link (ccache: e.g. CXX=/usr/lib/ccache/g++), or unset it")  # fmt: skip
+    raise ValueError(f"CXX={cxx!r} is not an executable on PATH; set it to a C++ compiler (e.g. g++ or clang++, a "
+                     f"name on PATH or a path), or unset it to use the first of {', '.join(COMPILERS)} on PATH")
 
 
 def _cpu_features() -> str:
@@ -127,13 +142,13 @@ def _build(compiler: str, path: Path) -> None:
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why it is not available here)."""
-    compiler = _compiler()
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         return None, NO_COMPILER
     try:
-        path = library_path(compiler)
+        path = library_path(cxx)
         if not path.exists():
-            _build(compiler, path)
+            _build(cxx, path)
         lib = ctypes.CDLL(str(path))
     except OSError as error:
         return None, f"could not build the native CPU FP4 quantizer ({error})"
@@ -150,7 +165,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """The native library is built (or can be) and loads here."""
+    """The native library is built (or can be) and loads here (a ValueError for an unusable ``CXX``)."""
     return _library() is not None
 
 

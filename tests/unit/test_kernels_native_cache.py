@@ -1,6 +1,6 @@
-"""The native CPU quantizer's availability as the kernels' resolution sees it
-(nemofp4.kernels.resolve_backend): an explicit ``kernels='native'`` that cannot run is one error,
-``auto`` one warning saying why."""
+"""The C++ compiler and the native CPU quantizer's availability as the kernels' resolution sees them
+(nemofp4.kernels.resolve_backend): an unusable ``CXX`` is an error naming it; an explicit
+``kernels='native'`` that cannot run is one error, ``auto`` one warning saying why."""
 
 import warnings
 
@@ -27,6 +27,24 @@ def cache(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ the compiler setting
+@pytest.mark.parametrize("cxx,message", [
+    ("no-such-c++", "CXX='no-such-c\\+\\+' is not an executable on PATH; set it to a C\\+\\+ compiler"),
+    ("ccache g++", "CXX='ccache g\\+\\+' is a command with arguments; .* run CXX as one executable"),
+])  # fmt: skip
+def test_an_unusable_cxx_is_an_error_naming_it(cache, monkeypatch, cxx, message):
+    """A set CXX that cannot run as one program (torch.compile runs it so) is never replaced by another
+    compiler: the native library, the compiled program's check and every setting that compiles on CPU
+    raise, naming it."""
+    monkeypatch.setenv("CXX", cxx)
+    checks = [native.available, program.cpu_compile_available]
+    checks += [lambda setting=setting: kernels.resolve_backend(setting, "cpu") for setting in ("auto", "native", "compiled")]
+    for check in checks:
+        with pytest.raises(ValueError, match=message):
+            check()
+    assert kernels.resolve_backend("eager", "cpu") == "eager"  # needs no compiler
+    assert not cache.exists()
+
+
 @pytest.fixture
 def no_compiler(cache, monkeypatch):
     """A machine without a C++ compiler: CXX unset and nothing on PATH."""
