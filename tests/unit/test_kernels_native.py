@@ -263,9 +263,12 @@ def fresh_library(monkeypatch, tmp_path):
 
 
 def test_the_library_is_built_once_into_the_cache_and_loaded_from_it(fresh_library, monkeypatch):
+    """The build leaves the library and its record (size, SHA-256) and nothing else; a second process
+    checks the library against the record and loads it, building nothing."""
     assert native.available()
     built = sorted(p.name for p in fresh_library.iterdir())
-    assert len(built) == 1 and built[0].startswith("cpu_quantize-") and built[0].endswith(".so"), built
+    assert len(built) == 2 and built[0].startswith("cpu_quantize-") and built[0].endswith(".json"), built
+    assert built[1] == built[0].removesuffix(".json") + ".so", built
     native._load.cache_clear()  # a second process: loads the file, builds nothing
     monkeypatch.setattr(native, "_build", lambda *a: pytest.fail("built a library that was already there"))
     assert native.available()
