@@ -7,7 +7,8 @@
   each; the compiled program for the others;
 * ``triton``: fused Triton kernels (:mod:`nemofp4.kernels.quantize`) on CUDA tensors;
 * ``auto``: Triton on CUDA when importable, the native kernel on CPU when a C++ compiler is
-  present, the eager program otherwise.
+  present, the eager program otherwise; on CPU a path it cannot take (no compiler, the native
+  build failed) is one warning saying why, where an explicit ``native`` is an error.
 
 Each path is a :class:`~nemofp4.kernels.backend.Backend` object (:mod:`nemofp4.kernels.backend`):
 :func:`backend_for` resolves the setting for a device once, and a QuantLinear keeps the result.

@@ -17,6 +17,9 @@ Four implementations, with the same numerics:
 :func:`backend_for` turns the knob (``auto | triton | native | compiled | eager``, the trainer's
 ``train.kernels``, the evaluator's ``kernels``) and a device into one of the four; a QuantLinear
 calls it once per device and keeps the result (:meth:`nemofp4.quant.QuantLinearState.kernels_for`).
+An explicit ``native`` that cannot run here (no C++ compiler, the build failed) is an error naming
+the cause; ``auto`` then falls back to the compiled program (or, without a compiler, the eager one)
+with one warning naming it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import warnings
 from typing import Protocol
 
 import torch
@@ -268,29 +272,57 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+_FALLBACKS = {"compiled": "the compiled torch program", "eager": "the eager torch program (op by op, slower)"}
+_warned: set[str] = set()
+
+
+def _fall_back(path: str, why: str) -> str:
+    """``auto``'s ``path`` when a faster one cannot run here, with one warning per cause in the process
+    (each module resolves the setting for itself)."""
+    message = f"kernels='auto': {why}; {_FALLBACKS[path]} quantizes instead (the same numerics)"
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+    return path
+
+
+def _cannot_run_native(why: str, use: str) -> ValueError:
+    return ValueError(f"kernels='native' (train.kernels, or nemofp4-eval's kernels) cannot run here: {why}; "
+                      f"use {use}")  # fmt: skip
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The path (``triton``, ``native``, ``compiled`` or ``eager``) that ``backend`` takes for tensors on
-    ``device``."""
+    ``device``. An explicit ``native`` that cannot run is a ValueError saying why; ``auto`` falls back
+    to the compiled program, or without a C++ compiler to the eager one, with one warning saying why."""
     check_backend(backend)
     device = torch.device(device)
     if backend == "auto":
         if device.type == "cuda":
             return "triton" if _triton_importable() else "eager"
-        if device.type == "cpu" and cpu_compile_available():
-            return "native" if native.available() else "compiled"
-        return "eager"
+        if device.type != "cpu":
+            return "eager"
+        if not cpu_compile_available():
+            return _fall_back("eager", native.NO_COMPILER)
+        if native.available():
+            return "native"
+        return _fall_back("compiled", native.unavailable_reason())
     if backend == "triton" and not (device.type == "cuda" and _triton_importable()):
         raise ValueError(
             f"backend 'triton' needs CUDA tensors and an importable triton; got a {device.type} tensor"
             f"{'' if _triton_importable() else ' and no triton'} (use 'auto', 'native', 'compiled' or 'eager')"
         )
-    if backend == "native" and device.type != "cpu":
-        raise ValueError(f"backend 'native' quantizes CPU tensors; got a {device.type} tensor (use 'auto', 'triton', "
-                         "'compiled' or 'eager')")
-    if backend in ("native", "compiled") and device.type == "cpu" and not cpu_compile_available():
+    if backend == "native":
+        if device.type != "cpu":
+            raise _cannot_run_native(f"it quantizes CPU tensors, and these are on {device.type}",
+                                     "'auto', 'triton', 'compiled' or 'eager'")  # fmt: skip
+        if not cpu_compile_available():
+            raise _cannot_run_native(native.NO_COMPILER, "'auto' or 'eager' (the eager torch program: the same numerics)")
+        if not native.available():
+            raise _cannot_run_native(native.unavailable_reason(), "'auto', 'compiled' (the compiled torch program: "
+                                     "the same numerics) or 'eager'")  # fmt: skip
+    if backend == "compiled" and device.type == "cpu" and not cpu_compile_available():
         return "eager"  # no C++ compiler: same numerics
-    if backend == "native" and not native.available():
-        return "compiled"  # the build failed (it warned): same numerics
     return backend
 
 

@@ -14,9 +14,20 @@ The library is built on first use with the C++ compiler that ``torch.compile`` u
 (``CXX``, else ``c++``/``g++``/``clang++``) for this machine's instruction set, into
 ``$NEMOFP4_CACHE_DIR`` (default ``~/.cache/nemofp4``) under a name hashed from the source, the
 flags, the compiler and the CPU's features, so every process on a node, and every later run, loads
-the same file; the build writes a temporary file and renames it, so concurrent ranks never load a
-partial library. Without a compiler, or if the build fails, it warns once and the program runs
-(compiled by Inductor) instead: the same bits.
+the same file. A cached library is trusted only once proven, since a broken one mapped into a
+process kills it with SIGBUS, no message: the build writes a unique temporary file, flushes it to
+disk, loads it once in a throwaway process, renames it into place and then records its size and
+SHA-256 beside it (``<name>.json``, also written and renamed atomically). A process loads the file
+only if it matches that record and has every kernel; anything else (truncated by a crash, empty,
+foreign, without a record) is rebuilt. Concurrent builders (a node's ranks) compile into their own
+temporary files and the compiler writes the same bytes each time, so the last rename wins
+harmlessly (bytes that differed from the record would only mean a rebuild). A crash leaves at most a
+``.partial`` file, removed by a later build once it is :data:`STALE_PARTIAL_S` old.
+
+A set ``CXX`` that is not one executable on PATH is an error (:func:`compiler`). Without a
+compiler, or when the build fails, :func:`available` is false and :func:`unavailable_reason` says
+why; the kernels' resolution (:func:`nemofp4.kernels.resolve_backend`) raises for an explicit
+``native`` and warns once for ``auto``, whose compiled torch program gives the same bits.
 """
 
 from __future__ import annotations
@@ -24,13 +35,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import math
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
-import warnings
+import time
 from pathlib import Path
 
 import torch
@@ -39,13 +54,21 @@ from nemofp4.formats.minifloat import _HASH_MULTIPLIER, _HASH_ROUNDS
 from nemofp4.formats.scaling import scale_grid
 from nemofp4.formats.spec import SCALE_FORMAT_TABLE
 
-__all__ = ["amax", "available", "library_path", "quantize_core", "supports", "supports_amax"]
+__all__ = ["amax", "available", "compiler", "library_path", "quantize_core", "supports", "supports_amax",
+           "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("cpu_quantize.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 """No fast-math and no FMA contraction: every float operation rounds as the program's does. OpenMP:
 the library's libgomp.so.1 is the one torch has already loaded, whose threads torch's kernels use."""
 
+KERNELS = ("nf4_amax", "nf4_quantize_rows", "nf4_quantize_tiles", "nf4_quantize_columns")
+"""The library's symbols: one lacking any of them is not ours (or not this source's)."""
+STALE_PARTIAL_S = 600
+"""A build's temporary file older than this is a crashed build's (a build takes seconds)."""
+COMPILERS = ("c++", "g++", "clang++")
+"""Searched on PATH when ``CXX`` is unset."""
+NO_COMPILER = f"no C++ compiler (CXX is unset and none of {', '.join(COMPILERS)} is on PATH)"
 _ROUNDINGS = {"rne": 0, "sr": 1, "sr8": 2}
 _P = ctypes.c_void_p
 
@@ -74,11 +97,23 @@ def _grid(scale_format: str) -> _Grid:
                  grid.max_finite, magic, _HASH_MULTIPLIER, _HASH_ROUNDS)  # fmt: skip
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+def compiler() -> str | None:
+    """The C++ compiler's path: ``CXX`` when set, else the first of :data:`COMPILERS` on PATH; None
+    without one. A set ``CXX`` that is not one executable on PATH is a ValueError naming it: another
+    compiler in its place would build with a toolchain nobody chose, and ``torch.compile`` (which
+    runs ``CXX`` as one program) would fail on it anyway."""
+    cxx = os.environ.get("CXX")
+    if not cxx:
+        return next((path for path in map(shutil.which, COMPILERS) if path), None)
+    path = shutil.which(cxx)
+    if path is not None:
+        return path
+    if len(shlex.split(cxx)) > 1:
+        raise ValueError(f"CXX={cxx!r} is a command with arguments; torch.compile and the native CPU quantizer run "
+                         "CXX as one executable: set it to the compiler (e.g. CXX=g++), or to a launcher's compiler "
+                         "link (ccache: e.g. CXX=/usr/lib/ccache/g++), or unset it")  # fmt: skip
+    raise ValueError(f"CXX={cxx!r} is not an executable on PATH; set it to a C++ compiler (e.g. g++ or clang++, a "
+                     f"name on PATH or a path), or unset it to use the first of {', '.join(COMPILERS)} on PATH")
 
 
 def _cpu_features() -> str:
@@ -105,46 +140,157 @@ def library_path(compiler: str) -> Path:
     return _cache_dir() / f"cpu_quantize-{key[:20]}.so"
 
 
-def _build(compiler: str, path: Path) -> None:
+def _record_path(path: Path) -> Path:
+    """The record of a library's size and SHA-256, beside it."""
+    return path.with_suffix(".json")
+
+
+def _digest(path: Path | str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames in ``directory`` durable (best effort: some filesystems cannot sync a folder)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _has_kernels(lib: ctypes.CDLL) -> bool:
+    return all(hasattr(lib, name) for name in KERNELS)
+
+
+def _load_cached(path: Path) -> ctypes.CDLL | None:
+    """The cached library, loaded only if it matches its record (size, then digest) and has every
+    kernel; None when it must be built (again). Every file renamed to ``path`` by :func:`_build` is
+    complete and was loaded once already, so a rename between the check and the load swaps one proven
+    library for another."""
+    try:
+        record = json.loads(_record_path(path).read_text())
+        if path.stat().st_size != record["size"] or _digest(path) != record["sha256"]:
+            return None
+        lib = ctypes.CDLL(str(path))
+    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable, malformed, or it does not load
+        return None
+    return lib if _has_kernels(lib) else None
+
+
+def _remove_stale_partials(directory: Path) -> None:
+    """Remove the temporary files of builds that crashed (older than :data:`STALE_PARTIAL_S`); a
+    build under way elsewhere is younger and keeps its own."""
+    now = time.time()
+    for partial in directory.glob("*.partial"):
+        try:
+            if now - partial.stat().st_mtime > STALE_PARTIAL_S:
+                partial.unlink()
+        except OSError:  # another process removed it first
+            pass
+
+
+_PROBE = "import sys, ctypes, torch; lib = ctypes.CDLL(sys.argv[1]); [getattr(lib, k) for k in sys.argv[2:]]"
+"""A first load in a throwaway process, the way this one loads it: after torch, whose libgomp it shares."""
+
+
+def _probe(compiler: str, partial: str) -> None:
+    """Load the fresh library once in a throwaway process: one that is broken kills that process, not this one."""
+    result = subprocess.run([sys.executable, "-c", _PROBE, partial, *KERNELS], capture_output=True, text=True,
+                            check=False)  # fmt: skip
+    if result.returncode < 0:
+        try:
+            how = signal.Signals(-result.returncode).name
+        except ValueError:
+            how = f"signal {-result.returncode}"
+        raise OSError(f"the library {compiler} built kills a process that loads it ({how})")
+    if result.returncode:
+        raise OSError(f"the library {compiler} built does not load: {result.stderr.strip()[-2000:]}")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide it from the others sharing the cache
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    _fsync_dir(path.parent)
+
+
+def _build(compiler: str, path: Path) -> ctypes.CDLL:
+    """Build the library into a unique temporary file, prove it, publish it at ``path`` and its record
+    beside it; the library, loaded from the file this call wrote (no other process writes it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial")
+    _remove_stale_partials(path.parent)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f"{path.stem}.", suffix=".partial")
     os.close(fd)
     try:
         result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
                                 check=False)  # fmt: skip
         if result.returncode:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        size = os.path.getsize(partial)
+        if size == 0:
+            raise OSError(f"{compiler} exited 0 but wrote an empty library")
+        with open(partial, "rb+") as f:
+            os.fchmod(f.fileno(), 0o755)
+            os.fsync(f.fileno())
+        _probe(compiler, partial)
+        digest = _digest(partial)
+        lib = ctypes.CDLL(partial)
         os.replace(partial, path)
+        _fsync_dir(path.parent)
+        _write_atomically(_record_path(path), json.dumps({"size": size, "sha256": digest}))
+        return lib
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    compiler = _compiler()
-    if compiler is None:
-        return None
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why it is not available here). A cached library that fails its
+    check is rebuilt, once."""
+    cxx = compiler()
+    if cxx is None:
+        return None, NO_COMPILER
     try:
-        path = library_path(compiler)
-        if not path.exists():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
+        path = library_path(cxx)
+        lib = _load_cached(path)
+        if lib is None:
+            lib = _build(cxx, path)
     except OSError as error:
-        warnings.warn(f"could not build the native CPU FP4 quantizer ({error}); the compiled torch program "
-                      "quantizes instead (same numerics)", stacklevel=3)  # fmt: skip
-        return None
+        return None, f"could not build the native CPU FP4 quantizer ({error})"
     lib.nf4_amax.argtypes, lib.nf4_amax.restype = [_P, ctypes.c_int64, ctypes.c_int32], ctypes.c_float
     layout = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Grid), ctypes.c_int32, ctypes.c_uint32,
               ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _P, ctypes.c_int32]  # fmt: skip
     for kernel in (lib.nf4_quantize_rows, lib.nf4_quantize_tiles, lib.nf4_quantize_columns):
         kernel.argtypes, kernel.restype = layout, None
-    return lib
+    return lib, ""
+
+
+def _library() -> ctypes.CDLL | None:
+    return _load()[0]
 
 
 def available() -> bool:
-    """The native library is built (or can be) and loads here."""
+    """The native library is built (or can be) and loads here (a ValueError for an unusable ``CXX``)."""
     return _library() is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is false ("" when it is true)."""
+    return _load()[1]
 
 
 def supports_amax(x: torch.Tensor) -> bool:

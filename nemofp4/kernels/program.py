@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import shutil
 import types
 import warnings
 from collections.abc import Callable
@@ -155,12 +153,12 @@ class _Spec:
 
 @functools.cache
 def _compiler_on_path() -> bool:
-    compiler = os.environ.get("CXX") or "c++"
-    return any(shutil.which(c) for c in (compiler, "g++", "clang++"))
+    return _native.compiler() is not None
 
 
 def cpu_compile_available() -> bool:
-    """``torch.compile`` can build CPU kernels here: a C++ compiler is on PATH (or in ``CXX``)."""
+    """``torch.compile`` can build CPU kernels here: a C++ compiler is on PATH, or in ``CXX`` (a set
+    ``CXX`` that is not one executable on PATH is a ValueError naming it: :func:`nemofp4.kernels.native.compiler`)."""
     return _compiler_on_path()
 
 

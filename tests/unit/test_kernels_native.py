@@ -250,37 +250,56 @@ def test_a_training_step_on_the_native_kernel_is_the_programs(monkeypatch):
 
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
-    """An empty library cache for this test; the process's library again after it."""
+    """An empty library cache for this test, and no warning of ``auto`` given yet; the process's
+    library again after it."""
     monkeypatch.setenv("NEMOFP4_CACHE_DIR", str(tmp_path / "cache"))
-    native._library.cache_clear()
+    monkeypatch.setattr(kernel_backends, "_warned", set())
+    native._load.cache_clear()
+    program._compiler_on_path.cache_clear()
     yield tmp_path / "cache" / "kernels"
     monkeypatch.undo()
-    native._library.cache_clear()
+    native._load.cache_clear()
+    program._compiler_on_path.cache_clear()
 
 
 def test_the_library_is_built_once_into_the_cache_and_loaded_from_it(fresh_library, monkeypatch):
+    """The build leaves the library and its record (size, SHA-256) and nothing else; a second process
+    checks the library against the record and loads it, building nothing."""
     assert native.available()
     built = sorted(p.name for p in fresh_library.iterdir())
-    assert len(built) == 1 and built[0].startswith("cpu_quantize-") and built[0].endswith(".so"), built
-    native._library.cache_clear()  # a second process: loads the file, builds nothing
+    assert len(built) == 2 and built[0].startswith("cpu_quantize-") and built[0].endswith(".json"), built
+    assert built[1] == built[0].removesuffix(".json") + ".so", built
+    native._load.cache_clear()  # a second process: loads the file, builds nothing
     monkeypatch.setattr(native, "_build", lambda *a: pytest.fail("built a library that was already there"))
     assert native.available()
     assert sorted(p.name for p in fresh_library.iterdir()) == built
 
 
-def test_a_compiler_that_fails_warns_once_and_the_program_quantizes(fresh_library, monkeypatch, tmp_path):
+def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(fresh_library, monkeypatch,
+                                                                                 tmp_path):  # fmt: skip
+    """The failed build is tried once per process; ``auto`` warns once, naming the compiler's failure,
+    and the compiled program quantizes (the same bits); an explicit ``native`` is an error naming it."""
     broken = tmp_path / "broken-c++"
     broken.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo broken 1.0; exit 0; fi\necho "no" >&2\nexit 1\n')
     broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CXX", str(broken))
-    with pytest.warns(UserWarning, match="could not build the native CPU FP4 quantizer .*broken-c\\+\\+ failed"):
-        assert not native.available()
+    builds = []
+    real_build = native._build
+    monkeypatch.setattr(native, "_build", lambda *a: builds.append(a) or real_build(*a))
+    monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: True)
+    with pytest.warns(UserWarning, match="kernels='auto': could not build the native CPU FP4 quantizer .*broken-c\\+\\+ "
+                      "failed: no\\); the compiled torch program quantizes instead") as caught:  # fmt: skip
+        assert kernels.resolve_backend("auto", "cpu") == "compiled"
+    assert len(caught) == 1
     with warnings.catch_warnings():  # once: the result is kept, no second build and no second warning
         warnings.simplefilter("error")
         assert not native.available()
+        assert kernels.resolve_backend("auto", "cpu") == "compiled"
+    assert len(builds) == 1
+    with pytest.raises(ValueError, match="kernels='native' .* cannot run here: could not build .*broken-c\\+\\+ failed"
+                       ".*; use 'auto', 'compiled' .* or 'eager'"):  # fmt: skip
+        kernels.resolve_backend("native", "cpu")
     assert not list(fresh_library.glob("*"))  # no partial library left behind
-    monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: True)
-    assert kernels.resolve_backend("auto", "cpu") == kernels.resolve_backend("native", "cpu") == "compiled"
     x, op = torch.randn(16, 32), OperandQuant(scale_format="ue5m3")
     # (not compiled here: torch.compile takes the same broken CXX, and would mark the spec failed for the process)
     q = program.quantize_operand(x, op, native=True)

@@ -379,6 +379,7 @@ def test_sr8_bytes_are_the_unsigned_32_bit_hash_for_every_key_and_index(compiled
         np.testing.assert_array_equal(got.numpy(), documented(key), err_msg=f"key {key:#x}")
 
 
+@needs_compiler
 def test_backend_setting_picks_the_path(monkeypatch):
     calls = []
     real = program.quantize_operand
@@ -390,13 +391,21 @@ def test_backend_setting_picks_the_path(monkeypatch):
         kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend=backend)
     auto = (True, True) if native.available() else (True, False)
     assert calls == [auto, (True, True), (True, False), (False, False)]
-    monkeypatch.setattr(native, "available", lambda: False)  # the native build failed: the compiled program
-    assert kernels.resolve_backend("auto", "cpu") == kernels.resolve_backend("native", "cpu") == "compiled"
+    # the native build failed: auto warns and takes the compiled program, native is an error
+    monkeypatch.setattr(native, "_load", lambda: (None, "the build failed"))
+    monkeypatch.setattr(kernel_backends, "_warned", set())
+    with pytest.warns(UserWarning, match="kernels='auto': the build failed; the compiled torch program"):
+        assert kernels.resolve_backend("auto", "cpu") == "compiled"
+    with pytest.raises(ValueError, match="kernels='native' .* cannot run here: the build failed; use 'auto'"):
+        kernels.resolve_backend("native", "cpu")
     monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: False)
-    assert kernels.resolve_backend("auto", "cpu") == "eager"
+    with pytest.warns(UserWarning, match="kernels='auto': no C\\+\\+ compiler .*; the eager torch program"):
+        assert kernels.resolve_backend("auto", "cpu") == "eager"
     assert kernels.resolve_backend("compiled", "cpu") == "eager"  # no compiler: same numerics, eagerly
-    assert kernels.resolve_backend("native", "cpu") == "eager"
-    with pytest.raises(ValueError, match="backend 'native' quantizes CPU tensors; got a cuda tensor"):
+    with pytest.raises(ValueError, match="kernels='native' .* cannot run here: no C\\+\\+ compiler"):
+        kernels.resolve_backend("native", "cpu")
+    with pytest.raises(ValueError, match="kernels='native' .* cannot run here: it quantizes CPU tensors, and these "
+                       "are on cuda; use 'auto', 'triton', 'compiled' or 'eager'"):  # fmt: skip
         kernels.resolve_backend("native", "cuda")
     with pytest.raises(
         ValueError, match="unknown FP4 kernel backend 'fast'; valid: auto, triton, native, compiled, eager"
@@ -468,7 +477,9 @@ def test_describe_names_the_path_the_backend_takes(monkeypatch):
     assert "compiled torch program" in kernels.describe("cpu")
     assert "kernels=eager" in kernels.describe("cpu", "eager")
     monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: False)
-    assert "eager torch program (no Triton" in kernels.describe("cpu")
+    monkeypatch.setattr(kernel_backends, "_warned", set())
+    with pytest.warns(UserWarning, match="kernels='auto': no C\\+\\+ compiler"):
+        assert "eager torch program (no Triton" in kernels.describe("cpu")
 
 
 def test_train_kernels_takes_every_backend_and_reference_is_a_deprecated_alias():
