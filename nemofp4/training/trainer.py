@@ -217,7 +217,11 @@ class Trainer:
 
     def _restore(self, folder: Path, dcp_state: dict[str, Any] | None, state: dict[str, Any],
                  rank_state: dict[str, Any], own: bool) -> None:
-        self.quant.finish_load(state, rank_state, dcp_state)  # the held references: before the model state is set
+        try:  # the held references (checked against the checkpoint's step): before the model state is set
+            self.quant.finish_load(state, rank_state, dcp_state)
+        except ValueError as err:
+            raise ValueError(f"checkpoint {folder}: {err}; resume from another checkpoint (resume=<path>) or without "
+                             "its references (precision.restore_references=false)") from None
         if dcp_state is not None:
             self.engine.load_dcp_state(dcp_state)
         self.step = state["step"]
