@@ -44,6 +44,7 @@ from nemofp4.training.engine import build_engine
 from nemofp4.training.faults import Faults
 from nemofp4.training.init_from import initialize_from, starts_fresh, write_record
 from nemofp4.training.job_plan import JobPlanner, log_plan_in_background, resolve_activation_checkpointing
+from nemofp4.training.memory_check import check_first_step_fits
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
@@ -117,6 +118,9 @@ class Trainer:
                     cfg.train.tokens, self.budget.tokens_per_step, self.budget.budget_remainder_tokens,
                     self.budget.total_steps,
                 )
+            # before anything large is allocated: a step that cannot fit stops here, with one line
+            check_first_step_fits(cfg, world_size=self.world, local_world_size=self.env.local_world_size,
+                                  device=self.device, rank=self.rank)
             self._build()
         except BaseException:
             self.run_directory.abandon()  # release the lock; leave no empty run directory behind
