@@ -126,6 +126,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from nemofp4.training.dist_env import stop_with_launcher
+
+    stop_with_launcher()  # a torchrun worker ends with its launcher, even one killed with SIGKILL
     register_configs()
     run_cli(_hydra_main, name="nemofp4-train", app=HydraApp("train", CONFIG_DIR))
 

@@ -59,7 +59,11 @@ def _configured_eos(folder: Path) -> str | None:
     config_file = folder / "tokenizer_config.json"
     if not config_file.is_file():
         return None
-    eos = json.loads(config_file.read_text()).get("eos_token")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err})") from err
+    eos = config.get("eos_token") if isinstance(config, dict) else None
     if isinstance(eos, dict):
         eos = eos.get("content")
     return eos or None
@@ -70,7 +74,10 @@ def load_tokenizer(path: str | os.PathLike, *, eod_token: str | None = None) -> 
     from nemofp4.data.paths import resolve_path
 
     file = _tokenizer_file(resolve_path(path))
-    tokenizer = Tokenizer.from_file(str(file))
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception that names no file
+        raise ValueError(f"{file} is not a tokenizer the tokenizers library reads ({err})") from err
     candidates = [eod_token] if eod_token else [_configured_eos(file.parent), *CONVENTIONAL_EOD_TOKENS]
     for candidate in candidates:
         if candidate is not None and tokenizer.token_to_id(candidate) is not None:

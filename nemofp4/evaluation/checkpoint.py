@@ -101,7 +101,10 @@ def load_checkpoint_model(
     reader.read_metadata()  # a planted metadata pickle fails here, by name
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     rank_file = folder / "rank" / "rank-00000.pt"  # per-rank references: rank 0's, as a rank new to a run takes
-    references.finish(trainer_state, load_tensors(rank_file) if rank_file.is_file() else {}, state)
+    try:
+        references.finish(trainer_state, load_tensors(rank_file) if rank_file.is_file() else {}, state)
+    except ValueError as err:
+        raise ValueError(f"checkpoint {folder}: {err}") from None
     set_model_state_dict(model, state["model"])
     model.eval()
     used = (precision or cfg.precision).name

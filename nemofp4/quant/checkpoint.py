@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .reference import held_state_problem
 from .state import EXTRA_STATE, quant_linears, references_by_module
 
 __all__ = ["MODULE_STATE", "ReferenceLoad"]
@@ -58,24 +59,31 @@ class ReferenceLoad:
                dcp_state: dict[str, Any] | None) -> None:  # fmt: skip
         """After DCP (and DeepSpeed) read: the references to hold go into the model state (this rank's
         own, from its file, where there are such; none when not restored); without a model state in DCP
-        (DeepSpeed, which read its own) into the modules directly."""
+        (DeepSpeed, which read its own) into the modules directly. The references restored are checked
+        against the checkpoint's step (``trainer_state['step']``, where it has one): one ValueError
+        naming the module and the key of the first bad value (:func:`held_state_problem`)."""
         per_rank = rank_state.get("references") if self.restore else None  # possibly under wrapper names
         held = None if per_rank is None else references_by_module(per_rank)
         model_state = (dcp_state or {}).get("model")
+        restored: dict[str, Mapping[str, torch.Tensor]] = {}
         if model_state is not None:
             model_state.update(self._set_aside)
             for key, state in model_state.items():
                 if key.endswith(EXTRA_STATE):
                     _fill(state, None if held is None else held.pop(key.removesuffix(EXTRA_STATE), {}), self.restore)
+                    restored[key.removesuffix(EXTRA_STATE)] = state
         else:
             for fqn, module in quant_linears(self.model):
+                state = module.get_extra_state()
                 if held is not None or not self.restore:
-                    state = module.get_extra_state()
                     _fill(state, None if held is None else held.pop(fqn, {}), self.restore)
                     module.set_extra_state(state)
+                restored[fqn] = state
         if held:
             raise ValueError(f"the checkpoint holds references of {sorted(held)[:3]}, which are not FP4 linears of "
                              "this model; it was saved for a different model or precision recipe")  # fmt: skip
+        if self.restore:
+            _check_restored(restored, step=trainer_state.get("step"))
 
 
 def _fill(state: dict[str, torch.Tensor], saved: Mapping[str, torch.Tensor] | None, restore: bool) -> None:
@@ -92,3 +100,14 @@ def _fill(state: dict[str, torch.Tensor], saved: Mapping[str, torch.Tensor] | No
             state[key] = torch.zeros((), dtype=torch.int64)
     if restore:
         state.update(saved)
+
+
+def _check_restored(restored: Mapping[str, Mapping[str, torch.Tensor]], *, step: Any) -> None:
+    """Every restored module's references are values the trainer could have saved at ``step``; a writer's
+    bug (consistent checksums, wrong values) stops the load here, not steps later."""
+    step = None if step is None else int(step)
+    for fqn, state in restored.items():
+        problem = held_state_problem(state, step=step)
+        if problem is not None:
+            raise ValueError(f"the held FP4 reference of module {fqn} is invalid: {problem}; the checkpoint was "
+                             "written wrong")

@@ -18,6 +18,7 @@ from there).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from nemofp4 import kernels
 
-__all__ = ["HeldReference", "ReferenceState", "finite_sample_or_previous"]
+__all__ = ["HeldReference", "ReferenceState", "finite_sample_or_previous", "held_state_problem"]
 
 
 @dataclass
@@ -52,6 +53,39 @@ def finite_sample_or_previous(sampled: torch.Tensor, previous: HeldReference | N
     if previous is not None:
         return torch.where(torch.isfinite(sampled), sampled, previous.amax)
     return sampled
+
+
+def held_state_problem(state: Mapping[str, torch.Tensor], *, step: int | None) -> str | None:
+    """What is wrong with a module's saved references (:meth:`ReferenceState.state_dict`'s form) as state
+    saved at optimizer step ``step`` (None: not known), or None when nothing is. A refresh step is 0
+    (empty) or a step from 1 to ``step``; a held amax is finite and positive (the sampled max |x| of a
+    tensor that scales by it; an empty reference saves 0). Checked once when a checkpoint is loaded: a
+    refresh step in the future would freeze the reference for the rest of the run, an amax of 0 or
+    below breaks every block that scales by it, and none of them says so where it goes wrong.
+    One host read per module."""
+    refs = sorted({k.rpartition(".")[0] for k in state})
+    amax_keys = [f"{ref}.amax" for ref in refs if f"{ref}.amax" in state]
+    for key in amax_keys:
+        if state[key].numel() != 1:
+            return f"{key} has shape {tuple(state[key].shape)} (valid: one value)"
+    amaxes = (dict(zip(amax_keys, torch.stack([state[k].detach().reshape(()).float() for k in amax_keys]).tolist()))
+              if amax_keys else {})  # fmt: skip
+    for ref in refs:
+        refresh_key, amax_key = f"{ref}.refresh_step", f"{ref}.amax"
+        refresh_step = int(state[refresh_key]) if refresh_key in state else 0
+        if refresh_step < 0 or (step is not None and refresh_step > step):
+            valid = "0 (empty) or a step the run had reached" if step is None else (
+                f"0 (empty) or a step from 1 to the checkpoint's step {step}")
+            return f"{refresh_key}={refresh_step} (valid: {valid})"
+        amax = amaxes.get(amax_key)
+        if amax is None:
+            continue
+        if not math.isfinite(amax) or amax < 0:
+            return f"{amax_key}={amax} (valid: a finite amax >= 0; 0 only with {refresh_key}=0, empty)"
+        if amax == 0 and refresh_step >= 1:
+            return (f"{amax_key}=0 with {refresh_key}={refresh_step} (valid: a held amax > 0, or "
+                    f"{refresh_key}=0 for an empty reference)")
+    return None
 
 
 class ReferenceState:

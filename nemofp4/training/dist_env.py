@@ -26,7 +26,9 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -439,6 +441,54 @@ def collective_timeout(error: BaseException) -> str | None:
         path = os.path.relpath(os.path.abspath(where.filename), os.path.dirname(package)).replace(os.sep, "/")
         operation += f" ({path}:{where.name})"
     return operation
+
+
+# --------------------------------------------------------------------------------------------------
+# the launcher's workers
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option that asks the kernel for a signal when this process's parent dies."""
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+"""Set by torchrun's agent in every worker it starts (and by nothing else we run under)."""
+
+
+def _request_parent_death_signal(sig: int) -> None:
+    """prctl(PR_SET_PDEATHSIG, sig) for this process; OSError when the kernel refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def stop_with_launcher(environ: Mapping[str, str] = os.environ) -> bool:
+    """In a worker torchrun started (Linux): have the kernel SIGKILL this process when its launcher dies;
+    returns whether it was asked. Anything else (one process, srun, another OS) is left alone.
+
+    torchrun starts each worker in a session of its own, so a SIGKILL to the launcher's process group
+    (``kill -9 -<pgid>``, a job step's teardown that only reaches the launcher) does not reach them, and
+    without this they train on, orphaned, and keep writing checkpoints. SIGKILL, not SIGTERM: SIGTERM is
+    the scheduler's preemption notice, after which the ranks checkpoint and rank 0 requeues the job
+    (:mod:`nemofp4.training.preemption`); orphans of a dead launcher doing that would save into a run
+    directory that the requeued or restarted job may already be resuming in, and requeue it again. A
+    kill at any point leaves the previous complete checkpoint, which ``resume=auto`` continues from,
+    and a stale ``run.lock`` that the next start takes over. A launcher that died before the request
+    took (this process's parent is then init, or another process than a moment before) ends the worker
+    at once. The kernel sends the signal when the launcher's thread that started the worker ends;
+    torchrun starts its workers from its main thread."""
+    if TORCHRUN_ENV not in environ or not sys.platform.startswith("linux"):
+        return False
+    launcher = os.getppid()
+    try:
+        _request_parent_death_signal(int(signal.SIGKILL))
+    except (OSError, AttributeError) as err:  # AttributeError: a C library without prctl
+        logger.warning("could not ask to be stopped with the launcher (prctl: %s); if torchrun is killed, this "
+                       "worker keeps running", err)
+        return False
+    if launcher == 1 or os.getppid() != launcher:
+        sys.exit(f"the launcher that started this worker (torchrun, pid {launcher}) is gone; this worker exits")
+    return True
 
 
 def destroy_distributed() -> None:

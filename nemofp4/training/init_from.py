@@ -114,8 +114,13 @@ def resolve_source(init_from: str) -> InitSource:
             "model.safetensors or model.safetensors.index.json) or a run directory / step folder of nemofp4"
         )
     if (path / "config.json").is_file():
-        hf_weight_files(path)  # the folder's weights exist (index and files agree)
-        model = from_hf_config(read_hf_config(path))
+        try:
+            hf_weight_files(path)  # the folder's weights exist (index and files agree)
+            model = from_hf_config(read_hf_config(path))
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"train.init_from={init_from!r}: {err}") from err
+        except ValueError as err:  # a file that is not valid JSON is named by the reader
+            raise ValueError(f"train.init_from={init_from!r}: {err}") from err
         tokenizer = path if (path / "tokenizer.json").is_file() else None
         return InitSource(kind="hf", path=path.resolve(), model=model, tokenizer=tokenizer)
     try:
@@ -159,7 +164,10 @@ def check_compatible(source: InitSource, model: NemotronHConfig, data: DataConfi
         log.warning("%s: the source run's tokenizer %s is not found; the data's tokenizer %s is taken to be the "
                     "one the weights were trained with", where, source.tokenizer, data.tokenizer)
         return
-    theirs = load_tokenizer(source.tokenizer, eod_token=eod)
+    try:
+        theirs = load_tokenizer(source.tokenizer, eod_token=eod)
+    except ValueError as err:  # names the file
+        raise ValueError(f"{where}: {err}") from err
     ours = load_tokenizer(resolve_path(data.tokenizer), eod_token=eod)
     if theirs.hash != ours.hash:
         raise ValueError(

@@ -44,6 +44,7 @@ from nemofp4.training.engine import build_engine
 from nemofp4.training.faults import Faults
 from nemofp4.training.init_from import initialize_from, starts_fresh, write_record
 from nemofp4.training.job_plan import JobPlanner, log_plan_in_background, resolve_activation_checkpointing
+from nemofp4.training.memory_check import check_first_step_fits
 from nemofp4.training.metrics import MetricsLogger, peak_tflops, quant_role_summary, read_metrics
 from nemofp4.training.nonfinite import (
     NonFiniteError,
@@ -117,6 +118,9 @@ class Trainer:
                     cfg.train.tokens, self.budget.tokens_per_step, self.budget.budget_remainder_tokens,
                     self.budget.total_steps,
                 )
+            # before anything large is allocated: a step that cannot fit stops here, with one line
+            check_first_step_fits(cfg, world_size=self.world, local_world_size=self.env.local_world_size,
+                                  device=self.device, rank=self.rank)
             self._build()
         except BaseException:
             self.run_directory.abandon()  # release the lock; leave no empty run directory behind
@@ -217,7 +221,11 @@ class Trainer:
 
     def _restore(self, folder: Path, dcp_state: dict[str, Any] | None, state: dict[str, Any],
                  rank_state: dict[str, Any], own: bool) -> None:
-        self.quant.finish_load(state, rank_state, dcp_state)  # the held references: before the model state is set
+        try:  # the held references (checked against the checkpoint's step): before the model state is set
+            self.quant.finish_load(state, rank_state, dcp_state)
+        except ValueError as err:
+            raise ValueError(f"checkpoint {folder}: {err}; resume from another checkpoint (resume=<path>) or without "
+                             "its references (precision.restore_references=false)") from None
         if dcp_state is not None:
             self.engine.load_dcp_state(dcp_state)
         self.step = state["step"]

@@ -1,13 +1,20 @@
 """Multi-process training on CPU with gloo: FSDP2 vs one process, DCP resharding between world sizes,
-and DeepSpeed ZeRO checkpoints that resume exactly."""
+DeepSpeed ZeRO checkpoints that resume exactly, and workers that end with a killed launcher."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from nemofp4.checkpointing import load_tensors
 from nemofp4.training.metrics import read_metrics
-from tests.conftest import held_references, launch, losses, relative_gap
+from tests.conftest import ROOT, SMALL, free_port, held_references, launch, losses, process_gone, relative_gap
 
 
 # One process takes the whole global batch of 4 in one micro-batch; two FSDP2 ranks take 2 each. The
@@ -66,3 +73,42 @@ def test_deepspeed_zero_trains_checkpoints_and_resumes_exactly(tmp_path, stage):
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
         assert resumed[step] == straight[step]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_the_workers_of_a_launcher_killed_with_sigkill_stop_at_once(tmp_path):
+    """torchrun starts each worker in a session of its own: a SIGKILL to the launcher alone (or to its
+    process group) never reaches them, and they trained on and kept saving checkpoints. Each worker asks
+    the kernel for a SIGKILL when its launcher dies (nemofp4.training.dist_env.stop_with_launcher)."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+         "-m", "nemofp4.train", *SMALL, "distributed=fsdp", "train.micro_batch=2", "train.max_steps=100000",
+         "checkpoint.interval=2", "train.kernels=eager", f"run_dir={run_dir}"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+        while not (metrics.is_file() and '"checkpoint"' in metrics.read_text()):  # training, and saving
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        workers = [int(pid) for task in Path(f"/proc/{launcher.pid}/task").iterdir()
+                   for pid in (task / "children").read_text().split()]  # fmt: skip
+        assert len(workers) == 2 and all(os.getsid(w) == w for w in workers)  # each its own session
+        os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone
+        launcher.wait()
+        killed = time.monotonic()
+        while not all(process_gone(w) for w in workers) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        assert all(process_gone(w) for w in workers), "a worker outlived its launcher by 10 s"
+        saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        time.sleep(2)
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == saved  # nothing writes any more
+    finally:
+        for pid in [launcher.pid, *workers]:
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()

@@ -141,3 +141,42 @@ def test_ranks_that_hold_their_own_references_resume_each_its_own(tmp_path):
     assert ranks[0].keys() == ranks[1].keys() and any(not torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
     launch(2, tmp_path / "moved", *common)
     assert losses(tmp_path / "moved")[3] == losses(tmp_path / "straight")[3]
+
+
+# each bad value is a fast unit test (tests/unit/test_reference_load_checks.py); here the trainer's and
+# evaluation's loads name the checkpoint, one in CI
+@pytest.mark.parametrize("key, value, message", [
+    ("x.refresh_step", 10**9, r"x\.refresh_step=1000000000 \(valid: 0 \(empty\) or a step from 1 to the checkpoint's "
+                              r"step 2\)"),
+    pytest.param("x.amax", 0.0, r"x\.amax=0 with x\.refresh_step=1 ", marks=pytest.mark.slow),
+    pytest.param("x.amax", -1.0, r"x\.amax=-1\.0 ", marks=pytest.mark.slow),
+])  # fmt: skip
+def test_a_checkpoint_with_out_of_range_references_is_refused_naming_it_the_module_and_the_key(tmp_path, monkeypatch,
+                                                                                               key, value, message):
+    """A writer's bug with consistent checksums: a refresh step of 1e9 froze the reference for the rest of the
+    run (and was saved again), an amax of 0 trained off with no message, -1 stopped a step later blaming the
+    head's gradient. The resume now stops before the first step, naming the checkpoint, the module and the
+    key; evaluation's load of it too."""
+    from nemofp4.evaluation import load_checkpoint_model
+    from nemofp4.training.trainer import Trainer
+
+    common = ["precision=ue5m3", "train.kernels=eager", "checkpoint.interval=2"]
+    module = "layers.0.mixer.in_proj"
+    real = Trainer._dcp_state
+
+    def written_wrong(self):
+        state = real(self)
+        extra = state["model"][f"{module}._extra_state"]
+        extra[key] = torch.tensor(value, dtype=extra[key].dtype)
+        return state
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_dcp_state", written_wrong)
+        train_here(tmp_path, *common, "train.max_steps=2")
+    step_2 = tmp_path / "checkpoints" / "step-2"
+    expected = rf"checkpoint {step_2}: the held FP4 reference of module {module} is invalid: {message}"
+    with pytest.raises(ValueError, match=expected):
+        train_here(tmp_path, *common, "train.max_steps=4")
+    assert not (tmp_path / "run.lock").exists()
+    with pytest.raises(ValueError, match=expected):
+        load_checkpoint_model(step_2, log_loaded=False)

@@ -3,6 +3,9 @@
 import os
 import shutil
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +299,41 @@ def test_more_ranks_than_gpus_on_a_node_is_a_clear_error(monkeypatch):
                   master_port=29500, source="slurm")  # fmt: skip
     with pytest.raises(ValueError, match="local_rank 5 has no GPU"):
         local_device(env)
+
+
+# ---------------------------------------------------------------------------------------------- the launcher
+def test_only_a_torchrun_worker_asks_to_stop_with_its_launcher(monkeypatch):
+    from nemofp4.training import dist_env
+
+    asked = []
+    monkeypatch.setattr(dist_env, "_request_parent_death_signal", asked.append)
+    assert not dist_env.stop_with_launcher({})  # one process, srun: left alone
+    assert asked == []
+    assert dist_env.stop_with_launcher({"TORCHELASTIC_RUN_ID": "none"}) == sys.platform.startswith("linux")
+    assert asked == ([9] if sys.platform.startswith("linux") else [])  # SIGKILL: no checkpoint, no requeue
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_worker_whose_launcher_is_already_gone_exits(monkeypatch):
+    from nemofp4.training import dist_env
+
+    monkeypatch.setattr(dist_env, "_request_parent_death_signal", lambda sig: None)
+    parents = iter([4321, 1])  # the launcher dies between the look and the request: init adopts the worker
+    monkeypatch.setattr(os, "getppid", lambda: next(parents))
+    with pytest.raises(SystemExit, match=r"the launcher that started this worker \(torchrun, pid 4321\) is gone"):
+        dist_env.stop_with_launcher({"TORCHELASTIC_RUN_ID": "none"})
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # adopted before it looked
+    with pytest.raises(SystemExit):
+        dist_env.stop_with_launcher({"TORCHELASTIC_RUN_ID": "none"})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_the_kernel_holds_the_request():
+    """In a fresh process (the request outlives the call): PR_GET_PDEATHSIG reads SIGKILL back."""
+    script = ("import ctypes, os\nfrom nemofp4.training.dist_env import stop_with_launcher\n"
+              "assert stop_with_launcher({'TORCHELASTIC_RUN_ID': 'none'})\n"
+              "sig = ctypes.c_int()\nassert ctypes.CDLL(None).prctl(2, ctypes.byref(sig)) == 0\nprint(sig.value)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["9"]

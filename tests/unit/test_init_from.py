@@ -152,6 +152,36 @@ def test_the_data_must_use_the_sources_tokenizer(tmp_path):
         check_compatible(resolve_source(str(bare)), get_model_config("tiny"), DataConfig())
 
 
+def test_a_folders_broken_json_is_one_error_naming_the_file_and_the_knob(tmp_path):
+    """A truncated config.json, index or tokenizer file (an interrupted download) said only the decoder's
+    'Expecting value: line 1 column 1' (an index without its map: a KeyError traceback)."""
+    good = shard(folder_of(perturbed_tiny(), tmp_path / "good"))
+    resolve_source(str(good))
+
+    def broken(name: str, file: str, text: str):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        (folder / file).write_text(text)
+        return folder, rf"train.init_from='?{folder}'?: {folder / file} "
+
+    folder, named = broken("config", "config.json", (good / "config.json").read_text()[:-20])
+    with pytest.raises(ValueError, match=named + r"is not valid JSON \(Unterminated string"):
+        resolve_source(str(folder))
+    folder, named = broken("config-list", "config.json", "[]")
+    with pytest.raises(ValueError, match=named + "holds a JSON list, not an object"):
+        resolve_source(str(folder))
+    folder, named = broken("index", "model.safetensors.index.json", '{"weight_map": {')
+    with pytest.raises(ValueError, match=named + "is not valid JSON"):
+        resolve_source(str(folder))
+    folder, named = broken("no-map", "model.safetensors.index.json", '{"metadata": {}}')
+    with pytest.raises(ValueError, match=named + "has no 'weight_map' object"):
+        resolve_source(str(folder))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        folder, named = broken(file, file, '{"version": "1.0", "trunc')
+        with pytest.raises(ValueError, match=named + "is not"):
+            check_compatible(resolve_source(str(folder)), get_model_config("tiny"), DataConfig())
+
+
 def test_identity_hashes_the_files_and_a_run_dir_keeps_to_its_source(tmp_path):
     folder = shard(folder_of(perturbed_tiny(), tmp_path / "hf"))
     source = resolve_source(str(folder))

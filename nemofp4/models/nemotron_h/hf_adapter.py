@@ -235,12 +235,24 @@ def export_hf(
     return out
 
 
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in ``path``; ValueError naming the file when it is not valid JSON or not an object
+    (a truncated download, a hand edit): the decoder's own message names neither."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def read_hf_config(path: str | Path) -> dict:
     """The ``config.json`` of a transformers model folder."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path / 'config.json'} not found: not a transformers model folder")
-    return json.loads((path / "config.json").read_text())
+    return _read_json_object(path / "config.json")
 
 
 def hf_weight_files(path: str | Path) -> list[str]:
@@ -250,7 +262,11 @@ def hf_weight_files(path: str | Path) -> list[str]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no 'weight_map' object of tensor names to file names (as "
+                             "save_pretrained writes it)")
+        files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names {missing}, which are not in {path}")
