@@ -45,13 +45,14 @@ class HeldReference:
 
 
 def finite_sample_or_previous(sampled: torch.Tensor, previous: HeldReference | None) -> torch.Tensor:
-    """Non-finite guard at the sampling of a held amax, on the device (no host sync): a NaN/Inf sample
-    (a bad step, skipped by the trainer) must never become the reference for the next D steps. With a
-    previous value, that value is kept for another interval. With none, the sample is held as it is:
-    a non-finite one makes the step's loss non-finite, and the trainer drops it when it skips the step
-    (:meth:`nemofp4.quant.QuantTraining.discard_nonfinite`), so the next step samples again."""
+    """Guard at the sampling of a held amax, on the device (no host sync): a NaN/Inf sample (a bad step,
+    skipped by the trainer) or a zero one (an all-zero tensor, which scales nothing) must never become
+    the reference for the next D steps. With a previous value, that value is kept for another interval.
+    With none, the sample is held as it is: a non-finite one makes the step's loss non-finite, and the
+    trainer drops it when it skips the step (:meth:`nemofp4.quant.QuantTraining.discard_nonfinite`), so
+    the next step samples again; a zero one is saved as an empty reference (:meth:`ReferenceState.state_dict`)."""
     if previous is not None:
-        return torch.where(torch.isfinite(sampled), sampled, previous.amax)
+        return torch.where(torch.isfinite(sampled) & (sampled > 0), sampled, previous.amax)
     return sampled
 
 
@@ -154,13 +155,19 @@ class ReferenceState:
         """The held references as tensors: ``'<ref>.amax'`` (fp32 0-d, on its device, copied) and
         ``'<ref>.refresh_step'`` (int64 0-d, CPU) for every sample-and-hold reference. The key set is
         fixed by the recipe, as DCP's in-place loading needs: a reference not sampled yet is amax 0
-        (on ``device``) with refresh step 0 (steps are 1-based), and loads back empty."""
+        (on ``device``) with refresh step 0 (steps are 1-based), and loads back empty. A reference first
+        sampled from an all-zero tensor is saved empty too (refresh step 0), so a resume samples it at its
+        next use: an amax of 0 with a refresh step set is what :func:`held_state_problem` refuses."""
         out: dict[str, torch.Tensor] = {}
         for ref in sorted(r for r in self.intervals if self.is_held(r)):
             held = self.held.get(ref)
-            amax = held.amax.detach().clone() if held is not None else torch.zeros((), device=device)
-            out[f"{ref}.amax"] = amax
-            out[f"{ref}.refresh_step"] = torch.tensor(0 if held is None else held.refresh_step, dtype=torch.int64)
+            if held is None:
+                out[f"{ref}.amax"] = torch.zeros((), device=device)
+                out[f"{ref}.refresh_step"] = torch.tensor(0, dtype=torch.int64)
+                continue
+            out[f"{ref}.amax"] = held.amax.detach().clone()
+            refresh_step = torch.tensor(held.refresh_step, dtype=torch.int64, device=held.amax.device)
+            out[f"{ref}.refresh_step"] = torch.where(held.amax.detach() > 0, refresh_step, 0).cpu()
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], device: torch.device) -> None:

@@ -54,3 +54,22 @@ def test_guard_passes_finite_samples_through_bitwise():
     assert torch.equal(finite_sample_or_previous(sample, prev), sample)
     assert torch.equal(finite_sample_or_previous(sample, None), sample)
     assert torch.isnan(finite_sample_or_previous(torch.tensor(float("nan")), None))  # kept: no host read
+
+
+def test_a_zero_sample_never_replaces_a_held_reference_and_is_saved_empty():
+    """An all-zero tensor at a refresh step keeps the previous reference; with none, the zero is held for
+    the step but saved as an empty reference, which a resume samples again (never an amax of 0 with a
+    refresh step, the state a checkpoint's load refuses)."""
+    from nemofp4.quant.reference import held_state_problem
+
+    prev = HeldReference(amax=torch.tensor(2.0), refresh_step=1)
+    assert finite_sample_or_previous(torch.tensor(0.0), prev).item() == 2.0
+    state = ReferenceState({"x": 50})
+    state.step = 3
+    assert state.get("x", torch.zeros(4, 4), training=True, backend=EAGER).item() == 0.0
+    saved = state.state_dict()
+    assert saved["x.refresh_step"].item() == 0 and held_state_problem(saved, step=3) is None
+    state.step = 4
+    assert state.get("x", torch.full((4, 4), 5.0), training=True, backend=EAGER).item() == 0.0  # held this run
+    state.step = 7
+    assert state.get("x", torch.full((4, 4), 5.0), training=True, backend=EAGER).item() == 0.0
