@@ -1,6 +1,6 @@
 """Nemotron-H hybrid Mamba-2 / attention model."""
 
-from .config import PRESETS, LayerType, NemotronHConfig, get_model_config, parse_pattern
+from .config import MLP_ACTIVATIONS, PRESETS, LayerType, NemotronHConfig, get_model_config, parse_pattern
 from .hf_adapter import (
     INIT_ONLY_FIELDS,
     config_mismatches,
@@ -15,11 +15,12 @@ from .hf_adapter import (
     to_hf_config,
     to_hf_state_dict,
 )
-from .model import MLP, Attention, Block, Mamba2Mixer, NemotronHModel, build_model
+from .model import MLP, Attention, Block, Mamba2Mixer, NemotronHModel, SwiGLUMLP, build_model
 from .ssd import ssd_chunked, ssd_reference, ssd_scan
 
 __all__ = [
     "INIT_ONLY_FIELDS",
+    "MLP_ACTIVATIONS",
     "PRESETS",
     "Attention",
     "Block",
@@ -28,6 +29,7 @@ __all__ = [
     "Mamba2Mixer",
     "NemotronHConfig",
     "NemotronHModel",
+    "SwiGLUMLP",
     "build_model",
     "config_mismatches",
     "export_hf",
