@@ -3,6 +3,7 @@
 from .config import MLP_ACTIVATIONS, PRESETS, LayerType, NemotronHConfig, get_model_config, parse_pattern
 from .hf_adapter import (
     INIT_ONLY_FIELDS,
+    check_exportable,
     config_mismatches,
     export_hf,
     from_hf_config,
@@ -31,6 +32,7 @@ __all__ = [
     "NemotronHModel",
     "SwiGLUMLP",
     "build_model",
+    "check_exportable",
     "config_mismatches",
     "export_hf",
     "from_hf_config",
