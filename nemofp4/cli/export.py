@@ -38,10 +38,12 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
     from nemofp4.data import load_tokenizer
     from nemofp4.data.paths import resolve_path
     from nemofp4.evaluation.checkpoint import load_checkpoint_model, resolve_checkpoint
-    from nemofp4.models.nemotron_h import export_hf
+    from nemofp4.evaluation.run_config import read_step_config
+    from nemofp4.models.nemotron_h import check_exportable, export_hf
 
     _prepare_out(Path(cfg.out))
     folder = resolve_checkpoint(cfg.checkpoint)
+    check_exportable(read_step_config(folder)[0].model)  # before the weights are read
     # bf16: no recipe is applied, the state dict is the same either way and nothing FP4 is needed.
     model, job, state = load_checkpoint_model(folder, precision="bf16", log_loaded=False)
     tokenizer = cfg.tokenizer or job.data.tokenizer

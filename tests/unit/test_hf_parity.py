@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from nemofp4.models import get_model_config
+from nemofp4.models import build_model, get_model_config
 from nemofp4.models.nemotron_h import (
     export_hf,
     from_hf_config,
@@ -72,6 +72,19 @@ def test_hf_in_memory_names_map_onto_ours(exported):
     model, _, hf, _ = exported
     hf_names = set(from_hf_state_dict(hf.state_dict()))
     assert hf_names == set(model.state_dict())
+
+
+def test_a_swiglu_model_is_refused_by_the_export_before_anything_is_written(exported, tmp_path):
+    # transformers' NemotronH MLP is up_proj -> relu2 -> down_proj, with no gate to load SwiGLU's into
+    _, _, hf, _ = exported
+    mlp = next(layer.mixer for layer in hf.model.layers if layer.block_type == "mlp")
+    assert {name for name, m in mlp.named_modules() if isinstance(m, torch.nn.Linear)} == {"up_proj", "down_proj"}
+    model = build_model(get_model_config("tiny", mlp_activation="swiglu"), device="meta")
+    with pytest.raises(ValueError, match="model.mlp_activation=swiglu does not export to Hugging Face"):
+        export_hf(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ValueError, match="model.mlp_activation=swiglu"):
+        to_hf_config(model.config)
 
 
 def test_config_round_trip_and_legacy_keys():

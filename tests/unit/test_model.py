@@ -14,6 +14,7 @@ from nemofp4.models.nemotron_h.model import (
     GatedRMSNorm,
     Mamba2Mixer,
     NemotronHModel,
+    SwiGLUMLP,
     causal_depthwise_conv1d,
 )
 
@@ -22,6 +23,7 @@ LINEAR_NAMES = {
     "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("up_proj", "down_proj"),
 }
+SWIGLU_LINEAR_NAMES = {**LINEAR_NAMES, "mlp": ("gate_up_proj", "down_proj")}
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,12 @@ def tiny():
     torch.manual_seed(0)
     cfg = get_model_config("tiny")
     return build_model(cfg, device="cpu").eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_swiglu():
+    torch.manual_seed(0)
+    return build_model(get_model_config("tiny", mlp_activation="swiglu"), device="cpu").eval()
 
 
 def randomize_(model: nn.Module, seed: int = 0) -> None:
@@ -54,6 +62,38 @@ def test_module_names_and_types(tiny):
     assert "norm_f" in names and tiny.config is cfg
     # No biases on any linear (Nemotron-H has none).
     assert all(m.bias is None for m in tiny.modules() if isinstance(m, nn.Linear))
+
+
+def test_swiglu_mlp_is_a_fused_gate_up_linear_and_a_down_linear(tiny_swiglu):
+    cfg = tiny_swiglu.config
+    d, f = cfg.hidden_size, cfg.ffn_hidden_size
+    linears = {n: m for n, m in tiny_swiglu.named_modules() if isinstance(m, nn.Linear)}
+    for i, block in enumerate(tiny_swiglu.layers):
+        names = sorted(n.rsplit(".", 1)[1] for n in linears if n.startswith(f"layers.{i}."))
+        assert names == sorted(SWIGLU_LINEAR_NAMES[block.block_type])
+        if block.block_type == "mlp":
+            assert isinstance(block.mixer, SwiGLUMLP)
+            assert block.mixer.gate_up_proj.weight.shape == (2 * f, d)  # [gate | up]: two GEMMs in one
+            assert block.mixer.down_proj.weight.shape == (d, f)
+    assert all(m.bias is None for m in linears.values())
+
+
+def test_swiglu_forward_equals_the_reference_from_the_fused_weights_halves(tiny_swiglu):
+    torch.manual_seed(0)
+    mixer = next(b.mixer for b in tiny_swiglu.layers if b.block_type == "mlp")
+    f = tiny_swiglu.config.ffn_hidden_size
+    x = torch.randn(2, 7, tiny_swiglu.config.hidden_size, dtype=torch.float64)
+    w = mixer.gate_up_proj.weight.double()
+    w_gate, w_up, w_down = w[:f], w[f:], mixer.down_proj.weight.double()
+
+    def reference(gate, up):  # down(silu(x W_g^T) * (x W_u^T)), in float64
+        return (F.silu(x @ gate.T) * (x @ up.T)) @ w_down.T
+
+    with torch.no_grad():
+        out = mixer.double()(x)
+        mixer.float()
+    torch.testing.assert_close(out, reference(w_gate, w_up), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(out, reference(w_up, w_gate), atol=1e-6)  # the first half is the gate
 
 
 def test_forward_shapes_and_return_hidden(tiny):
@@ -114,6 +154,11 @@ def test_init_follows_nemotron_h_conventions():
             assert torch.equal(p, torch.ones_like(p)), name
     plain = build_model(get_model_config("tiny", rescale_prenorm_residual=False))
     assert abs(plain.layers[0].mixer.out_proj.weight.std().item() - cfg.init_std) < 1e-3
+    swiglu = build_model(get_model_config("tiny", mlp_activation="swiglu")).layers[1].mixer
+    for linear in (swiglu.gate_up_proj, swiglu.down_proj):  # the MLP's scheme: N(0, init_std), both halves
+        assert abs(linear.weight.std().item() - cfg.init_std) < 1e-3
+    halves = swiglu.gate_up_proj.weight.chunk(2)
+    assert abs(halves[0].std().item() - halves[1].std().item()) < 1e-3
 
 
 def test_param_groups_exclude_ssm_params_norms_and_biases(tiny):
@@ -172,18 +217,19 @@ def test_conv_matches_direct_sum():
 
 
 @pytest.mark.parametrize("t", [1, 64, 70])  # tiny's chunk is 64
-def test_mixers_are_causal(tiny, t):
+def test_mixers_are_causal(tiny, tiny_swiglu, t):
     torch.manual_seed(0)
     randomize_(tiny)
+    randomize_(tiny_swiglu)
     with torch.no_grad():
-        for mixer_type in (Mamba2Mixer, Attention, MLP):
-            mixer = next(b.mixer for b in tiny.layers if isinstance(b.mixer, mixer_type))
-            assert_causal(mixer, torch.randn(2, 100, tiny.config.hidden_size), t)
+        for model, mixer_type in ((tiny, Mamba2Mixer), (tiny, Attention), (tiny, MLP), (tiny_swiglu, SwiGLUMLP)):
+            mixer = next(b.mixer for b in model.layers if isinstance(b.mixer, mixer_type))
+            assert_causal(mixer, torch.randn(2, 100, model.config.hidden_size), t)
 
 
-@pytest.mark.parametrize("t", [1, 70])
-def test_model_is_causal(t):
-    model = build_model(get_model_config("tiny"))
+@pytest.mark.parametrize("t,mlp_activation", [(1, "relu2"), (70, "relu2"), (70, "swiglu")])
+def test_model_is_causal(t, mlp_activation):
+    model = build_model(get_model_config("tiny", mlp_activation=mlp_activation))
     randomize_(model, seed=1)
     ids = torch.randint(0, model.config.vocab_size, (2, 100))
     ids2 = ids.clone()
@@ -206,10 +252,12 @@ class ScaledLinear(nn.Module):
         return self.linear(x) * self.scale
 
 
-@pytest.mark.parametrize("block_type,linear", [(bt, n) for bt, names in LINEAR_NAMES.items() for n in names])
-def test_swapped_linear_changes_the_output(block_type, linear):
+@pytest.mark.parametrize("block_type,linear,mlp_activation",
+                         [(bt, n, "relu2") for bt, names in LINEAR_NAMES.items() for n in names]
+                         + [("mlp", n, "swiglu") for n in SWIGLU_LINEAR_NAMES["mlp"]])
+def test_swapped_linear_changes_the_output(block_type, linear, mlp_activation):
     torch.manual_seed(0)
-    model = build_model(get_model_config("tiny")).eval()
+    model = build_model(get_model_config("tiny", mlp_activation=mlp_activation)).eval()
     randomize_(model)
     ids = torch.randint(0, model.config.vocab_size, (1, 40))
     with torch.no_grad():
@@ -234,9 +282,10 @@ def test_swapped_lm_head_changes_the_output(tiny):
         torch.testing.assert_close(model(ids), 2 * before)
 
 
-def test_tiny_trains_a_step():
+@pytest.mark.parametrize("mlp_activation", ["relu2", "swiglu"])
+def test_tiny_trains_a_step(mlp_activation):
     torch.manual_seed(0)
-    model = build_model(get_model_config("tiny"))
+    model = build_model(get_model_config("tiny", mlp_activation=mlp_activation))
     ids = torch.randint(0, model.config.vocab_size, (4, 64))
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
     losses = []

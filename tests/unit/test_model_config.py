@@ -34,6 +34,7 @@ def test_parse_pattern():
         ({"chunk_size": 0}, ["chunk_size=0"]),
         ({"norm_eps": -1.0}, ["norm_eps=-1.0"]),
         ({"time_step_min": 0.5}, ["time_step_min=0.5", "time_step_max=0.1"]),
+        ({"mlp_activation": "gelu"}, ["mlp_activation='gelu'", "relu2, swiglu"]),
     ],
 )
 def test_invalid_config_raises_naming_the_fields(overrides, names):
@@ -90,7 +91,8 @@ def test_8b_parameter_counts_on_meta(name, expected, non_embedding):
     assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "use_conv_bias": False}])
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "use_conv_bias": False},
+                                       {"mlp_activation": "swiglu"}])
 def test_num_parameters_is_exact(overrides):
     cfg = get_model_config("small", **overrides)
     model = build_model(cfg, device="meta")
@@ -101,10 +103,21 @@ def test_num_parameters_is_exact(overrides):
     assert cfg.num_non_embedding_parameters() == cfg.num_parameters() - embedding
 
 
-def test_flops_per_token_equals_counted_forward_flops_times_three():
+def test_swiglu_adds_one_gemm_of_the_mlp_width_per_mlp_layer():
+    # Three GEMMs (gate and up fused, down) where relu2 has two: d x F more weights and 6 d F more
+    # training FLOPs per token in every MLP layer, nothing else changes.
+    relu2, swiglu = get_model_config("small"), get_model_config("small", mlp_activation="swiglu")
+    mlp_layers, d, f = relu2.hybrid_layer_pattern.count("-"), relu2.hidden_size, relu2.ffn_hidden_size
+    assert (relu2.mlp_in_proj_size, swiglu.mlp_in_proj_size) == (f, 2 * f)
+    assert swiglu.num_parameters() - relu2.num_parameters() == mlp_layers * d * f
+    assert swiglu.flops_per_token(1024) - relu2.flops_per_token(1024) == 6 * mlp_layers * d * f
+
+
+@pytest.mark.parametrize("mlp_activation", ["relu2", "swiglu"])
+def test_flops_per_token_equals_counted_forward_flops_times_three(mlp_activation):
     # The formula counts every matmul, the attention scores/values, the SSD scan and the conv; the
     # counted forward is the implementation's, so a term missing on either side shows up.
-    cfg = get_model_config("tiny")
+    cfg = get_model_config("tiny", mlp_activation=mlp_activation)
     model = build_model(cfg, device="cpu")
     batch, seq_len = 2, 128  # a multiple of the chunk size: no padded positions
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))

@@ -104,6 +104,25 @@ def test_head_tf32_is_the_older_spelling_of_head_precision_tf32():
     assert config_changes(OmegaConf.to_yaml(OmegaConf.create(saved)), cfg) == []
 
 
+def test_mlp_activation_is_a_model_override_and_runs_saved_before_it_are_relu2():
+    from omegaconf import OmegaConf
+
+    from nemofp4.evaluation import run_config_from_yaml
+    from nemofp4.training.run_identity import config_changes
+
+    relu2, swiglu = compose_job_config([]), compose_job_config(["model.mlp_activation=swiglu"])
+    assert (relu2.model.mlp_activation, swiglu.model.mlp_activation) == ("relu2", "swiglu")
+    assert swiglu.model == get_model_config("tiny", mlp_activation="swiglu")
+    with pytest.raises(Exception, match="mlp_activation='gelu' must be one of relu2, swiglu"):
+        compose_job_config(["model.mlp_activation=gelu"])
+    # a run saved before the knob had Nemotron-H's relu2 MLP: it resumes and evaluates as one
+    saved = OmegaConf.to_container(OmegaConf.structured(relu2))
+    del saved["model"]["mlp_activation"]
+    older = OmegaConf.to_yaml(OmegaConf.create(saved))
+    assert config_changes(older, relu2) == [] and run_config_from_yaml(older).model.mlp_activation == "relu2"
+    assert [c.key for c in config_changes(older, swiglu) if c.key.startswith("model.")] == ["model.mlp_activation"]
+
+
 def test_a_longer_seq_len_than_max_position_embeddings_trains_and_is_recorded_as_the_context_length(caplog):
     # Nemotron-H has no positional embedding: nothing limits the length, so the run records what it trained on
     from omegaconf import OmegaConf

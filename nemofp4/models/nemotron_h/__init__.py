@@ -1,8 +1,9 @@
 """Nemotron-H hybrid Mamba-2 / attention model."""
 
-from .config import PRESETS, LayerType, NemotronHConfig, get_model_config, parse_pattern
+from .config import MLP_ACTIVATIONS, PRESETS, LayerType, NemotronHConfig, get_model_config, parse_pattern
 from .hf_adapter import (
     INIT_ONLY_FIELDS,
+    check_exportable,
     config_mismatches,
     export_hf,
     from_hf_config,
@@ -15,11 +16,12 @@ from .hf_adapter import (
     to_hf_config,
     to_hf_state_dict,
 )
-from .model import MLP, Attention, Block, Mamba2Mixer, NemotronHModel, build_model
+from .model import MLP, Attention, Block, Mamba2Mixer, NemotronHModel, SwiGLUMLP, build_model
 from .ssd import ssd_chunked, ssd_reference, ssd_scan
 
 __all__ = [
     "INIT_ONLY_FIELDS",
+    "MLP_ACTIVATIONS",
     "PRESETS",
     "Attention",
     "Block",
@@ -28,7 +30,9 @@ __all__ = [
     "Mamba2Mixer",
     "NemotronHConfig",
     "NemotronHModel",
+    "SwiGLUMLP",
     "build_model",
+    "check_exportable",
     "config_mismatches",
     "export_hf",
     "from_hf_config",

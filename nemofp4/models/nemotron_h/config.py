@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from nemofp4.models.loss import HEAD_PRECISIONS
 
+MLP_ACTIVATIONS = ("relu2", "swiglu")
+"""Values of ``mlp_activation``: Nemotron-H's squared ReLU (two GEMMs) or Llama's SwiGLU (three)."""
+
 
 class LayerType(str, enum.Enum):
     """One layer of the hybrid stack; values are Megatron's pattern symbols."""
@@ -70,8 +73,14 @@ class NemotronHConfig:
     norm_eps: float = 1e-5
     """Epsilon of every RMSNorm (block norms, final norm, Mamba gated norm)."""
 
-    # --- MLP (squared ReLU, no gate, no bias) ---
+    # --- MLP (no bias) ---
     ffn_hidden_size: int
+    """Width of the MLP's hidden activation (Megatron's ``ffn_hidden_size``); SwiGLU's fused input
+    projection is twice as wide (gate and up)."""
+    mlp_activation: str = "relu2"
+    """``relu2``: ``down(relu(up(x))^2)``, Nemotron-H's. ``swiglu``: ``down(silu(gate(x)) * up(x))`` with
+    gate and up fused in one linear, as Megatron's ``--swiglu`` (Llama-shaped MLPs at their real GEMM
+    shapes). transformers' NemotronH has no gated MLP, so a SwiGLU model does not export to HF."""
 
     # --- attention (GQA, no positional embedding) ---
     num_attention_heads: int
@@ -139,6 +148,11 @@ class NemotronHConfig:
         return self.mamba_intermediate_size + 2 * self.mamba_num_groups * self.ssm_state_size
 
     @property
+    def mlp_in_proj_size(self) -> int:
+        """Output width of the MLP's input projection: ``ffn_hidden_size``, or gate and up for SwiGLU."""
+        return (2 if self.mlp_activation == "swiglu" else 1) * self.ffn_hidden_size
+
+    @property
     def mamba_in_proj_size(self) -> int:
         """in_proj output width: [z | x B C | dt]."""
         return self.mamba_intermediate_size + self.mamba_conv_dim + self.mamba_num_heads
@@ -164,6 +178,9 @@ class NemotronHConfig:
         if self.head_precision not in HEAD_PRECISIONS:
             errors.append(f"head_precision={self.head_precision!r} must be one of {', '.join(HEAD_PRECISIONS)} "
                           "(fp32: the paper's FP32 head, tf32: TF32 tensor cores, bf16: BF16 GEMMs, FP32 loss)")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            errors.append(f"mlp_activation={self.mlp_activation!r} must be one of {', '.join(MLP_ACTIVATIONS)} "
+                          "(relu2: Nemotron-H's squared-ReLU MLP, swiglu: a gated SiLU MLP, gate and up fused)")
         if errors:
             raise ValueError("invalid NemotronHConfig: " + "; ".join(errors))
 
@@ -226,7 +243,7 @@ class NemotronHConfig:
             q = self.num_attention_heads * self.attention_head_dim
             kv = self.num_key_value_heads * self.attention_head_dim
             return norm + d * q + 2 * d * kv + q * d
-        return norm + 2 * d * self.ffn_hidden_size
+        return norm + d * self.mlp_in_proj_size + self.ffn_hidden_size * d
 
     def num_non_embedding_parameters(self) -> int:
         """Parameters of the blocks and the final norm: everything but the embedding and LM head."""
@@ -275,7 +292,7 @@ class NemotronHConfig:
                 matmul_params += 2 * d * q_width + 2 * d * kv_width
                 extra += 6 * 2 * q_width * seq_len
             else:
-                matmul_params += 2 * d * self.ffn_hidden_size
+                matmul_params += d * self.mlp_in_proj_size + self.ffn_hidden_size * d
         return 6 * matmul_params + extra
 
 

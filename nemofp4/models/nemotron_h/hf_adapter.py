@@ -56,8 +56,19 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 # ---------------------------------------------------------------------------- config
+def check_exportable(config: NemotronHConfig) -> None:
+    """ValueError when transformers' NemotronH cannot run ``config``: its MLP is ``up_proj`` -> activation
+    -> ``down_proj`` with no gate, so a SwiGLU model has no HF equivalent."""
+    if config.mlp_activation != "relu2":
+        raise ValueError(
+            f"model.mlp_activation={config.mlp_activation} does not export to Hugging Face: transformers' "
+            "NemotronH has only an ungated MLP (up_proj, relu2, down_proj); only model.mlp_activation=relu2 models export"
+        )
+
+
 def to_hf_config(config: NemotronHConfig, dtype: torch.dtype = torch.float32) -> dict:
     """The ``config.json`` dict transformers' NemotronHConfig reads (legacy-compatible keys)."""
+    check_exportable(config)
     dtype_name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["NemotronHForCausalLM"],
@@ -215,6 +226,7 @@ def export_hf(
     """
     from safetensors.torch import save_file
 
+    check_exportable(model.config)  # before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {}

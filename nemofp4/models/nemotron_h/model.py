@@ -1,15 +1,15 @@
 """Nemotron-H hybrid Mamba-2 / attention / MLP language model.
 
 Single-device and precision-free: every GEMM-eligible projection (``in_proj``, ``out_proj``,
-``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``up_proj``, ``down_proj``, ``lm_head``) is a
-plain ``nn.Linear`` called as a module, so a precision recipe can swap it from outside and no
-fused kernel reads its ``.weight`` behind its back.
+``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``up_proj`` or SwiGLU's ``gate_up_proj``,
+``down_proj``, ``lm_head``) is a plain ``nn.Linear`` called as a module, so a precision recipe can
+swap it from outside and no fused kernel reads its ``.weight`` behind its back.
 
 Module tree (recipe globs match these names)::
 
     embeddings                      nn.Embedding
     layers.{i}.norm                 RMSNorm            (pre-norm of every block)
-    layers.{i}.mixer                Mamba2Mixer | Attention | MLP
+    layers.{i}.mixer                Mamba2Mixer | Attention | MLP | SwiGLUMLP
     norm_f                          RMSNorm
     lm_head                         nn.Linear (untied unless config.tie_word_embeddings)
 """
@@ -196,7 +196,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down_proj(relu(up_proj(x))^2): squared ReLU, no gate, no bias."""
+    """down_proj(relu(up_proj(x))^2): squared ReLU, no gate, no bias (``mlp_activation=relu2``, Nemotron-H's)."""
 
     def __init__(self, config: NemotronHConfig, device=None, dtype=None):
         super().__init__()
@@ -211,7 +211,30 @@ class MLP(nn.Module):
         return self.down_proj(torch.square(F.relu(self.up_proj(x_BLD))))
 
 
-_MIXERS = {LayerType.MAMBA: Mamba2Mixer, LayerType.ATTENTION: Attention, LayerType.MLP: MLP}
+class SwiGLUMLP(nn.Module):
+    """down_proj(silu(gate) * up) with [gate | up] = gate_up_proj(x): Llama's gated MLP, no bias.
+
+    Gate and up are one linear of ``2 * ffn_hidden_size`` rows, as Megatron's ``--swiglu`` fc1, so a
+    recipe quantizes them as one GEMM of the shape such runs had (and the first half gates, as there).
+    """
+
+    def __init__(self, config: NemotronHConfig, device=None, dtype=None):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, config.mlp_in_proj_size, bias=False, device=device, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            config.ffn_hidden_size, config.hidden_size, bias=False, device=device, dtype=dtype
+        )
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        gate_BLF, up_BLF = self.gate_up_proj(x_BLD).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate_BLF) * up_BLF)
+
+
+_MIXERS = {LayerType.MAMBA: Mamba2Mixer, LayerType.ATTENTION: Attention}
+_MLPS = {"relu2": MLP, "swiglu": SwiGLUMLP}
+"""The MLP mixer of each ``config.mlp_activation``."""
 
 
 class Block(nn.Module):
@@ -223,7 +246,8 @@ class Block(nn.Module):
         self.layer_idx = layer_idx
         self.block_type = layer_type.block_type
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, dtype=dtype)
-        self.mixer = _MIXERS[layer_type](config, device=device, dtype=dtype)
+        mixer = _MLPS[config.mlp_activation] if layer_type is LayerType.MLP else _MIXERS[layer_type]
+        self.mixer = mixer(config, device=device, dtype=dtype)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         return x_BLD + self.mixer(self.norm(x_BLD))
