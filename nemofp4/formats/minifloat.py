@@ -286,7 +286,7 @@ def sr8_bytes_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     The 32-bit words live in int32: the multiplies wrap modulo 2^32 (two's complement, as eager
     PyTorch and Inductor's vector loops multiply) and each right shift is masked to its low bits, so
     it shifts in zeros as an unsigned shift would. In a compiled loop an int32 vector holds twice the
-    lanes of an int64 one and multiplies in one instruction (docs/benchmarks.md, "Eighth round")."""
+    lanes of an int64 one and multiplies in one instruction."""
     x = index.to(torch.int32) ^ key.to(torch.int32)  # the low 32 bits of each, wrapped into int32
     for _ in range(_HASH_ROUNDS):  # in place on the fresh x: eagerly no new tensor per operation
         x ^= (x >> 16).bitwise_and_(0xFFFF)

@@ -33,8 +33,9 @@ _META_FIELDS = ("scale_format", "element_format", "shape", "padded_shape", "bloc
 @functools.lru_cache(maxsize=32)
 def e2m1_pair_table(device: torch.device) -> torch.Tensor:
     """[256] int64: the two float32 E2M1 values packed in each byte (low nibble first), as one 8-byte
-    word per byte: a 1-D gather of words is faster on CPU than ``index_select`` of [256, 2] rows (the
-    same bytes; ``.view(torch.float32)`` reads the pairs; docs/benchmarks.md, "Fourth round")."""
+    word per byte, so decoding packed codes is a 1-D gather of one word per byte rather than an
+    ``index_select`` of [256, 2] float32 rows (the same bytes; ``.view(torch.float32)`` reads the
+    pairs)."""
     values = E2M1.code_values()
     byte = torch.arange(256)
     return torch.stack((values[byte & 15], values[byte >> 4]), dim=-1).view(torch.int64).view(-1).to(device)
@@ -132,7 +133,7 @@ class QuantizedBlocks:
         if self.element_format != "e2m1":
             table = element_code_table(self.element_format, self.codes.device)
             return torch.index_select(table, 0, self.codes.reshape(-1).int()).view(self.padded_shape)
-        # One gather of both nibbles per byte; int32 indices are ~1.5x faster than int64 on CPU.
+        # One gather of both nibbles per byte, with int32 indices (cheaper than int64 on CPU).
         pairs = torch.index_select(e2m1_pair_table(self.codes.device), 0, self.codes.reshape(-1).int())
         return pairs.view(torch.float32).view(self.padded_shape)
 

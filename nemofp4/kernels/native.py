@@ -8,7 +8,7 @@ Why: a compiled quantizer call runs Dynamo's guards and Inductor's Python wrappe
 kernel, which on the tiny model's operands weigh as much as the kernel; a ctypes call is a few
 Python operations. The kernel also does the program's arithmetic in fewer instructions: each
 block's amax as an integer maximum of the magnitudes' bits, 16 blocks' scales in one vector, the
-codes from the rounded values' bits (docs/benchmarks.md, "Ninth round").
+codes from the rounded values' bits.
 
 The library is built on first use with the C++ compiler that ``torch.compile`` uses on CPU
 (``CXX``, else ``c++``/``g++``/``clang++``) for this machine's instruction set, into

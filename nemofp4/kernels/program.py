@@ -11,8 +11,8 @@ equal the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the
 them to that. :func:`quantize_tokens_operand` runs the same core on the wgrad operands (X^T,
 dY^T) with its blocks down the columns of the token-major tensor, the wgrad Hadamard transform
 inside the loop; :func:`quantize_operand_pair` runs X's core and X^T's as one compiled graph, and
-:func:`quantize_forward_operands` those and W's (a compiled call costs about 0.1 ms of Dynamo's
-wrapper and guards, as much as the kernel of a small operand).
+:func:`quantize_forward_operands` those and W's (every compiled call pays Dynamo's wrapper and
+guards, which on a small operand weigh as much as its kernel).
 
 Random bits follow the reference's contract: sr and sr8 draw one key per operand
 (:func:`sr8_key`) and the core hashes each element's index with it (:func:`sr8_bytes_at`), inside

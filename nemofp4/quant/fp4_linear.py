@@ -530,8 +530,8 @@ _OPS: _Ops | None = None
 class _EagerFP4Linear(torch.autograd.Function):
     """The FP4 linear in plain eager PyTorch: the ops' forward and backward programs, called as an
     ``autograd.Function`` without the dispatcher's custom-op layers (argument checks, output
-    flattening, a second op for backward), which cost about 0.1-0.4 ms per linear's forward and
-    backward on a CPU (docs/benchmarks.md, "Seventh round"). The same programs, saved operands and
+    flattening, a second op for backward), whose fixed cost per call weighs on a CPU step's small
+    linears (``scripts/bench_recipes.py --linears`` times both paths). The same programs, saved operands and
     context as the ops, which stay the path wherever something must see them: ``torch.compile``,
     dispatch modes (fake tensors, FLOP counters, memory trackers), tensor subclasses."""
 
