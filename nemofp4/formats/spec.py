@@ -20,7 +20,7 @@ scale format   block    power of two   zero code -> 1.0     dequantize      GEMM
 for the whole tensor and no block scales; its ``block_size`` is only the granule the operand is
 padded to (16, the alignment cuBLAS's FP8 GEMMs need). The element (payload) format is the
 spec's ``element_format``: ``e2m1`` (FP4, with block-scale formats) or ``e4m3`` / ``e5m2`` (FP8, with
-``fp32`` or ``ue8m0`` scales; :data:`ELEMENT_SCALE_FORMATS`).
+``fp32`` or ``ue8m0`` scales: the table's ``elements`` column).
 
 The columns, as :class:`ScaleFormat` fields: ``per_tensor`` (no block scales: the ``fp32`` row),
 ``power_of_two`` (OCP MX: block scales 2^e, no tensor
@@ -46,7 +46,6 @@ __all__ = [
     "BLOCK_STATS",
     "DEFAULT_SCALE_TARGET",
     "ELEMENT_FORMATS",
-    "ELEMENT_SCALE_FORMATS",
     "INPUT_DTYPES",
     "MX_SCALE_MODES",
     "ROUNDING_MODES",
@@ -69,9 +68,6 @@ STAT_NAMES = (*BLOCK_STATS, "clipped_elements")
 """The counts the reference and the Triton kernels keep (the torch program keeps the block counts)."""
 ELEMENT_FORMATS: dict[str, FloatFormat] = {fmt.name: fmt for fmt in (E2M1, E4M3, E5M2)}
 """The payload formats: FP4 E2M1 (two codes a byte) and FP8 E4M3 / E5M2 (one code a byte)."""
-ELEMENT_SCALE_FORMATS = {"e2m1": ("e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"), "e4m3": ("fp32", "ue8m0"),
-                         "e5m2": ("fp32", "ue8m0")}  # fmt: skip
-"""The scale formats each element format is quantized with (FP8: per-tensor or OCP MX)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +91,8 @@ class ScaleFormat:
     (from the two amaxes, in that source's order); None: ``tensor_scale_a * tensor_scale_b``."""
     per_tensor: bool = False
     """One float32 scale for the tensor and no block scales (``block_size`` is the padding granule)."""
+    elements: tuple[str, ...] = ("e2m1",)
+    """The element (payload) formats it scales: E2M1 for the FP4 block scales; FP8 for UE8M0 and fp32."""
 
     @property
     def has_tensor_scale(self) -> bool:
@@ -111,9 +109,9 @@ SCALE_FORMAT_TABLE: dict[str, ScaleFormat] = {
         ScaleFormat(name="ue5m3_cuda", codes=UE5M3_CUDA, default_block_size=16, power_of_two=False,
                     zero_code_to_one=True, dequantize="paper", alpha="paper"),
         ScaleFormat(name="ue8m0", codes=UE8M0, default_block_size=32, power_of_two=True, zero_code_to_one=False,
-                    dequantize="paper", alpha=None),
+                    dequantize="paper", alpha=None, elements=("e2m1", "e4m3", "e5m2")),
         ScaleFormat(name="fp32", codes=None, default_block_size=16, power_of_two=False, zero_code_to_one=False,
-                    dequantize="paper", alpha=None, per_tensor=True),
+                    dequantize="paper", alpha=None, per_tensor=True, elements=("e4m3", "e5m2")),
     )
 }  # fmt: skip
 SCALE_FORMATS: dict[str, FloatFormat] = {
@@ -183,8 +181,9 @@ class BlockSpec:
         if element not in ELEMENT_FORMATS:
             return [f"unknown element_format {element!r}; valid: {', '.join(ELEMENT_FORMATS)}"]
         errors = []
-        valid = ELEMENT_SCALE_FORMATS[element]
-        if self.scale_format in SCALE_FORMAT_TABLE and self.scale_format not in valid:
+        row = SCALE_FORMAT_TABLE.get(self.scale_format)
+        if row is not None and element not in row.elements:
+            valid = [name for name, r in SCALE_FORMAT_TABLE.items() if element in r.elements]
             errors.append(f"element_format={element!r} takes scale_format {' or '.join(map(repr, valid))}, "
                           f"not {self.scale_format!r}")  # fmt: skip
         if self.power_of_two_scale and self.scale_format != "fp32":

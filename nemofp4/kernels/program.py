@@ -140,7 +140,8 @@ class _Spec:
         if self.per_tensor:
             blocks = "per tensor"
         layout = ", down the columns" + (" after the Hadamard transform" if self.hadamard else "") if self.columns else ""
-        return f"{self.element}/{self.scale_format} {blocks}, {self.rounding}{layout}"
+        formats = f"{self.element}/{self.scale_format}" if self.is_fp8 else self.scale_format
+        return f"{formats} {blocks}, {self.rounding}{layout}"
 
     @classmethod
     def of(cls, op: BlockSpec, pack: bool, measure: bool, values: bool, *, two_d: bool = False,
