@@ -25,7 +25,7 @@ class LinearSpec:
     part_name: str
     part: Part
     kind: str
-    """:func:`nemofp4.recipes.recipe.part_kind`: 'fp4', 'te_nvfp4', 'fp32' or 'bf16'."""
+    """:func:`nemofp4.recipes.recipe.part_kind`: 'fp4', 'te_nvfp4', 'te_fp8', 'fp32' or 'bf16'."""
 
 
 def linear_specs(model: NemotronHConfig, recipe: Recipe) -> tuple[LinearSpec, ...]:
