@@ -40,6 +40,9 @@ QUANT_BYTES_PER_ELEMENT = 12.5
 """HBM bytes per quantized operand element on the Triton path: the BF16 input read (2), the FP32
 scaled values written (4), packed codes and scales (0.5625), and the GEMM's read of the scaled values
 and their BF16 copy (6)."""
+FP8_CODE_EXTRA_BYTES = 0.5
+"""What an emulated FP8 operand element adds to :data:`QUANT_BYTES_PER_ELEMENT`: its code is a byte where
+E2M1's is half of one."""
 HADAMARD_REFERENCE_BYTES_PER_ELEMENT = 10
 """The emulated recipes' current amax of a transformed wgrad operand: the token-major tensor read and its
 transpose written (4), the transform read and written (4), the amax's read (2), in BF16."""
@@ -61,6 +64,8 @@ class QuantPass:
     """The pass exists only for the transform (without the RHT it is not made)."""
     emulated: bool = False
     """A pass of the emulated quantizer (:data:`QUANT_BYTES_PER_ELEMENT` per element)."""
+    elements: float = 0.0
+    """Operand elements an emulated pass quantizes."""
     tn_only: bool = False
     """Transformer Engine's per-tensor FP8 transpose: written only on a device whose FP8 GEMMs are TN-only
     (:attr:`Device.fp8_gemm_any_layout` false)."""
@@ -147,7 +152,7 @@ class StepCost:
     by its recipe (:data:`nemofp4.quant.TE_RECIPES`): at its GEMMs' FP4 or FP8 peak on a device that runs
     the recipe, else at the BF16 peak."""
     quantized_elements: float
-    """Operand elements through the emulated FP4 quantizer (forward, recompute and backward)."""
+    """Operand elements through the emulated quantizer (forward, recompute and backward)."""
     quant_passes: tuple[QuantPass, ...] = ()
     """Every quantizer pass of the step (emulated and Transformer Engine's), by role."""
     collectives: dict[str, dict[str, float]]
@@ -275,11 +280,12 @@ def _quant_passes(spec: LinearSpec, tokens: int, *, forward_count: int, backward
     if spec.kind != "fp4":
         return []
     config = spec.part
+    per_element = QUANT_BYTES_PER_ELEMENT + (FP8_CODE_EXTRA_BYTES if config.precision == "fp8" else 0.0)
 
     def emulated(role: str, elements: float, count: int, *, hadamard: bool = False, only: bool = False) -> QuantPass:
         flops = elements * HADAMARD_FLOPS_PER_ELEMENT if hadamard else 0.0
-        return QuantPass(role=role, nbytes=elements * QUANT_BYTES_PER_ELEMENT, hadamard_flops=flops, count=count,
-                         hadamard_only=only, emulated=True)  # fmt: skip
+        return QuantPass(role=role, nbytes=elements * per_element, hadamard_flops=flops, count=count,
+                         hadamard_only=only, emulated=True, elements=elements)  # fmt: skip
 
     def reference(role: str, elements: float, count: int) -> QuantPass:  # the transformed copy's current amax
         return QuantPass(role=role, nbytes=elements * HADAMARD_REFERENCE_BYTES_PER_ELEMENT,
@@ -362,7 +368,7 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
                     configured=configured,
                     native_flops={component: {recipe: flops * grad_accum for recipe, flops in by_recipe.items()}
                                   for component, by_recipe in native.items() if by_recipe},
-                    quantized_elements=sum(p.count * p.nbytes / QUANT_BYTES_PER_ELEMENT for p in passes if p.emulated),
+                    quantized_elements=sum(p.count * p.elements for p in passes),
                     quant_passes=tuple(passes), collectives=collectives, layouts=layouts,
                     model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,
                     recompute_by_policy=recompute_by_policy)  # fmt: skip

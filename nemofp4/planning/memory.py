@@ -250,6 +250,9 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
     if quantizer == "triton" and "fp4" in emulated:
         notes += ("FP4 operands are quantized by the Triton kernels of a CUDA run (their buffers, from the kernels' "
                   "fake implementations); train.kernels=eager plans the torch program's.",)  # fmt: skip
+    if "fp8" in emulated:
+        notes += ("Emulated FP8 operands are quantized by the torch program (the Triton kernels have no FP8 "
+                  "payloads).",)  # fmt: skip
     te_recipes = sorted({p.te_recipe for p in recipe.parts.values() if runs_in_transformer_engine(p)})
     if te_recipes:
         notes += (f"Transformer Engine's linears ({', '.join(te_recipes)}) are measured by stand-ins that keep what "

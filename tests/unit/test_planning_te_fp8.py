@@ -2,7 +2,7 @@
 fp8_te, MXFP8BlockScaling for mxfp8_te): the copies are the emulated fp8 and mxfp8 recipes' operands
 in TE's storage, the stand-in keeps what ``te.Linear`` keeps, plans run where TE is not installed, the
 GEMMs are costed at the FP8 peak where the device runs the recipe and the quantizer passes as TE makes
-them."""
+them; and the emulated FP8 recipes' plans count one byte an element."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from nemofp4.models import get_model_config
 from nemofp4.planning import get_device, step_cost
-from nemofp4.planning.layers import linear_specs
+from nemofp4.planning.layers import cached_weight_bytes, linear_specs
 from nemofp4.planning.measure import LiveTensorBytes, measure_blocks
 from nemofp4.planning.report import cost_table
 from nemofp4.planning.te_linear import TELinearStandIn, te_linear_operands, te_quantizations
@@ -199,3 +199,24 @@ def test_the_transposes_are_costed_where_fp8_gemms_are_tn_only():
     assert not h100.fp8_gemm_any_layout and b200.fp8_gemm_any_layout
     assert {p.role for p in cost.quant_passes} == {"x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad"}
 
+
+# ------------------------------------------------------------------------------------ the emulated FP8 recipes
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp8"])
+def test_emulated_fp8_plans_count_one_byte_an_element(recipe):
+    """The Triton path a CUDA run takes measures what the torch program keeps (the kernels have no FP8;
+    the saves themselves are held to TE's above), the weight cache holds a byte a code, and the
+    quantizer's traffic counts it."""
+    model, tokens = get_model_config("tiny"), 64
+    r = get_recipe(recipe)
+    triton, eager = (measure_blocks(model, r, seq_len=tokens, micro_batch=1, dtype=torch.bfloat16, quantizer=q)
+                     for q in ("triton", "eager"))  # fmt: skip
+    assert [b.saved_bytes for b in triton] == [b.saved_bytes for b in eager]
+    op = r.parts["fp8"].w
+    for s in linear_specs(model, r):
+        if s.kind == "fp4":
+            n, k = s.out_features, s.in_features
+            scales = 0 if op.format.per_tensor else n * math.ceil(k / op.block_size)
+            assert cached_weight_bytes(s)[0] == n * _round_up(k, op.block_size) + scales + 8
+    cost = step_cost(model, r, DistributedConfig(activation_checkpointing="none"), world_size=1, seq_len=tokens,
+                     micro_batch=1, grad_accum=1)  # fmt: skip
+    assert all(p.nbytes == p.elements * 13.0 for p in cost.quant_passes)  # 12.5 for an FP4 operand
