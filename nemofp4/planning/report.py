@@ -30,7 +30,8 @@ def cost_table(cost: StepCost, device: Device | None) -> str:
     lines.append(f"| **total** | **{cost.total_flops / 1e12:,.1f}** | |")
     traffic = dict.fromkeys(ROLES, 0.0)
     for p in cost.quant_passes:
-        traffic[p.role] += p.count * p.nbytes
+        if not (p.tn_only and device is not None and device.fp8_gemm_any_layout):  # no FP8 transposes there
+            traffic[p.role] += p.count * p.nbytes
     rht = sum(p.count * p.hadamard_flops for p in cost.quant_passes)
     by_role = ", ".join(f"{role} {nbytes / 1e9:,.0f}" for role, nbytes in traffic.items() if nbytes)
     lines.append(f"| quantization passes (amax, cast) | {sum(traffic.values()) / 1e9:,.1f} GB of HBM traffic"

@@ -197,6 +197,10 @@ def test_the_transposes_are_costed_where_fp8_gemms_are_tn_only():
     h100, b200 = get_device("h100"), get_device("b200")
     assert all(p.seconds(h100) > 0 and p.seconds(b200) == 0 for p in transposes)
     assert not h100.fp8_gemm_any_layout and b200.fp8_gemm_any_layout
+    written = sum(p.count * p.nbytes for p in transposes) / 1e9
+    traffic = {d.name: float(cost_table(cost, d).split(" GB of HBM traffic")[0].rsplit("| ", 1)[1].replace(",", ""))
+               for d in (h100, b200)}  # fmt: skip
+    assert traffic[h100.name] - traffic[b200.name] == pytest.approx(written, abs=0.1)
     assert {p.role for p in cost.quant_passes} == {"x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad"}
 
 
