@@ -86,7 +86,7 @@ def recipe_ablation(cfg, *, device: Device, world_size: int, recipe: str | None 
     """The :data:`ABLATION_VARIANTS` of ``recipe`` (default: ``nvfp4_te`` on a device with FP4 tensor
     cores, else the emulated ``nvfp4``) for the composed training config ``cfg`` (its precision node is
     replaced; its model, batch and parallelism kept), projected on ``device`` in the configured layout."""
-    from nemofp4.recipes import precision_config
+    from nemofp4.recipes import is_quantized, precision_config
 
     from .job import cost_for_job
     from .layers import linear_specs
@@ -102,7 +102,7 @@ def recipe_ablation(cfg, *, device: Device, world_size: int, recipe: str | None 
     for label, knobs in ABLATION_VARIANTS:
         job = dataclasses.replace(cfg, precision=precision_config(recipe, **knobs))
         cost = cost_for_job(job, world_size=world_size, gpus_per_node=device.gpus_per_node)
-        fp4 = sum(s.kind in ("fp4", "te_nvfp4") for s in linear_specs(job.model, job.recipe))
+        fp4 = sum(is_quantized(s.part) for s in linear_specs(job.model, job.recipe))
         rows.append(AblationRow(label=label, knobs=knobs, fp4_linears=fp4,
                                 hadamard_flops=sum(p.count * p.hadamard_flops for p in cost.quant_passes),
                                 projection=cost.project(device, cost.configured)))  # fmt: skip

@@ -9,11 +9,12 @@ forward, the LM head 6 T D V (8 T D V chunked: the backward recomputes the logit
 of every block activation checkpointing recomputes. Quantization is elementwise and memory-bound:
 counted as elements through the quantizer and HBM bytes.
 
-The projection is a roofline: each component at its peak (linears and the scan at the BF16 peak, FP4
-for native FP4 GEMMs on hardware that has them, the head at its precision's; attention at half its
-FLOPs, as a causal flash kernel skips masked tiles), quantization at HBM bandwidth, collectives at the
-link bandwidth (NVLink inside an NVLink domain, the scale-out NIC beyond), overlapped with compute as
-FSDP2 prefetches. A lower bound on the step time: real kernels reach a fraction of peak.
+The projection is a roofline: each component at its peak (linears and the scan at the BF16 peak,
+Transformer Engine's GEMMs at the FP4 or FP8 peak on hardware that runs their recipe natively, the
+head at its precision's; attention at half its FLOPs, as a causal flash kernel skips masked tiles),
+quantization at HBM bandwidth, collectives at the link bandwidth (NVLink inside an NVLink domain, the
+scale-out NIC beyond), overlapped with compute as FSDP2 prefetches. A lower bound on the step time:
+real kernels reach a fraction of peak.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from dataclasses import dataclass, field
 
 from nemofp4.models import NemotronHConfig
 from nemofp4.models.loss import check_head_precision
-from nemofp4.recipes import Recipe
+from nemofp4.quant import TE_RECIPES
+from nemofp4.recipes import Recipe, runs_in_transformer_engine
 from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
 
 from .devices import Device
 from .layers import LinearSpec, linear_specs
-from .te_nvfp4 import HADAMARD_FLOPS_PER_ELEMENT, te_quantizations
+from .te_linear import HADAMARD_FLOPS_PER_ELEMENT, te_quantizations
 
 __all__ = ["COMPONENTS", "BODY_COMPONENTS", "Projection", "QuantPass", "StepCost", "block_forward_flops", "step_cost"]
 
@@ -38,6 +40,9 @@ QUANT_BYTES_PER_ELEMENT = 12.5
 """HBM bytes per quantized operand element on the Triton path: the BF16 input read (2), the FP32
 scaled values written (4), packed codes and scales (0.5625), and the GEMM's read of the scaled values
 and their BF16 copy (6)."""
+FP8_CODE_EXTRA_BYTES = 0.5
+"""What an emulated FP8 operand element adds to :data:`QUANT_BYTES_PER_ELEMENT`: its code is a byte where
+E2M1's is half of one."""
 HADAMARD_REFERENCE_BYTES_PER_ELEMENT = 10
 """The emulated recipes' current amax of a transformed wgrad operand: the token-major tensor read and its
 transpose written (4), the transform read and written (4), the amax's read (2), in BF16."""
@@ -59,9 +64,16 @@ class QuantPass:
     """The pass exists only for the transform (without the RHT it is not made)."""
     emulated: bool = False
     """A pass of the emulated quantizer (:data:`QUANT_BYTES_PER_ELEMENT` per element)."""
+    elements: float = 0.0
+    """Operand elements an emulated pass quantizes."""
+    tn_only: bool = False
+    """Transformer Engine's per-tensor FP8 transpose: written only on a device whose FP8 GEMMs are TN-only
+    (:attr:`Device.fp8_gemm_any_layout` false)."""
 
     def seconds(self, device: Device) -> float:
         """Roofline: the larger of its memory and its transform time, ``count`` times."""
+        if self.tn_only and device.fp8_gemm_any_layout:
+            return 0.0
         return self.count * max(self.nbytes / (device.hbm_tb_s * 1e12),
                                 self.hadamard_flops / (device.matmul_tflops("bf16") * 1e12))  # fmt: skip
 
@@ -134,11 +146,13 @@ class StepCost:
     flops: dict[str, float]
     """By :data:`COMPONENTS`."""
     precision: dict[str, str]
-    """The GEMM precision each component runs in ('bf16', 'fp32', 'tf32', 'fp4')."""
-    fp4_native_flops: float
-    """Of the linear GEMMs and their recompute, the FLOPs of native FP4 GEMMs (TE's NVFP4)."""
+    """The GEMM precision each component runs in ('bf16', 'fp32', 'tf32'), Transformer Engine's aside."""
+    native_flops: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Of the linear GEMMs and of the recompute (by component), the FLOPs Transformer Engine runs natively,
+    by its recipe (:data:`nemofp4.quant.TE_RECIPES`): at its GEMMs' FP4 or FP8 peak on a device that runs
+    the recipe, else at the BF16 peak."""
     quantized_elements: float
-    """Operand elements through the emulated FP4 quantizer (forward, recompute and backward)."""
+    """Operand elements through the emulated quantizer (forward, recompute and backward)."""
     quant_passes: tuple[QuantPass, ...] = ()
     """Every quantizer pass of the step (emulated and Transformer Engine's), by role."""
     collectives: dict[str, dict[str, float]]
@@ -155,6 +169,24 @@ class StepCost:
     def total_flops(self) -> float:
         return sum(self.flops.values())
 
+    def native_by_recipe(self) -> dict[str, float]:
+        """:attr:`native_flops` of the linear GEMMs and the recompute together, by TE recipe."""
+        out: dict[str, float] = {}
+        for by_recipe in self.native_flops.values():
+            for recipe, flops in by_recipe.items():
+                out[recipe] = out.get(recipe, 0.0) + flops
+        return out
+
+    @property
+    def fp4_native_flops(self) -> float:
+        """Of :attr:`native_flops`, those of FP4 GEMMs (TE's NVFP4)."""
+        return sum(f for recipe, f in self.native_by_recipe().items() if TE_RECIPES[recipe].gemm == "fp4")
+
+    def native_precision(self, te_recipe: str, device: Device) -> str:
+        """The peak a Transformer Engine recipe's GEMMs run at on ``device``: its GEMMs' precision where
+        the device runs the recipe, else BF16."""
+        return TE_RECIPES[te_recipe].gemm if device.runs(te_recipe) else "bf16"
+
     def project(self, device: Device, layout: str) -> Projection:
         if layout not in self.collectives:
             raise ValueError(f"layout={layout!r}; valid: {', '.join(self.collectives)}")
@@ -163,11 +195,11 @@ class StepCost:
             precision = self.precision[name]
             if name == "attention":
                 flops = flops / 2  # causal: the flash kernel skips the masked half
-            if name in ("linear GEMMs", "recompute") and self.fp4_native_flops:
-                native = self.fp4_native_flops * (flops / max(self.flops["linear GEMMs"] + self.flops["recompute"], 1))
-                compute[name] = (native / device.matmul_tflops("fp4") + (flops - native) / device.matmul_tflops(precision)) / 1e12
-            else:
-                compute[name] = flops / device.matmul_tflops(precision) / 1e12
+            seconds = 0.0
+            for recipe, native in self.native_flops.get(name, {}).items():  # TE's GEMMs, at its recipe's peak here
+                seconds += native / device.matmul_tflops(self.native_precision(recipe, device))
+                flops -= native
+            compute[name] = (seconds + flops / device.matmul_tflops(precision)) / 1e12
         by_role = dict.fromkeys(ROLES, 0.0)
         hadamard = 0.0
         for p in self.quant_passes:
@@ -241,19 +273,19 @@ def _quant_passes(spec: LinearSpec, tokens: int, *, forward_count: int, backward
     checkpointing recomputes it), its backward's ``backward_count`` times; an emulated FP4 weight's
     (W, and a 1-D weight's W^T) ``weight_count`` times when given (``train.weight_cache``: once)."""
     k, n = spec.in_features, spec.out_features
-    if spec.kind == "te_nvfp4":
-        return [QuantPass(role=role, nbytes=nbytes, hadamard_flops=flops, hadamard_only=only,
-                          count=forward_count if q.phase == "forward" else backward_count)
-                for q in te_quantizations(tokens, k, n, spec.part)
-                for role, nbytes, flops, only in q.passes()]  # fmt: skip
+    if runs_in_transformer_engine(spec.part):
+        return [QuantPass(role=p.role, nbytes=p.nbytes, hadamard_flops=p.hadamard_flops, hadamard_only=p.hadamard_only,
+                          tn_only=p.tn_only, count=forward_count if q.phase == "forward" else backward_count)
+                for q in te_quantizations(tokens, k, n, spec.part) for p in q.passes()]  # fmt: skip
     if spec.kind != "fp4":
         return []
     config = spec.part
+    per_element = QUANT_BYTES_PER_ELEMENT + (FP8_CODE_EXTRA_BYTES if config.precision == "fp8" else 0.0)
 
     def emulated(role: str, elements: float, count: int, *, hadamard: bool = False, only: bool = False) -> QuantPass:
         flops = elements * HADAMARD_FLOPS_PER_ELEMENT if hadamard else 0.0
-        return QuantPass(role=role, nbytes=elements * QUANT_BYTES_PER_ELEMENT, hadamard_flops=flops, count=count,
-                         hadamard_only=only, emulated=True)  # fmt: skip
+        return QuantPass(role=role, nbytes=elements * per_element, hadamard_flops=flops, count=count,
+                         hadamard_only=only, emulated=True, elements=elements)  # fmt: skip
 
     def reference(role: str, elements: float, count: int) -> QuantPass:  # the transformed copy's current amax
         return QuantPass(role=role, nbytes=elements * HADAMARD_REFERENCE_BYTES_PER_ELEMENT,
@@ -285,20 +317,21 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     check_head_precision(head_precision)
     tokens = micro_batch * seq_len
     specs = linear_specs(model, recipe)
-    linear = native = 0.0
+    linear = 0.0
+    native: dict[str, dict[str, float]] = {"linear GEMMs": {}, "recompute": {}}
     passes: list[QuantPass] = []
     forward = block_forward_flops(model, recipe, batch=micro_batch, seq_len=seq_len)
     chosen = checkpointed_blocks(dist_cfg.activation_checkpointing, [t.block_type for t in model.layer_types])
-    recompute_native = 0.0
     for spec in specs:
         if spec.layer is None:
             continue
         gemm = 6.0 * tokens * spec.in_features * spec.out_features
         linear += gemm
-        if spec.kind == "te_nvfp4":
-            native += gemm
-            if chosen[spec.layer]:
-                recompute_native += gemm / 3
+        if runs_in_transformer_engine(spec.part):  # its GEMMs, and its recompute's forward GEMM
+            te_recipe = spec.part.te_recipe
+            for component, flops in (("linear GEMMs", gemm), ("recompute", gemm / 3 if chosen[spec.layer] else 0.0)):
+                if flops:
+                    native[component][te_recipe] = native[component].get(te_recipe, 0.0) + flops
         # the weight cache: a round-to-nearest FP4 weight quantized once per step, its recompute reading the cache
         once = weight_cache and grad_accum > 1 and spec.kind == "fp4" and spec.part.w.rounding == "rne"
         passes += _quant_passes(spec, tokens, forward_count=(2 if chosen[spec.layer] else 1) * grad_accum,
@@ -333,8 +366,9 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     configured = "FSDP" if replicate == 1 else f"HSDP {replicate}x{world_size // replicate}"
     return StepCost(world_size=world_size, tokens=tokens * grad_accum, flops=flops, precision=precision,
                     configured=configured,
-                    fp4_native_flops=(native + recompute_native) * grad_accum,
-                    quantized_elements=sum(p.count * p.nbytes / QUANT_BYTES_PER_ELEMENT for p in passes if p.emulated),
+                    native_flops={component: {recipe: flops * grad_accum for recipe, flops in by_recipe.items()}
+                                  for component, by_recipe in native.items() if by_recipe},
+                    quantized_elements=sum(p.count * p.elements for p in passes),
                     quant_passes=tuple(passes), collectives=collectives, layouts=layouts,
                     model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,
                     recompute_by_policy=recompute_by_policy)  # fmt: skip

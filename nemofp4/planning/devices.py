@@ -21,12 +21,19 @@ sources (checked 2026):
 * Scale-out between NVLink domains: one 400 Gb/s NDR InfiniBand NIC per GPU (ConnectX-7, the HGX
   H100/H200/B200 reference design: https://www.nvidia.com/en-us/data-center/hgx/), 50 GB/s per direction.
 
+* Compute capability (https://developer.nvidia.com/cuda-gpus): H100 and H200 9.0 (Hopper), B200 and
+  GB200 10.0 (Blackwell). It decides which Transformer Engine recipes run natively
+  (:data:`nemofp4.quant.TE_RECIPES`): per-tensor FP8 on all four, MXFP8 and NVFP4 on the Blackwells.
+
 NVLink figures are bidirectional in the datasheets; a collective's per-direction bandwidth is half.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from nemofp4.quant import TE_RECIPES
+from nemofp4.quant.te_linear import fp8_gemm_any_layout
 
 __all__ = ["DEVICES", "Device", "get_device"]
 
@@ -48,7 +55,10 @@ class Device:
     """Dense NVFP4 tensor-core peak; 0: no FP4 tensor cores (FP4 recipes run their GEMMs in BF16 on
     dequantized operands)."""
     fp8_tflops: float = 0.0
-    """Dense FP8 tensor-core peak; 0: none (no recipe runs FP8 GEMMs today: a field for plans)."""
+    """Dense FP8 tensor-core peak; 0: none (FP8 GEMMs run at the BF16 peak)."""
+    compute_capability: tuple[int, int]
+    """CUDA compute capability (major, minor): which Transformer Engine recipes run natively
+    (:meth:`runs`)."""
     hbm_tb_s: float
     nvlink_gb_s: float
     """Per direction, per GPU."""
@@ -59,6 +69,16 @@ class Device:
     gpus_per_node: int
     """GPUs per host (SLURM node): the shard group of the launcher's HSDP layout."""
     source: str
+
+    def runs(self, te_recipe: str) -> bool:
+        """Whether Transformer Engine runs ``te_recipe`` (its class name) natively here
+        (:data:`nemofp4.quant.TE_RECIPES`, TE's own rule by compute capability)."""
+        return TE_RECIPES[te_recipe].supports(self.compute_capability)
+
+    @property
+    def fp8_gemm_any_layout(self) -> bool:
+        """FP8 GEMMs take any operand layout (TE's ``nvte_is_non_tn_fp8_gemm_supported``): no FP8 transposes."""
+        return fp8_gemm_any_layout(self.compute_capability)
 
     def matmul_tflops(self, precision: str) -> float:
         """Dense peak of a GEMM computed in ``precision`` ('bf16', 'tf32', 'fp32', 'fp8' or 'fp4'); a
@@ -73,15 +93,19 @@ class Device:
 DEVICES: dict[str, Device] = {
     "h100": Device(name="H100 SXM5 80GB", memory_gib=80, bf16_tflops=989.5, tf32_tflops=494.5, fp32_tflops=67,
                    fp4_tflops=0, fp8_tflops=1979, hbm_tb_s=3.35, nvlink_gb_s=450, scale_out_gb_s=50, nvlink_domain=8, gpus_per_node=8,
+                   compute_capability=(9, 0),
                    source="https://www.nvidia.com/en-us/data-center/h100/"),
     "h200": Device(name="H200 SXM 141GB", memory_gib=141, bf16_tflops=989.5, tf32_tflops=494.5, fp32_tflops=67,
                    fp4_tflops=0, fp8_tflops=1979, hbm_tb_s=4.8, nvlink_gb_s=450, scale_out_gb_s=50, nvlink_domain=8, gpus_per_node=8,
+                   compute_capability=(9, 0),
                    source="https://www.nvidia.com/en-us/data-center/h200/"),
     "b200": Device(name="B200 (HGX) 180GB", memory_gib=180, bf16_tflops=2250, tf32_tflops=1100, fp32_tflops=80,
                    fp4_tflops=9000, fp8_tflops=4500, hbm_tb_s=8.0, nvlink_gb_s=900, scale_out_gb_s=50, nvlink_domain=8,
-                   gpus_per_node=8, source="https://www.nvidia.com/en-us/data-center/hgx/"),
+                   gpus_per_node=8, compute_capability=(10, 0),
+                   source="https://www.nvidia.com/en-us/data-center/hgx/"),
     "gb200": Device(name="GB200 (NVL72) 186GB", memory_gib=186, bf16_tflops=2500, tf32_tflops=1250, fp32_tflops=90,
                     fp4_tflops=10000, fp8_tflops=5000, hbm_tb_s=8.0, nvlink_gb_s=900, scale_out_gb_s=50, nvlink_domain=72, gpus_per_node=4,
+                    compute_capability=(10, 0),
                     source="https://www.nvidia.com/en-us/data-center/gb200-nvl72/"),
 }  # fmt: skip
 

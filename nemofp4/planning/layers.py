@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemofp4.models import NemotronHConfig
+from nemofp4.quant import OperandQuant
 from nemofp4.recipes import Recipe
 from nemofp4.recipes.recipe import HighPrecision, Part, part_kind
 
@@ -25,7 +26,7 @@ class LinearSpec:
     part_name: str
     part: Part
     kind: str
-    """:func:`nemofp4.recipes.recipe.part_kind`: 'fp4', 'te_nvfp4', 'fp32' or 'bf16'."""
+    """:func:`nemofp4.recipes.recipe.part_kind`: 'fp4', 'te_nvfp4', 'te_fp8', 'fp32' or 'bf16'."""
 
 
 def linear_specs(model: NemotronHConfig, recipe: Recipe) -> tuple[LinearSpec, ...]:
@@ -50,22 +51,23 @@ def linear_specs(model: NemotronHConfig, recipe: Recipe) -> tuple[LinearSpec, ..
     return tuple(specs)
 
 
-def _packed_bytes(rows: int, cols: int, block: int, two_d: bool) -> int:
-    """A packed FP4 operand [rows, cols] in blocks along cols (16x16 tiles when ``two_d``): the E2M1
-    codes (two per byte, dims padded to whole blocks), one scale code per block, and two FP32 scalars."""
+def _packed_bytes(op: OperandQuant, rows: int, cols: int) -> int:
+    """A packed operand [rows, cols] in blocks along cols (tiles when ``op.two_d``): the codes (two E2M1
+    or one FP8 a byte, dims padded to whole blocks), one scale code per block (none for per-tensor
+    scaling), and two FP32 scalars."""
+    block = op.block_size
     cols_padded = -(-cols // block) * block
-    rows_padded = -(-rows // block) * block if two_d else rows
-    scales = (rows_padded // block if two_d else rows_padded) * (cols_padded // block)
-    return rows_padded * cols_padded // 2 + scales + 8
+    rows_padded = -(-rows // block) * block if op.two_d else rows
+    scales = 0 if op.format.per_tensor else (rows_padded // block if op.two_d else rows_padded) * (cols_padded // block)
+    return rows_padded * cols_padded // (1 if op.is_fp8 else 2) + scales + 8
 
 
 def cached_weight_bytes(spec: LinearSpec) -> tuple[int, int]:
-    """Bytes an FP4 linear keeps in the weight cache of a step (``train.weight_cache``): W packed
+    """Bytes an emulated linear keeps in the weight cache of a step (``train.weight_cache``): W packed
     (made in forward) and a 1-D weight's W^T for dgrad (made in backward; a 2-D weight's W^T is W's
-    tiles transposed); (0, 0) for a linear that caches nothing (not emulated FP4, or a
-    stochastically rounded weight)."""
+    tiles transposed); (0, 0) for a linear that caches nothing (not emulated, or a stochastically
+    rounded weight)."""
     if spec.kind != "fp4" or spec.part.w.rounding != "rne":
         return 0, 0
     w, n, k = spec.part.w, spec.out_features, spec.in_features
-    fprop = _packed_bytes(n, k, w.block_size, w.two_d)
-    return fprop, 0 if w.two_d else _packed_bytes(k, n, w.block_size, False)
+    return _packed_bytes(w, n, k), 0 if w.two_d else _packed_bytes(w, k, n)

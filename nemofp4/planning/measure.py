@@ -4,7 +4,7 @@ The plan's activation and temporary figures are measured, not modelled: each dis
 kind and recipe selection, with and without activation checkpointing), the final norm with the head
 loss, and the optimizer step run at the config's real widths under ``FakeTensorMode`` (shapes and
 dtypes only), with the quantizer, Mamba scan and Transformer Engine linears a GPU run takes (:func:`gpu_quantizer_path`,
-:mod:`nemofp4.planning.standins`, :mod:`nemofp4.planning.te_nvfp4`). :class:`LiveBytes` follows every storage they create until it is
+:mod:`nemofp4.planning.standins`, :mod:`nemofp4.planning.te_linear`). :class:`LiveBytes` follows every storage they create until it is
 freed and labels it as FSDPMemTracker does: an *activation* when made in forward, a *temporary* when
 made in backward (a checkpointed block's recompute included: the tracker sees it as backward work).
 """
@@ -23,11 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemofp4.models import NemotronHConfig, build_model, get_model_config, lm_loss
 from nemofp4.quant import run_inside_for, set_quant_backend, set_quant_stats, set_step
-from nemofp4.recipes import Recipe, apply_recipe
+from nemofp4.recipes import Recipe, apply_recipe, is_quantized
 from nemofp4.training.parallel import checkpoint_block
 
 from .standins import mamba_kernel_standins
-from .te_nvfp4 import te_linear_standins
+from .te_linear import te_linear_standins
 
 __all__ = ["BlockMeasure", "HeadMeasure", "LiveBytes", "LiveTensorBytes", "gpu_quantizer_path", "measure_blocks",
            "measure_head", "measure_optimizer_step", "warm_format_tables"]
@@ -174,9 +174,10 @@ class BlockMeasure:
     """One block's bytes for one micro-batch, with activation checkpointing off (``saved``) and on."""
 
     kind: str
-    fp4_linears: int
-    fp4_parts: str
-    """Recipe parts of the FP4 linears ('' when none)."""
+    quantized_linears: int
+    """Its linears on quantized operands (emulated or in Transformer Engine)."""
+    quantized_parts: str
+    """Recipe parts of those linears ('' when none)."""
     layers: tuple[int, ...]
     """The blocks this measurement stands for."""
     parameters: int
@@ -200,7 +201,7 @@ class BlockMeasure:
 
 
 def _selection(specs, layer: int) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((s.fqn.split(".", 2)[2], s.part_name) for s in specs if s.layer == layer and s.kind in ("fp4", "te_nvfp4")))
+    return tuple(sorted((s.fqn.split(".", 2)[2], s.part_name) for s in specs if s.layer == layer and is_quantized(s.part)))
 
 
 def _run_block(block: nn.Module, *, batch: int, seq_len: int, width: int, dtype: torch.dtype, checkpointed: bool):
@@ -226,7 +227,7 @@ def _run_block(block: nn.Module, *, batch: int, seq_len: int, width: int, dtype:
 
 def measure_blocks(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micro_batch: int, dtype: torch.dtype,
                    quantizer: str = "triton", mamba_ssm: bool = False) -> list[BlockMeasure]:  # fmt: skip
-    """One :class:`BlockMeasure` per distinct (block kind, FP4 linears) of ``model`` under ``recipe``."""
+    """One :class:`BlockMeasure` per distinct (block kind, quantized linears) of ``model`` under ``recipe``."""
     from .layers import linear_specs
 
     specs = linear_specs(model, recipe)
@@ -247,7 +248,7 @@ def measure_blocks(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micr
             runs = {ac: _run_block(block, batch=micro_batch, seq_len=seq_len, width=model.hidden_size, dtype=dtype,
                                    checkpointed=ac) for ac in (False, True)}  # fmt: skip
         out.append(BlockMeasure(
-            kind=kind, fp4_linears=len(selection), fp4_parts=",".join(sorted({p for _, p in selection})),
+            kind=kind, quantized_linears=len(selection), quantized_parts=",".join(sorted({p for _, p in selection})),
             layers=tuple(layers), parameters=sum(p.numel() for p in block.parameters()),
             saved_bytes=runs[False][0], input_bytes=micro_batch * seq_len * model.hidden_size * dtype.itemsize,
             forward_peak={ac: r[1] for ac, r in runs.items()}, backward_peak={ac: r[2] for ac, r in runs.items()},

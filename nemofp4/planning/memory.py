@@ -23,7 +23,7 @@ import torch
 
 from nemofp4.models import NemotronHConfig
 from nemofp4.models.loss import DEFAULT_CHUNK_TOKENS
-from nemofp4.recipes import Recipe
+from nemofp4.recipes import Recipe, runs_in_transformer_engine
 from nemofp4.training.parallel import AC_BLOCK_TYPES, DistributedConfig, ac_policy, checkpointed_blocks
 
 from .measure import (
@@ -115,15 +115,15 @@ class MemoryPlan:
         return next((m for m in self.moments if (m.phase, m.group, m.micro_batch) == (phase, group, micro_batch)), None)
 
     def format(self) -> str:
-        lines = ["| layer kind | FP4 linears (part) | layers | saved per layer, no AC (GiB) | kept per layer with AC (GiB) |",
+        lines = ["| layer kind | quantized linears (part) | layers | saved per layer, no AC (GiB) | kept per layer with AC (GiB) |",
                  "|---|---|---|---|---|"]  # fmt: skip
         for c in self.layers:
-            fp4 = f"{c.fp4_linears} ({c.fp4_parts})" if c.fp4_linears else "0"
-            lines.append(f"| {c.kind} | {fp4} | {c.count} | {c.saved_bytes / GIB:.3f} | {c.input_bytes / GIB:.3f} |")
+            quantized = f"{c.quantized_linears} ({c.quantized_parts})" if c.quantized_linears else "0"
+            lines.append(f"| {c.kind} | {quantized} | {c.count} | {c.saved_bytes / GIB:.3f} | {c.input_bytes / GIB:.3f} |")
         lines += ["", f"| item | GiB per GPU | counted as (peak: {self.peak.describe()}) |", "|---|---|---|"]
         lines += [f"| {name} | {nbytes / GIB:.2f} | {how} |" for name, nbytes, how in self.rows]
         lines.append(f"| **total** | **{self.total_bytes / GIB:.2f}** | |")
-        lines += ["", f"Mamba scan: {self.mamba_scan} ({_SCAN_NOTE[self.mamba_scan]}); FP4 quantizer: {self.quantizer}."]
+        lines += ["", f"Mamba scan: {self.mamba_scan} ({_SCAN_NOTE[self.mamba_scan]}); emulated quantizer: {self.quantizer}."]
         if self.weight_cache_bytes:
             lines.append(f"FP4 weights quantized once per step (train.weight_cache): {self.weight_cache_bytes / GIB:.2f} GiB "
                          "of packed operands held through the step.")  # fmt: skip
@@ -246,9 +246,17 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
     chosen = checkpointed_blocks(policy, [t.block_type for t in model.layer_types])
     after_forward = sum(by_layer[i].kept(c) for i, c in enumerate(chosen)) + head.saved_bytes
     notes = ()
-    if quantizer == "triton":
-        notes = ("FP4 operands are quantized by the Triton kernels of a CUDA run (their buffers, from the kernels' "
-                 "fake implementations); train.kernels=eager plans the torch program's.",)  # fmt: skip
+    emulated = {p.precision for p in recipe.parts.values() if p.kind == "fp4"}
+    if quantizer == "triton" and "fp4" in emulated:
+        notes += ("FP4 operands are quantized by the Triton kernels of a CUDA run (their buffers, from the kernels' "
+                  "fake implementations); train.kernels=eager plans the torch program's.",)  # fmt: skip
+    if "fp8" in emulated:
+        notes += ("Emulated FP8 operands are quantized by the torch program (the Triton kernels have no FP8 "
+                  "payloads).",)  # fmt: skip
+    te_recipes = sorted({p.te_recipe for p in recipe.parts.values() if runs_in_transformer_engine(p)})
+    if te_recipes:
+        notes += (f"Transformer Engine's linears ({', '.join(te_recipes)}) are measured by stand-ins that keep what "
+                  "te.Linear keeps under FSDP2 (nemofp4/planning/te_linear.py).",)  # fmt: skip
     return MemoryPlan(peak=peak, moments=tuple(moments), layers=tuple(blocks), head=head, activation_checkpointing=policy,
                       activations_after_forward=after_forward, reserve_bytes=int(reserve_gib * GIB),
                       weight_cache_bytes=sum(map(sum, cache)) if cache else 0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from nemofp4.quant import TE_RECIPES
+
 from .cost import ROLES, StepCost
 from .devices import Device
 from .memory import CATEGORIES, GIB, MemoryPlan
@@ -9,7 +11,7 @@ from .simulate import SimulatedMemory
 
 __all__ = ["cost_table", "simulation_table"]
 
-_PRECISION = {"bf16": "BF16", "fp32": "FP32", "tf32": "TF32", "fp4": "FP4"}
+_PRECISION = {"bf16": "BF16", "fp32": "FP32", "tf32": "TF32", "fp8": "FP8", "fp4": "FP4"}
 
 
 def cost_table(cost: StepCost, device: Device | None) -> str:
@@ -17,16 +19,19 @@ def cost_table(cost: StepCost, device: Device | None) -> str:
     with a device, the projected step time, MFU and model-body throughput of each layout."""
     lines = [f"Step cost per rank and optimizer step ({cost.tokens:,} tokens per rank):", "",
              "| component | TFLOP | GEMMs in |", "|---|---|---|"]  # fmt: skip
-    native_share = cost.fp4_native_flops / max(cost.flops["linear GEMMs"] + cost.flops["recompute"], 1)
     for name, flops in cost.flops.items():
         precision = _PRECISION[cost.precision[name]]
-        if name in ("linear GEMMs", "recompute") and cost.fp4_native_flops:
-            precision = f"FP4 (Transformer Engine, {native_share * 100:.0f}%) where the device has it, else {precision}"
+        native = ", ".join(f"{_PRECISION[TE_RECIPES[recipe].gemm]} (Transformer Engine's {recipe}, "
+                           f"{te_flops / max(flops, 1) * 100:.0f}%)"
+                           for recipe, te_flops in cost.native_flops.get(name, {}).items())  # fmt: skip
+        if native:
+            precision = f"{native} where the device runs it, else {precision}"
         lines.append(f"| {name} | {flops / 1e12:,.1f} | {precision} |")
     lines.append(f"| **total** | **{cost.total_flops / 1e12:,.1f}** | |")
     traffic = dict.fromkeys(ROLES, 0.0)
     for p in cost.quant_passes:
-        traffic[p.role] += p.count * p.nbytes
+        if not (p.tn_only and device is not None and device.fp8_gemm_any_layout):  # no FP8 transposes there
+            traffic[p.role] += p.count * p.nbytes
     rht = sum(p.count * p.hadamard_flops for p in cost.quant_passes)
     by_role = ", ".join(f"{role} {nbytes / 1e9:,.0f}" for role, nbytes in traffic.items() if nbytes)
     lines.append(f"| quantization passes (amax, cast) | {sum(traffic.values()) / 1e9:,.1f} GB of HBM traffic"
@@ -50,9 +55,10 @@ def cost_table(cost: StepCost, device: Device | None) -> str:
             p = cost.project(device, layout)
             lines.append(f"| {layout} | {sum(p.compute_s.values()):.2f} | {p.quant_s:.2f} | {p.comm_s:.2f} | "
                          f"{p.step_s:.2f} | {p.mfu * 100:.1f}% | {p.body_tokens_per_s:,.0f} |")  # fmt: skip
-        if cost.fp4_native_flops and not device.fp4_tflops:
-            lines += ["", f"{device.name} has no FP4 tensor cores: Transformer Engine's NVFP4 does not run there "
-                          "(its GEMMs are costed at the BF16 peak)."]  # fmt: skip
+        for recipe in cost.native_by_recipe():
+            if not device.runs(recipe):
+                lines += ["", f"{device.name} does not run Transformer Engine's {recipe}, which needs "
+                              f"{TE_RECIPES[recipe].needs}: its GEMMs are costed at the BF16 peak."]  # fmt: skip
     return "\n".join(lines)
 
 

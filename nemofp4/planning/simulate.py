@@ -44,7 +44,7 @@ from nemofp4.training.parallel import DistributedConfig, parallelize, set_gradie
 from .measure import gpu_quantizer_path, warm_format_tables
 from .memory import CATEGORIES
 from .standins import mamba_kernel_standins, mamba_scan_path
-from .te_nvfp4 import te_linear_standins
+from .te_linear import te_linear_standins
 
 __all__ = ["SimulatedMemory", "simulate_memory"]
 

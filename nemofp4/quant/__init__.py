@@ -38,7 +38,7 @@ from .state import (
     snapshot,
     without_quant_state,
 )
-from .te_linear import TENVFP4Linear, transformer_engine_status
+from .te_linear import TE_RECIPES, TELinear, TENVFP4Linear, TERecipe, transformer_engine_status
 from .training import QuantTraining, QuantTrainingConfig
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "MODULE_STATE",
     "ROUNDING_MODES",
     "SCALE_FORMATS",
+    "TE_RECIPES",
     "WRAPPER_SEGMENTS",
     "FP32Linear",
     "GemmOperand",
@@ -60,7 +61,9 @@ __all__ = [
     "cached_weights",
     "ReferenceState",
     "Role",
+    "TELinear",
     "TENVFP4Linear",
+    "TERecipe",
     "canonical_fqn",
     "decoded_gemm",
     "gemm",

@@ -1,7 +1,7 @@
 """Precision recipes: registered, data-only descriptions of how every linear trains.
 
     from nemofp4.recipes import get_recipe, apply_recipe
-    recipe = get_recipe("ue5m3")          # or "bf16", "nvfp4", "nvfp4_delayed", "ue5m3_te_settings", ...
+    recipe = get_recipe("ue5m3")          # or "bf16", "nvfp4", "fp8", "fp8_te", "ue5m3_te_settings", ...
     table = apply_recipe(model, recipe)   # swaps in nemofp4.quant.QuantLinear; returns the table
 
 Each recipe is a typed dataclass whose fields are its knobs (:mod:`.registry`), also the Hydra
@@ -19,8 +19,17 @@ from .config import (
     recipe_knobs,
     register_recipe,
 )
-from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4, part_kind
-from .registry import emulated_config
+from .recipe import (
+    HighPrecision,
+    Part,
+    Recipe,
+    TransformerEngineFP8,
+    TransformerEngineNVFP4,
+    is_quantized,
+    part_kind,
+    runs_in_transformer_engine,
+)
+from .registry import emulated_config, emulated_recipe
 from .rules import LayerSpan, Rule, first_layers, last_layers, layer_indices
 
 __all__ = [
@@ -33,11 +42,14 @@ __all__ = [
     "Recipe",
     "RecipeUnavailableError",
     "Rule",
+    "TransformerEngineFP8",
     "TransformerEngineNVFP4",
     "apply_recipe",
     "emulated_config",
+    "emulated_recipe",
     "first_layers",
     "get_recipe",
+    "is_quantized",
     "last_layers",
     "layer_indices",
     "list_recipes",
@@ -47,4 +59,5 @@ __all__ = [
     "recipe_knobs",
     "register_recipe",
     "resolve_recipe",
+    "runs_in_transformer_engine",
 ]

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from nemofp4.quant import FP32Linear, QuantLinear, TENVFP4Linear, transformer_engine_status
+from nemofp4.quant import FP32Linear, QuantLinear, TELinear, transformer_engine_status
 
-from .recipe import HighPrecision, Recipe
+from .recipe import HighPrecision, Recipe, runs_in_transformer_engine
+from .registry import emulated_recipe
 
 __all__ = ["LayerRow", "LayerTable", "RecipeUnavailableError", "apply_recipe", "resolve_recipe"]
 
@@ -42,7 +43,7 @@ class LayerRow:
     part: str
     """Recipe part name, or '(no rule)' for a linear no rule claimed (left unchanged)."""
     kind: str
-    """'fp4' | 'te_nvfp4' | 'fp32' | 'bf16' (model dtype)."""
+    """'fp4' | 'te_nvfp4' | 'te_fp8' | 'fp32' | 'bf16' (model dtype)."""
     rule: int | None
     """Index of the rule that claimed it."""
     detail: str
@@ -58,7 +59,7 @@ class LayerTable:
     """Part name -> its settings, for the legend under the table."""
 
     def counts(self) -> dict[str, int]:
-        """Linears per kind ('fp4', 'bf16', 'fp32', 'te_nvfp4')."""
+        """Linears per kind ('fp4', 'bf16', 'fp32', 'te_nvfp4', 'te_fp8')."""
         return dict(Counter(row.kind for row in self.rows))
 
     def count(self, kind: str) -> int:
@@ -89,7 +90,7 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> list[tuple[str, nn.Linea
     """
     num_layers = len(model.layers) if isinstance(getattr(model, "layers", None), nn.ModuleList) else 0
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    already = [name for name, m in linears if isinstance(m, (QuantLinear, FP32Linear, TENVFP4Linear))]
+    already = [name for name, m in linears if isinstance(m, (QuantLinear, FP32Linear, TELinear))]
     if already:
         raise ValueError(f"a precision recipe was already applied to this model (e.g. {already[0]!r} is converted)")
     claimed: dict[str, int] = {}
@@ -114,14 +115,14 @@ def apply_recipe(model: nn.Module, recipe: Recipe, *, log: bool = True) -> Layer
 
     Works on a meta-device model (call it before parallelization and materialization).
     Raises :class:`RecipeUnavailableError` for a Transformer Engine recipe on a machine that
-    lacks TE or an FP4 GPU, and ValueError for a rule that selects nothing.
+    lacks TE or a GPU that runs it, and ValueError for a rule that selects nothing.
     """
-    if recipe.needs_transformer_engine:
-        ok, reason = transformer_engine_status()
+    for part in dict.fromkeys(p for p in recipe.parts.values() if runs_in_transformer_engine(p)):
+        ok, reason = transformer_engine_status(part)
         if not ok:
             raise RecipeUnavailableError(
-                f"recipe {recipe.name!r} runs te.Linear under Transformer Engine's NVFP4BlockScaling, but {reason}. "
-                "Use precision=nvfp4 instead: the same NVFP4 recipe emulated bit-faithfully in PyTorch."
+                f"recipe {recipe.name!r} runs te.Linear under Transformer Engine's {part.te_recipe}, but {reason}. "
+                f"Use precision={emulated_recipe(part).name} instead: the same recipe emulated bit-faithfully in PyTorch."
             )
     resolved = resolve_recipe(model, recipe)
     modules = dict(model.named_modules())
@@ -141,8 +142,8 @@ def apply_recipe(model: nn.Module, recipe: Recipe, *, log: bool = True) -> Layer
         if part.kind == "fp4":
             QuantLinear.from_linear(linear, part, index=fp4_index)
             fp4_index += 1
-        elif part.kind == "te_nvfp4":
-            _replace_child(modules, fqn, TENVFP4Linear.from_linear(linear, part))
+        elif runs_in_transformer_engine(part):
+            _replace_child(modules, fqn, TELinear.from_linear(linear, part))
         elif part.kind == "fp32":
             FP32Linear.from_linear(linear)
         rows.append(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from nemofp4.quant import LinearQuantConfig, OperandQuant
 
 from .config import PrecisionConfig, description, register_recipe
-from .recipe import HighPrecision, Part, Recipe, TransformerEngineNVFP4
+from .recipe import HighPrecision, Part, Recipe, TransformerEngineFP8, TransformerEngineNVFP4
 from .rules import Rule, last_layers, layer_indices
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "FP8",
     "MXFP4",
     "MXFP8",
+    "FP8TransformerEngine",
+    "MXFP8TransformerEngine",
     "NVFP4",
     "UE5M3",
     "NVFP4AllFP4NoRHT",
@@ -26,6 +28,7 @@ __all__ = [
     "NVFP4TransformerEngine",
     "UE5M3TESettings",
     "emulated_config",
+    "emulated_recipe",
 ]
 
 # Module globs of the model (nemofp4.models.nemotron_h): every eligible linear is a mixer projection.
@@ -172,6 +175,58 @@ class NVFP4TransformerEngine(PrecisionConfig):
     def build(self) -> Recipe:
         part = TransformerEngineNVFP4(disable_rht=self.disable_rht)
         return _recipe(self, {"fp4": part, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
+
+
+@register_recipe
+@dataclass(kw_only=True)
+class FP8TransformerEngine(PrecisionConfig):
+    """Per-tensor FP8 run natively by Transformer Engine: te.Linear under Float8CurrentScaling.
+
+    TE's default HYBRID format (E4M3 for X and W, E5M2 for dY), one FP32 scale per tensor from its
+    current amax. Needs transformer_engine and an FP8 GPU (SM 8.9+: Hopper, Blackwell); elsewhere
+    apply_recipe raises and suggests precision=fp8, the bit-faithful emulation. Every linear but the
+    LM head in FP8, as Megatron (without ``--first-last-layers-bf16``) and TE do by default; the LM
+    head in FP32.
+    """
+
+    name: str = "fp8_te"
+    fp8_format: str = "hybrid"
+    """TE's Format: 'hybrid' (E4M3 forward, E5M2 gradients; TE's default) or 'e4m3' (E4M3 everywhere)."""
+    power_of_two_scales: bool = False
+    """Per-tensor scales rounded down to a power of two (TE's ``QParams.power_2_scale``)."""
+    num_bf16_last_layers: int = 0
+    """Pattern layers at the end of the stack kept in BF16 (Megatron's ``--first-last-layers-bf16
+    --num-layers-at-end-in-bf16``; at most a fifth of the layers)."""
+
+    def build(self) -> Recipe:
+        part = TransformerEngineFP8(scaling="current", fp8_format=self.fp8_format,
+                                    power_of_two_scales=self.power_of_two_scales)  # fmt: skip
+        return _recipe(self, {"fp8": part, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers, "fp8"))
+
+
+@register_recipe
+@dataclass(kw_only=True)
+class MXFP8TransformerEngine(PrecisionConfig):
+    """MXFP8 run natively by Transformer Engine: te.Linear under MXFP8BlockScaling.
+
+    E4M3 everywhere (TE's MXFP8 default format) in 32-element blocks along each GEMM's reduction
+    dimension, an E8M0 (power-of-two) scale per block, each operand's row-wise and column-wise copies
+    quantized from the BF16 tensor. Needs transformer_engine and a Blackwell GPU (SM 10.x); elsewhere
+    apply_recipe raises and suggests precision=mxfp8, the bit-faithful emulation. Every linear but the
+    LM head in MXFP8, as Megatron (without ``--first-last-layers-bf16``) and TE do by default; the LM
+    head in FP32.
+    """
+
+    name: str = "mxfp8_te"
+    fp8_format: str = "e4m3"
+    """TE's Format: 'e4m3' (TE's MXFP8 default) or 'hybrid' (E5M2 gradients)."""
+    num_bf16_last_layers: int = 0
+    """Pattern layers at the end of the stack kept in BF16 (Megatron's ``--first-last-layers-bf16
+    --num-layers-at-end-in-bf16``; at most a fifth of the layers)."""
+
+    def build(self) -> Recipe:
+        part = TransformerEngineFP8(scaling="mxfp8", fp8_format=self.fp8_format)
+        return _recipe(self, {"fp8": part, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers, "fp8"))
 
 
 @register_recipe
@@ -382,11 +437,25 @@ class MXFP8(PrecisionConfig):
         return _recipe(self, {"fp8": fp8, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers, "fp8"))
 
 
+def emulated_recipe(part: Part) -> PrecisionConfig | None:
+    """The emulated recipe, at the part's settings, that computes what a Transformer Engine part runs
+    natively: nvfp4 for NVFP4BlockScaling, fp8 for Float8CurrentScaling, mxfp8 for MXFP8BlockScaling
+    (TE's round-up E8M0 scales); None for any other part."""
+    if part.kind == "te_nvfp4":
+        return NVFP4(disable_rht=part.disable_rht)
+    if part.kind == "te_fp8" and part.scaling == "current":
+        return FP8(fp8_format=part.fp8_format, power_of_two_scales=part.power_of_two_scales)
+    if part.kind == "te_fp8":
+        return MXFP8(fp8_format=part.fp8_format)
+    return None
+
+
 def emulated_config(part: Part) -> LinearQuantConfig | None:
-    """The emulated FP4 config whose numerics and saves stand for ``part``: itself for an FP4 part,
-    the nvfp4 recipe's for Transformer Engine's NVFP4 (what it runs natively), None for BF16/FP32."""
+    """The emulated config whose numerics and saves stand for ``part``: itself for an emulated part, the
+    linear config of :func:`emulated_recipe` for a Transformer Engine part, None for BF16/FP32."""
     if part.kind == "fp4":
         return part
-    if part.kind == "te_nvfp4":
-        return NVFP4(disable_rht=part.disable_rht).build().parts["fp4"]
-    return None
+    emulation = emulated_recipe(part)
+    if emulation is None:
+        return None
+    return next(p for p in emulation.build().parts.values() if p.kind == "fp4")

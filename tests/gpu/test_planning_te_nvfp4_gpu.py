@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from nemofp4.planning.te_nvfp4 import TELinearStandIn, te_linear_operands
+from nemofp4.planning.te_linear import TELinearStandIn, te_linear_operands
 from nemofp4.quant import TENVFP4Linear, transformer_engine_status
 from nemofp4.recipes import get_recipe
 

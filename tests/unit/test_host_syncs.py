@@ -25,7 +25,8 @@ from nemofp4.recipes import apply_recipe, get_recipe, list_recipes
 from nemofp4.training.optim import OptimConfig, build_optimizer
 from nemofp4.training.parallel import DistributedConfig, parallelize
 
-NATIVE = {"nvfp4_te"}  # Transformer Engine's own kernels: not our quantization path, and no TE on CPU
+NATIVE = {name for name in list_recipes() if get_recipe(name).needs_transformer_engine}
+"""Transformer Engine's own kernels: not our quantization path, and no TE on CPU."""
 
 
 def _holds_references(recipe) -> bool:

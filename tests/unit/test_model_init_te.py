@@ -36,7 +36,7 @@ def _initialised(recipe_name: str) -> nn.Module:
 
 
 def test_nvfp4_te_init_equals_emulated_nvfp4_init(monkeypatch):
-    monkeypatch.setattr(recipe_apply, "transformer_engine_status", lambda: (True, ""))
+    monkeypatch.setattr(recipe_apply, "transformer_engine_status", lambda part=None: (True, ""))
     monkeypatch.setattr(TENVFP4Linear, "from_linear", staticmethod(lambda linear, part: StandInTELinear(linear)))
     te_model = _initialised("nvfp4_te")
     emulated = _initialised("nvfp4")

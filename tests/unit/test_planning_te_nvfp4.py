@@ -15,7 +15,7 @@ from nemofp4.models import get_model_config
 from nemofp4.planning import get_device, step_cost
 from nemofp4.planning.ablation import recipe_ablation
 from nemofp4.planning.measure import LiveTensorBytes
-from nemofp4.planning.te_nvfp4 import (
+from nemofp4.planning.te_linear import (
     HADAMARD_FLOPS_PER_ELEMENT,
     TELinearStandIn,
     te_linear_operands,
@@ -105,10 +105,10 @@ def test_nvfp4_te_is_measured_without_transformer_engine():
                     for r in (te_recipe, emulated_recipe))  # fmt: skip
     part = te_recipe.parts["fp4"]
     specs = linear_specs(model, te_recipe)
-    assert te and all(block.fp4_linears for block in te)
+    assert te and all(block.quantized_linears for block in te)
     for te_block, emu_block in zip(te, emulated, strict=True):
-        assert (te_block.kind, te_block.layers, te_block.fp4_linears) == (emu_block.kind, emu_block.layers,
-                                                                          emu_block.fp4_linears)  # fmt: skip
+        assert (te_block.kind, te_block.layers, te_block.quantized_linears) == (emu_block.kind, emu_block.layers,
+                                                                          emu_block.quantized_linears)  # fmt: skip
         # the emulation keeps X^T (codes, a scale per block, tensor scale and amax) and W's 16x16 tiles
         # (zero-padded to whole tiles); TE keeps X^T (codes, padded scales, amax) alone
         difference = 0
@@ -119,7 +119,7 @@ def test_nvfp4_te_is_measured_without_transformer_engine():
             emulated_w = tiles * 16 * 16 // 2 + tiles + 8
             difference += emulated_xt + emulated_w - te_linear_operands(tokens, k, n, part)[-1].nbytes
         # to a few bytes per linear: what the emulated linear's own state creates in forward (its amaxes)
-        assert 0 <= emu_block.saved_bytes - te_block.saved_bytes - difference <= 8 * te_block.fp4_linears, te_block.kind
+        assert 0 <= emu_block.saved_bytes - te_block.saved_bytes - difference <= 8 * te_block.quantized_linears, te_block.kind
 
 
 def test_te_quantizer_passes_and_the_hadamard_transform_per_role():

@@ -11,7 +11,7 @@ from nemofp4.recipes import apply_recipe, list_recipes, recipe_from_config
 from nemofp4.training.config import JobConfig, compute_budget
 
 RECIPES = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed", "fp8",
-           "mxfp8"]
+           "mxfp8", "fp8_te", "mxfp8_te"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
