@@ -18,6 +18,7 @@ from nemofp4.recipes import (
     PrecisionConfig,
     RecipeUnavailableError,
     Rule,
+    TransformerEngineFP8,
     TransformerEngineNVFP4,
     apply_recipe,
     emulated_config,
@@ -34,8 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "precision"
 ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed", "fp8",
-       "mxfp8"]
-EMULATED = [name for name in ALL if name != "nvfp4_te"]
+       "mxfp8", "fp8_te", "mxfp8_te"]
+EMULATED = [name for name in ALL if not name.endswith("_te")]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,8 @@ def test_registry_lists_every_recipe_and_each_instantiates_with_its_own_descript
         key = {"bf16": "BF16", "nvfp4": "NVFP4", "nvfp4_te": "Transformer Engine", "ue5m3": "UE5M3",
                "ue5m3_te_settings": "UE5M3", "nvfp4_all_fp4_no_rht": "NVFP4", "mxfp4": "MXFP4",
                "nvfp4_delayed": "sample-and-hold", "fp8": "Float8CurrentScaling",
-               "mxfp8": "MXFP8BlockScaling"}[name]  # fmt: skip
+               "mxfp8": "MXFP8BlockScaling", "fp8_te": "Float8CurrentScaling",
+               "mxfp8_te": "MXFP8BlockScaling"}[name]  # fmt: skip
         assert key in recipe.description, (name, recipe.description)
 
 
@@ -138,11 +140,14 @@ def test_every_part_names_its_kind_and_the_emulated_config_that_stands_for_it():
                 assert (part.kind, emulated_config(part)) == ("fp4", part)
             elif isinstance(part, TransformerEngineNVFP4):
                 assert (part.kind, emulated_config(part)) == ("te_nvfp4", nvfp4_fp4)
+            elif isinstance(part, TransformerEngineFP8):  # stands for the emulated fp8 / mxfp8 recipe's part
+                emulated = get_recipe("fp8" if part.scaling == "current" else "mxfp8").parts["fp8"]
+                assert (part.kind, emulated_config(part)) == ("te_fp8", emulated)
             else:
                 assert isinstance(part, HighPrecision)
                 assert (part.kind, emulated_config(part)) == ("fp32" if part.compute == "fp32" else "bf16", None)
             seen.add(part.kind)
-    assert seen == {"fp4", "te_nvfp4", "fp32", "bf16"}
+    assert seen == {"fp4", "te_nvfp4", "te_fp8", "fp32", "bf16"}
 
 
 def test_apply_swaps_classes_in_place_on_meta_and_keeps_the_parameters():
