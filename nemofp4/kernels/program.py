@@ -146,7 +146,13 @@ class _Spec:
     @classmethod
     def of(cls, op: BlockSpec, pack: bool, measure: bool, values: bool, *, two_d: bool = False,
            columns: bool = False) -> _Spec:  # fmt: skip
-        """The spec of quantizing with ``op`` in the given layout."""
+        """The spec of quantizing with ``op`` in the given layout. The FP4 core has OCP's floor exponent
+        only: an E2M1 UE8M0 spec in 'ceil' mode is the reference's and the Triton kernels', refused here
+        rather than floored."""
+        if not op.is_fp8 and op.format.power_of_two and op.mx_scale_mode != "floor":
+            raise ValueError(f"mx_scale_mode={op.mx_scale_mode!r} with E2M1 payloads: the torch program quantizes "
+                             "FP4 MX blocks with OCP's floor rule only (nemofp4.formats.quantize_blocks and the "
+                             "Triton kernels have 'ceil')")  # fmt: skip
         return cls(op.scale_format, op.block_size, two_d, op.rounding, pack, measure=measure, columns=columns,
                    hadamard=op.hadamard and columns, values=check_values(pack, values), element=op.element_format,
                    mx_scale_mode=op.mx_scale_mode, power_of_two_scale=op.power_of_two_scale)  # fmt: skip

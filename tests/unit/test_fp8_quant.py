@@ -402,3 +402,10 @@ def test_fp8_linear_outputs_and_gradients_reach_their_sqnr(name):
     floors, ceiling = FP8_SQNR[name]
     for what, e, a, floor in zip(("y", "dX", "dW"), _run(ref, x, dy), _run(layer, x, dy), floors):
         assert floor <= _sqnr_db(e, a) < ceiling, (name, what, _sqnr_db(e, a))
+
+
+def test_the_fp4_program_refuses_the_mx_ceil_mode_it_does_not_implement():
+    op = OperandQuant(scale_format="ue8m0", block_size=32, mx_scale_mode="ceil")
+    with pytest.raises(ValueError, match="floor rule only"):
+        program.quantize_operand(torch.randn(4, 32), op)
+    program.quantize_operand(torch.randn(4, 32), _spec("e4m3", "ue8m0", mx_scale_mode="ceil"))  # FP8: TE's rule
