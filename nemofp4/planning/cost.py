@@ -14,7 +14,9 @@ Transformer Engine's GEMMs at the FP4 or FP8 peak on hardware that runs their re
 head at its precision's; attention at half its FLOPs, as a causal flash kernel skips masked tiles),
 quantization at HBM bandwidth, collectives at the link bandwidth (NVLink inside an NVLink domain, the
 scale-out NIC beyond), overlapped with compute as FSDP2 prefetches. A lower bound on the step time:
-real kernels reach a fraction of peak.
+real kernels reach a fraction of peak. With achieved efficiencies (:mod:`nemofp4.planning.efficiency`,
+``nemofp4-plan``'s default) each term is divided by its kernels' measured fraction of peak, and the
+elementwise kernels, the optimizer step and the kernel launches are added.
 """
 
 from __future__ import annotations
