@@ -7,6 +7,7 @@ device; `simulate=true` also runs the step on fake tensors over a fake process g
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, fields, replace
 
@@ -42,7 +43,15 @@ class PlanConfig(JobConfig):
     simulate: bool = False
     """Also run the training step at its real widths on fake tensors over a fake process group of
     world_size ranks (FSDP2 only) and print its measured peak beside the plan."""
+    efficiency: str = "achieved"
+    """The step-time projection: achieved (each kernel class at its measured fraction of peak:
+    nemofp4.planning.efficiency, the prediction) or peak (the roofline, a lower bound on the step time)."""
+    format: str = "table"
+    """How the plan is printed: table (Markdown tables for a reader) or json (one JSON object for sweeps
+    and other tools: nemofp4.planning.report.plan_summary)."""
 
+
+PLAN_FORMATS = ("table", "json")
 
 _PLAN_KEYS = tuple(f.name for f in fields(PlanConfig) if f.name not in {g.name for g in fields(JobConfig)})
 
@@ -59,15 +68,21 @@ def split_plan_config(cfg: DictConfig) -> tuple[JobConfig, dict]:
 
 def plan_report(job: JobConfig, *, world_size: int, device: str = "", device_memory_gib: float | None = None,
                 chunked_head: bool | None = None, reserve_gib: float = 4.0, mamba_scan: str = "auto",
-                simulate: bool = False) -> str:  # fmt: skip
-    """Everything `nemofp4-plan` prints for ``job`` on ``world_size`` GPUs."""
+                simulate: bool = False, efficiency: str = "achieved", format: str = "table") -> str:  # fmt: skip
+    """Everything `nemofp4-plan` prints for ``job`` on ``world_size`` GPUs: tables, or with
+    ``format='json'`` one JSON object (:func:`nemofp4.planning.report.plan_summary`)."""
     from nemofp4 import planning
-    from nemofp4.planning.report import cost_table, simulation_table
+    from nemofp4.planning.efficiency import PEAK, get_efficiency
+    from nemofp4.planning.report import cost_table, plan_summary, simulation_table
+
+    if format not in PLAN_FORMATS:
+        raise ValueError(f"format={format!r}; valid: {', '.join(PLAN_FORMATS)}")
 
     if simulate and job.distributed.backend != "fsdp":  # before minutes of planning, not after
         raise ValueError(f"simulate=true with distributed.backend={job.distributed.backend!r}: the simulation "
                          "measures FSDP2 runs; use distributed=fsdp")  # fmt: skip
     preset = planning.get_device(device) if device else None
+    achieved = get_efficiency(efficiency, device.strip().lower()) if device else PEAK
     memory_gib = device_memory_gib if device_memory_gib is not None else (preset.memory_gib if preset else 80.0)
     auto = job.distributed.activation_checkpointing == AC_AUTO
     if auto:  # plan what the trainer's start-up would pick on this device (none while choosing)
@@ -80,18 +95,25 @@ def plan_report(job: JobConfig, *, world_size: int, device: str = "", device_mem
         job = replace(job, distributed=replace(job.distributed, activation_checkpointing=recommendation.chosen))
         plan = planning.plan_for_job(job, world_size=world_size, device_memory_gib=memory_gib, chunked_head=chunked_head,
                                      reserve_gib=reserve_gib, mamba_scan=mamba_scan, measured=plan.measured)  # fmt: skip
+    per_node = preset.gpus_per_node if preset else 8
+    cost = planning.cost_for_job(job, world_size=world_size, gpus_per_node=per_node, chunked_head=chunked_head)
+    sim = None
+    if simulate:
+        started = time.perf_counter()
+        sim = planning.simulate_for_job(job, world_size=world_size, mamba_scan=mamba_scan, chunked_head=chunked_head)
+        sim_wall_s = time.perf_counter() - started
+    if format == "json":
+        summary = plan_summary(plan, cost, preset, activation_checkpointing=job.distributed.activation_checkpointing,
+                               simulated=sim, efficiency=achieved)  # fmt: skip
+        return json.dumps(summary, indent=2)
     sections = [plan.format(), recommendation.format()]
     if auto:
         picked = (f"picks {recommendation.chosen} at {memory_gib:g} GiB per GPU; the plan above is of that policy"
                   if recommendation.chosen else f"fails at {memory_gib:g} GiB per GPU: no policy fits")
         sections.append(f"distributed.activation_checkpointing=auto {picked}.")
-    per_node = preset.gpus_per_node if preset else 8
-    cost = planning.cost_for_job(job, world_size=world_size, gpus_per_node=per_node, chunked_head=chunked_head)
-    sections.append(cost_table(cost, preset))
-    if simulate:
-        started = time.perf_counter()
-        sim = planning.simulate_for_job(job, world_size=world_size, mamba_scan=mamba_scan, chunked_head=chunked_head)
-        sections.append(simulation_table(sim, plan, world_size=world_size, wall_s=time.perf_counter() - started))
+    sections.append(cost_table(cost, preset, achieved))
+    if sim is not None:
+        sections.append(simulation_table(sim, plan, world_size=world_size, wall_s=sim_wall_s))
     return "\n\n".join(sections)
 
 

@@ -14,7 +14,9 @@ Transformer Engine's GEMMs at the FP4 or FP8 peak on hardware that runs their re
 head at its precision's; attention at half its FLOPs, as a causal flash kernel skips masked tiles),
 quantization at HBM bandwidth, collectives at the link bandwidth (NVLink inside an NVLink domain, the
 scale-out NIC beyond), overlapped with compute as FSDP2 prefetches. A lower bound on the step time:
-real kernels reach a fraction of peak.
+real kernels reach a fraction of peak. With achieved efficiencies (:mod:`nemofp4.planning.efficiency`,
+``nemofp4-plan``'s default) each term is divided by its kernels' measured fraction of peak, and the
+elementwise kernels, the optimizer step and the kernel launches are added.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from nemofp4.recipes import Recipe, runs_in_transformer_engine
 from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
 
 from .devices import Device
+from .efficiency import PEAK, Efficiency
 from .layers import LinearSpec, linear_specs
 from .te_linear import HADAMARD_FLOPS_PER_ELEMENT, te_quantizations
 
@@ -47,6 +50,29 @@ HADAMARD_REFERENCE_BYTES_PER_ELEMENT = 10
 """The emulated recipes' current amax of a transformed wgrad operand: the token-major tensor read and its
 transpose written (4), the transform read and written (4), the amax's read (2), in BF16."""
 ROLES = ("x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad")
+KERNELS_PER_BLOCK = {"attention": 40, "mamba": 60, "mlp": 20}
+"""Kernels one block launches per micro-batch, forward and backward: an estimate, not a count of our code
+path (its launch time is under 1% of the steps planned here)."""
+ADAMW_BYTES_PER_PARAMETER = 32
+"""The fused AdamW step over an FP32 shard: parameter, gradient and both moments read (16) and parameter
+and moments written (12), and the gradient norm's read of the gradient (4)."""
+
+
+def _elementwise_elements(model: NemotronHConfig, block_type: str) -> float:
+    """Elements read and written per token by one block's elementwise kernels, forward and backward, as our
+    code path runs them unfused: the pre-norm (forward read and write, backward two reads and a write) and
+    the residual add (three each way), 11 x d; rotary embedding on q and k (a read and a write each way);
+    the MLP's activation (relu2 5 x F, SwiGLU 8 x F); the Mamba mixer's conv activation, gate, gated norm
+    and skip (5 x conv width + 12.5 x inner width)."""
+    d = model.hidden_size
+    out = 11.0 * d
+    if block_type == "attention":
+        out += 4.0 * (model.num_attention_heads + model.num_key_value_heads) * model.attention_head_dim
+    elif block_type == "mlp":
+        out += (8.0 if model.mlp_activation == "swiglu" else 5.0) * model.ffn_hidden_size
+    elif block_type == "mamba":
+        out += 5.0 * model.mamba_conv_dim + 12.5 * model.mamba_intermediate_size
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +190,21 @@ class StepCost:
     model_flops: float
     """The trainer's MFU numerator for this rank's tokens (``NemotronHConfig.flops_per_token``)."""
     recompute_by_policy: dict[str, float] = field(default_factory=dict)
+    gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
+    """(M, K, N, FLOPs per step) of the body's linear GEMMs, forward shape per micro-batch: their achieved
+    efficiency (:meth:`Efficiency.gemm_fraction`) is FLOP-weighted over them."""
+    head_shape: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """(M, K, N) of the LM head's forward GEMM (per micro-batch, or per chunk when chunked)."""
+    elementwise_bytes: float = 0.0
+    """HBM bytes of the step's elementwise kernels outside the GEMMs and quantizers (norms, residual adds,
+    activations, rotary embedding, the Mamba mixer's gates, the loss' softmax), forward and backward, in
+    the compute dtype; counted only with achieved efficiencies (the roofline leaves them out)."""
+    optimizer_bytes: float = 0.0
+    """HBM bytes of the AdamW step and the gradient-norm pass over this rank's shard."""
+    kernels: float = 0.0
+    """Kernel launches of the step (:data:`KERNELS_PER_BLOCK`)."""
+    attention_kernel: str = "sdpa"
+    """The attention kernel the run uses (:attr:`Efficiency.attention`)."""
 
     @property
     def total_flops(self) -> float:
@@ -187,9 +228,23 @@ class StepCost:
         the device runs the recipe, else BF16."""
         return TE_RECIPES[te_recipe].gemm if device.runs(te_recipe) else "bf16"
 
-    def project(self, device: Device, layout: str) -> Projection:
+    def linear_fraction(self, efficiency: Efficiency) -> float:
+        """The FLOP-weighted achieved fraction of peak of the body's linear GEMMs (harmonic: time adds)."""
+        total = sum(f for *_, f in self.gemm_shapes)
+        if efficiency is PEAK or not total:
+            return 1.0
+        return total / sum(f / efficiency.gemm_fraction(m, k, n) for m, k, n, f in self.gemm_shapes)
+
+    def project(self, device: Device, layout: str, efficiency: Efficiency = PEAK) -> Projection:
+        """Step time and MFU on ``device`` in ``layout``: with :data:`~nemofp4.planning.efficiency.PEAK`
+        the roofline; with achieved efficiencies each component's time over its kernels' fraction of peak,
+        plus the elementwise kernels, the optimizer step and the launches (module docstring)."""
         if layout not in self.collectives:
             raise ValueError(f"layout={layout!r}; valid: {', '.join(self.collectives)}")
+        achieved = efficiency is not PEAK
+        fraction = {"linear GEMMs": self.linear_fraction(efficiency), "recompute": self.linear_fraction(efficiency),
+                    "attention": efficiency.attention[self.attention_kernel], "SSD scan": efficiency.scan,
+                    "head and loss": efficiency.gemm_fraction(*self.head_shape) if achieved else 1.0}  # fmt: skip
         compute = {}
         for name, flops in self.flops.items():
             precision = self.precision[name]
@@ -199,20 +254,28 @@ class StepCost:
             for recipe, native in self.native_flops.get(name, {}).items():  # TE's GEMMs, at its recipe's peak here
                 seconds += native / device.matmul_tflops(self.native_precision(recipe, device))
                 flops -= native
-            compute[name] = (seconds + flops / device.matmul_tflops(precision)) / 1e12
+            compute[name] = (seconds + flops / device.matmul_tflops(precision)) / 1e12 / fraction[name]
+        hbm = device.hbm_tb_s * 1e12 * efficiency.hbm
+        if achieved:
+            compute["elementwise"] = self.elementwise_bytes / hbm
+            compute["optimizer"] = self.optimizer_bytes / hbm
+            compute["kernel launches"] = self.kernels * efficiency.launch_s
         by_role = dict.fromkeys(ROLES, 0.0)
         hadamard = 0.0
         for p in self.quant_passes:
-            by_role[p.role] += p.seconds(device)
-            hadamard += p.hadamard_seconds(device)
+            by_role[p.role] += p.seconds(device) / efficiency.hbm
+            hadamard += p.hadamard_seconds(device) / efficiency.hbm
         quant = sum(by_role.values())
-        body = sum(compute[name] for name in BODY_COMPONENTS) + quant
+        body = sum(compute.get(name, 0.0) for name in (*BODY_COMPONENTS, "elementwise")) + quant
         _, shard = self.layouts[layout]
         comm = 0.0
         for collective, nbytes in self.collectives[layout].items():
             # the ranks a collective spans: the shard group, or every rank for the all-reduce across replicas
             spanned = self.world_size if collective == "all-reduce" else shard
-            link = device.nvlink_gb_s if spanned <= device.nvlink_domain else device.scale_out_gb_s
+            if spanned <= device.nvlink_domain:
+                link = device.nvlink_gb_s * efficiency.link
+            else:
+                link = device.scale_out_gb_s * efficiency.scale_out
             comm += nbytes / (link * 1e9)
         step = max(sum(compute.values()) + quant, comm)
         mfu = self.model_flops / (step * device.bf16_tflops * 1e12)
@@ -308,7 +371,8 @@ def _quant_passes(spec: LinearSpec, tokens: int, *, forward_count: int, backward
 def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int, seq_len: int,
               micro_batch: int, grad_accum: int, head_chunk_tokens: int = 0, head_precision: str = "fp32",
               keep_head_gathered: bool = False, gpus_per_node: int = 8, compute_dtype: str = "bfloat16",
-              policies: tuple[str, ...] = (), weight_cache: bool = True) -> StepCost:  # fmt: skip
+              policies: tuple[str, ...] = (), weight_cache: bool = True,
+              attention_kernel: str = "sdpa") -> StepCost:  # fmt: skip
     """The cost of one optimizer step per rank (see the module docstring). ``head_precision``: how the
     LM head's GEMMs compute (fp32, tf32 or bf16); ``keep_head_gathered``: the head and final norm stay
     gathered from forward to backward. The HSDP layout shards within ``gpus_per_node`` ranks and
@@ -343,6 +407,14 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
         elif t.block_type == "mamba":
             ssd += 3.0 * _ssd_forward(model, micro_batch, seq_len)
     head = (8.0 if head_chunk_tokens > 0 else 6.0) * tokens * model.hidden_size * model.vocab_size
+    compute_bytes = 2 if compute_dtype == "bfloat16" else 4
+    elementwise = sum(_elementwise_elements(model, t.block_type) for t in model.layer_types) * tokens * compute_bytes
+    elementwise += 4.0 * 4 * tokens * model.vocab_size  # the loss: FP32 logits' softmax read, written, read, gradient written
+    gemm_shapes = tuple((float(tokens), float(s.in_features), float(s.out_features),
+                         6.0 * tokens * s.in_features * s.out_features * grad_accum)
+                        for s in specs if s.layer is not None)  # fmt: skip
+    head_rows = min(head_chunk_tokens, tokens) if head_chunk_tokens > 0 else tokens
+    kernels = sum(KERNELS_PER_BLOCK.get(t.block_type, 0) for t in model.layer_types) * grad_accum
     recompute = sum(f for f, c in zip(forward, chosen) if c)
     flops = {"linear GEMMs": linear, "attention": attention, "SSD scan": ssd, "head and loss": head,
              "recompute": recompute}  # fmt: skip
@@ -359,11 +431,16 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     for replicate in (nodes, dist_cfg.replicate_degree):  # HSDP across nodes, and the configured one
         if 1 < replicate < world_size and world_size % replicate == 0:
             layouts[f"HSDP {replicate}x{world_size // replicate}"] = (replicate, world_size // replicate)
+    if world_size > 1 and dist_cfg.replicate_degree == world_size:  # replicated, unsharded: DDP's all-reduce
+        layouts["DDP"] = (world_size, 1)
     collectives = {name: _collective_bytes(groups, replicate=r, shard=s, grad_accum=grad_accum, dist_cfg=dist_cfg,
                                            keep_head_gathered=keep_head_gathered)
                    for name, (r, s) in layouts.items()}  # fmt: skip
     replicate = dist_cfg.replicate_degree
-    configured = "FSDP" if replicate == 1 else f"HSDP {replicate}x{world_size // replicate}"
+    configured = ("FSDP" if replicate == 1 else "DDP" if replicate == world_size
+                  else f"HSDP {replicate}x{world_size // replicate}")  # fmt: skip
+    shard = world_size // replicate if world_size % replicate == 0 else world_size
+    optimizer_bytes = ADAMW_BYTES_PER_PARAMETER * model.num_parameters() / shard
     return StepCost(world_size=world_size, tokens=tokens * grad_accum, flops=flops, precision=precision,
                     configured=configured,
                     native_flops={component: {recipe: flops * grad_accum for recipe, flops in by_recipe.items()}
@@ -371,4 +448,7 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
                     quantized_elements=sum(p.count * p.elements for p in passes),
                     quant_passes=tuple(passes), collectives=collectives, layouts=layouts,
                     model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,
-                    recompute_by_policy=recompute_by_policy)  # fmt: skip
+                    recompute_by_policy=recompute_by_policy, gemm_shapes=gemm_shapes,
+                    head_shape=(float(head_rows), float(model.hidden_size), float(model.vocab_size)),
+                    elementwise_bytes=elementwise * grad_accum, optimizer_bytes=optimizer_bytes,
+                    kernels=kernels, attention_kernel=attention_kernel)  # fmt: skip

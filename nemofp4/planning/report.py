@@ -6,15 +6,16 @@ from nemofp4.quant import TE_RECIPES
 
 from .cost import ROLES, StepCost
 from .devices import Device
+from .efficiency import PEAK, Efficiency
 from .memory import CATEGORIES, GIB, MemoryPlan
 from .simulate import SimulatedMemory
 
-__all__ = ["cost_table", "simulation_table"]
+__all__ = ["cost_table", "plan_summary", "simulation_table"]
 
 _PRECISION = {"bf16": "BF16", "fp32": "FP32", "tf32": "TF32", "fp8": "FP8", "fp4": "FP4"}
 
 
-def cost_table(cost: StepCost, device: Device | None) -> str:
+def cost_table(cost: StepCost, device: Device | None, efficiency: Efficiency = PEAK) -> str:
     """FLOPs by component, quantizer traffic by operand role and collective bytes per rank and step;
     with a device, the projected step time, MFU and model-body throughput of each layout."""
     lines = [f"Step cost per rank and optimizer step ({cost.tokens:,} tokens per rank):", "",
@@ -48,18 +49,43 @@ def cost_table(cost: StepCost, device: Device | None) -> str:
         row = " | ".join(f"{cost.collectives[layout].get(name, 0.0) / 1e9:,.1f}" for layout in layouts)
         lines.append(f"| {name} | {row} |")
     if device is not None:
-        lines += ["", f"Projected on {device.name} (peak numbers, {device.source}; a lower bound on the step time):",
-                  "", "| layout | compute s | quantization s | communication s | step s | MFU | model body tokens/s |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        how = ("peak numbers, a lower bound on the step time (plan.efficiency=peak)" if efficiency is PEAK else
+               "each kernel class at its measured fraction of peak (plan.efficiency=achieved; docs/planning.md)")
+        lines += ["", f"Projected on {device.name} ({how}; {device.source}):",
+                  "", "| layout | compute s | quantization s | communication s | step s | MFU | tokens/s per GPU "
+                  "| model body tokens/s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for layout in layouts:
-            p = cost.project(device, layout)
+            p = cost.project(device, layout, efficiency)
             lines.append(f"| {layout} | {sum(p.compute_s.values()):.2f} | {p.quant_s:.2f} | {p.comm_s:.2f} | "
-                         f"{p.step_s:.2f} | {p.mfu * 100:.1f}% | {p.body_tokens_per_s:,.0f} |")  # fmt: skip
+                         f"{p.step_s:.2f} | {p.mfu * 100:.1f}% | {cost.tokens / p.step_s:,.0f} | "
+                         f"{p.body_tokens_per_s:,.0f} |")  # fmt: skip
         for recipe in cost.native_by_recipe():
             if not device.runs(recipe):
                 lines += ["", f"{device.name} does not run Transformer Engine's {recipe}, which needs "
                               f"{TE_RECIPES[recipe].needs}: its GEMMs are costed at the BF16 peak."]  # fmt: skip
     return "\n".join(lines)
+
+
+def plan_summary(plan: MemoryPlan, cost: StepCost, device: Device | None, *, activation_checkpointing: str,
+                 simulated: SimulatedMemory | None = None, efficiency: Efficiency = PEAK) -> dict:  # fmt: skip
+    """The plan as one JSON-ready dict (``nemofp4-plan format=json``), for sweeps and tools that read a plan
+    without parsing its tables. The projection is the configured layout's; its keys are null without a
+    device. Bytes are per GPU at the plan's peak."""
+    out: dict = {"world_size": cost.world_size, "device": device.name if device else None,
+                 "layout": cost.configured, "tokens_per_step_per_gpu": cost.tokens,
+                 "step_s": None, "tokens_per_s_per_gpu": None, "body_tokens_per_s_per_gpu": None, "mfu": None}  # fmt: skip
+    if device is not None:
+        p = cost.project(device, cost.configured, efficiency)
+        out.update(step_s=p.step_s, tokens_per_s_per_gpu=cost.tokens / p.step_s,
+                   body_tokens_per_s_per_gpu=p.body_tokens_per_s, mfu=p.mfu,
+                   seconds={**p.compute_s, "quantization": p.quant_s, "communication": p.comm_s})  # fmt: skip
+    out["flops"] = {**cost.flops, "model": cost.model_flops}
+    out["memory"] = {"fits": plan.fits, "total_bytes": plan.total_bytes, "device_bytes": plan.device_bytes,
+                     "activation_checkpointing": activation_checkpointing, "peak": plan.peak.describe(),
+                     "items": {name: nbytes for name, nbytes, _ in plan.rows}}  # fmt: skip
+    if simulated is not None:
+        out["simulated"] = {"peak_bytes": simulated.peak_bytes, "items": dict(simulated.categories)}
+    return out
 
 
 def simulation_table(sim: SimulatedMemory, plan: MemoryPlan, *, world_size: int, wall_s: float) -> str:

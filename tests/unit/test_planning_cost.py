@@ -183,3 +183,20 @@ def test_both_layouts_are_costed_and_the_head_settings_move_their_items():
     assert (fsdp.precision["head and loss"], bf16.precision["head and loss"]) == ("fp32", "bf16")
     with pytest.raises(ValueError, match="head_precision='fp16'; valid: fp32, tf32, bf16"):
         step_cost(model, ue5m3, DistributedConfig(), head_precision="fp16", **step)
+
+
+@pytest.mark.parametrize("model_name", ["llama3_8b", "nemotron_h_8b"])
+def test_mfu_counts_attention_as_the_projection_runs_it_and_stays_under_one(model_name):
+    # one FLOP convention: the trainer's numerator (flops_per_token) counts the causal half of attention,
+    # as the projection times it, so a step at every peak reads at most 100% MFU
+    from nemofp4.planning.published import llama3_8b
+
+    model = llama3_8b() if model_name == "llama3_8b" else get_model_config(model_name)
+    dist_cfg = DistributedConfig(backend="fsdp", activation_checkpointing="none")
+    cost = step_cost(model, get_recipe("bf16"), dist_cfg, world_size=8, seq_len=8192, micro_batch=2, grad_accum=1,
+                     head_precision="bf16")  # fmt: skip
+    attention_layers = model.hybrid_layer_pattern.count("*")
+    causal_half = 6 * model.num_attention_heads * model.attention_head_dim * 8192 * attention_layers * cost.tokens
+    assert causal_half == pytest.approx(cost.flops["attention"] / 3.5 * 3 / 2)  # 3x the causal forward, of 3.5x the full
+    for device in ("h100", "gb200"):
+        assert 0 < cost.project(get_device(device), "FSDP").mfu <= 1.0

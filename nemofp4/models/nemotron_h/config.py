@@ -262,8 +262,13 @@ class NemotronHConfig:
         below is 3x its forward cost. Terms:
           * dense matmuls: 6 x (parameters of every linear, including the LM head; the embedding
             lookup and the elementwise parameters are free);
-          * attention scores and values: 6 x 2 x heads x head_dim x seq_len per attention layer,
-            with no discount for the causal mask (the PaLM / Megatron / torchtitan convention);
+          * attention scores and values: 6 x heads x head_dim x seq_len per attention layer, the
+            full 6 x 2 x heads x head_dim x seq_len halved for the causal mask: the FLOPs a causal
+            flash kernel runs, FlashAttention's convention (Dao-AILab/flash-attention,
+            benchmarks/benchmark_flash_attention.py, ``flops``: ``// (2 if causal else 1)``). PaLM's
+            appendix B, Megatron-LM's ``num_floating_point_operations`` and TorchTitan's
+            ``get_num_flop_per_token`` count it undiscounted; with their count a step that runs at
+            peak reads above 100% MFU. The step-cost planner (nemofp4.planning) uses this count too;
           * SSD scan (chunked algorithm, chunk Q, no causal discount): forward 2QNG (C.B^T)
             + 2QPH (scores x values) + 4NPH (chunk states and state-to-output), plus the
             depthwise conv 2K x conv_dim, times 3.
@@ -290,7 +295,7 @@ class NemotronHConfig:
                 q_width = self.num_attention_heads * self.attention_head_dim
                 kv_width = self.num_key_value_heads * self.attention_head_dim
                 matmul_params += 2 * d * q_width + 2 * d * kv_width
-                extra += 6 * 2 * q_width * seq_len
+                extra += 6 * q_width * seq_len  # causal: half of the 2 x q_width x seq_len scores and values
             else:
                 matmul_params += d * self.mlp_in_proj_size + self.ffn_hidden_size * d
         return 6 * matmul_params + extra
