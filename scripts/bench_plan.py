@@ -5,7 +5,8 @@ FSDPMemTracker), side by side; then the step-cost model's projected step time an
     python scripts/bench_plan.py --simulate --world-size 64 --devices h200 gb200
 
 Figures for the 8B are simulated at the real widths (the trainer's own build and step on fake
-tensors) or a formula (the projection); none is measured on a GPU.
+tensors) or a formula (the projection, at achieved efficiency: nemofp4/planning/efficiency.py;
+--efficiency peak: the roofline, a lower bound on the step time); none is measured on a GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import replace
 
 from nemofp4 import planning
 from nemofp4.cli.train import compose_job_config
+from nemofp4.planning.efficiency import EFFICIENCY_MODES, get_efficiency
 from nemofp4.planning.memory import GIB
 
 PRESETS = ("nemotron_h_8b_bf16", "nemotron_h_8b_nvfp4", "nemotron_h_8b_ue5m3")
@@ -32,6 +34,10 @@ def main() -> None:
     parser.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every preset")
     parser.add_argument("--head-precisions", nargs="+", default=["config"],
                         help="project the LM head's GEMMs in these precisions too (config, fp32, tf32, bf16)")
+    parser.add_argument("--tokens", type=float, default=189e9,
+                        help="training tokens for the GPU-hours column (default: the paper's 189B-token run)")
+    parser.add_argument("--efficiency", default="achieved", choices=EFFICIENCY_MODES,
+                        help="achieved (the prediction) or peak (the roofline, a lower bound on the step time)")
     args = parser.parse_args()
     memory_rows, cost_rows = [], []
     for preset in args.presets:
@@ -59,13 +65,15 @@ def main() -> None:
         memory_rows.append(row)
         for device_name, head in ((d, h) for d in args.devices for h in args.head_precisions):
             device = planning.get_device(device_name)
+            efficiency = get_efficiency(args.efficiency, device_name.strip().lower())
             cost = planning.cost_for_job(job, world_size=args.world_size, gpus_per_node=device.gpus_per_node,
                                          head_precision=None if head == "config" else head)  # fmt: skip
             for layout in cost.collectives:
-                p = cost.project(device, layout)
+                p = cost.project(device, layout, efficiency)
                 cost_rows.append([preset, cost.precision["head and loss"], device.name, layout, f"{cost.total_flops / 1e12:,.0f}",
                                   f"{sum(p.compute_s.values()):.2f}", f"{p.quant_s:.2f}", f"{p.comm_s:.2f}",
-                                  f"{p.step_s:.2f}", f"{p.mfu * 100:.1f}%"])  # fmt: skip
+                                  f"{p.step_s:.2f}", f"{p.mfu * 100:.1f}%", f"{cost.tokens / p.step_s:,.0f}",
+                                  f"{p.body_tokens_per_s:,.0f}", f"{args.tokens * p.step_s / cost.tokens / 3600:,.0f}"])  # fmt: skip
         print(f"{preset}: done", flush=True)
     header = ["preset", "activation checkpointing", "planned peak GiB", "planned peak at", "plan s"]
     if args.simulate:
@@ -74,7 +82,8 @@ def main() -> None:
     for row in memory_rows:
         print("| " + " | ".join(row) + " |")
     header = ["preset", "head GEMMs", "device", "layout", "TFLOP per rank", "compute s", "quantization s",
-              "communication s", "step s", "MFU"]  # fmt: skip
+              "communication s", "step s", "MFU", "tokens/s per GPU", "body tokens/s per GPU",
+              f"GPU-hours for {args.tokens / 1e9:g}B tokens"]  # fmt: skip
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in cost_rows:
         print("| " + " | ".join(row) + " |")

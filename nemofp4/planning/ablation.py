@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .cost import Projection
 from .devices import Device
+from .efficiency import PEAK, Efficiency
 
 __all__ = ["ABLATION_VARIANTS", "Ablation", "AblationRow", "recipe_ablation"]
 
@@ -44,6 +45,9 @@ class Ablation:
     world_size: int
     layout: str
     rows: tuple[AblationRow, ...]
+    tokens: int = 0
+    """This rank's tokens per optimizer step."""
+    efficiency: Efficiency = PEAK
 
     def shares(self) -> dict[str, float]:
         """Of the body time the recipe saves or loses against both changes together: each change's
@@ -63,18 +67,19 @@ class Ablation:
 
     def format(self) -> str:
         native = "native FP4 GEMMs" if self.recipe == "nvfp4_te" else "emulated: BF16 GEMMs and the quantizer"
-        lines = [f"{self.recipe} ablation on {self.device.name} at world {self.world_size} ({self.layout}; {native}), "
-                 "model body per rank and optimizer step:", "",
+        how = "the roofline, plan.efficiency=peak" if self.efficiency is PEAK else "achieved efficiency"
+        lines = [f"{self.recipe} ablation on {self.device.name} at world {self.world_size} ({self.layout}; {native}; "
+                 f"{how}), per rank and optimizer step ({self.tokens:,} tokens):", "",
                  "| variant | FP4 linears | linear GEMMs s | attention + scan s | quantization s | RHT TFLOP | "
-                 "of it RHT s | body s | body tokens/s per GPU | vs the recipe |",
-                 "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        base = self.rows[0].projection.body_tokens_per_s
+                 "of it RHT s | body s | body tokens/s per GPU | step s | tokens/s per GPU | vs the recipe |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        base = self.rows[0].projection.step_s
         for r in self.rows:
             p = r.projection
             other = p.compute_s["attention"] + p.compute_s["SSD scan"]
             lines.append(f"| {r.label} | {r.fp4_linears} | {r.gemm_s:.3f} | {other:.3f} | {p.quant_s:.3f} | "
                          f"{r.hadamard_flops / 1e12:.2f} | {p.hadamard_s:.3f} | {p.body_s:.3f} | {p.body_tokens_per_s:,.0f} | "
-                         f"{p.body_tokens_per_s / base:.3f}x |")  # fmt: skip
+                         f"{p.step_s:.3f} | {self.tokens / p.step_s:,.0f} | {base / p.step_s:.3f}x |")  # fmt: skip
         shares = self.shares()
         if shares:
             lines += ["", "Share of the body-time difference between the recipe and both changes: "
@@ -82,10 +87,12 @@ class Ablation:
         return "\n".join(lines)
 
 
-def recipe_ablation(cfg, *, device: Device, world_size: int, recipe: str | None = None) -> Ablation:
+def recipe_ablation(cfg, *, device: Device, world_size: int, recipe: str | None = None,
+                    efficiency: Efficiency = PEAK) -> Ablation:
     """The :data:`ABLATION_VARIANTS` of ``recipe`` (default: ``nvfp4_te`` on a device with FP4 tensor
     cores, else the emulated ``nvfp4``) for the composed training config ``cfg`` (its precision node is
-    replaced; its model, batch and parallelism kept), projected on ``device`` in the configured layout."""
+    replaced; its model, batch and parallelism kept), projected on ``device`` in the configured layout
+    at ``efficiency`` (:func:`~nemofp4.planning.efficiency.get_efficiency`; default the roofline)."""
     from nemofp4.recipes import is_quantized, precision_config
 
     from .job import cost_for_job
@@ -105,6 +112,6 @@ def recipe_ablation(cfg, *, device: Device, world_size: int, recipe: str | None 
         fp4 = sum(is_quantized(s.part) for s in linear_specs(job.model, job.recipe))
         rows.append(AblationRow(label=label, knobs=knobs, fp4_linears=fp4,
                                 hadamard_flops=sum(p.count * p.hadamard_flops for p in cost.quant_passes),
-                                projection=cost.project(device, cost.configured)))  # fmt: skip
+                                projection=cost.project(device, cost.configured, efficiency)))  # fmt: skip
     return Ablation(recipe=recipe, device=device, world_size=world_size, layout=rows[0].projection.layout,
-                    rows=tuple(rows))  # fmt: skip
+                    rows=tuple(rows), tokens=cost.tokens, efficiency=efficiency)  # fmt: skip
