@@ -10,7 +10,7 @@ Two workloads, all recipes side by side in one run:
 
 * ``tiny``: one training step (forward, loss, backward, AdamW) of the ``tiny`` Nemotron-H
   preset. Its 6 layers are fewer than the 8 final layers NVFP4 keeps in BF16, so the recipes
-  with a BF16 tail keep ``--tiny-bf16-last-layers`` (1) instead; the table says so.
+  with a BF16 tail by default keep ``--tiny-bf16-last-layers`` (1) instead; the table says so.
 * ``linear4096``: forward + backward of one 4096 x 4096 linear on ``--linear-tokens`` tokens.
 
 Time: float32 on CPU (the trainer's CPU default), recipes interleaved round after round, median
@@ -42,8 +42,8 @@ quantizers (:func:`timing_quantizers`).
 step touches for the first time, which the kernel zeroes first. ``--keep-freed-memory`` asks glibc's
 malloc to serve every allocation from its heap and never to return freed memory (``mallopt``:
 ``M_MMAP_MAX=0``, ``M_TRIM_THRESHOLD`` at its largest), to measure what those faults cost; the
-trainer does not do this (docs/benchmarks.md, the quantizer's fifth round: repeated aligned
-allocations can then grow the heap without bound).
+trainer does not do this: repeated aligned allocations can then grow the heap without bound
+(docs/benchmarks.md, "Freed memory kept").
 
 Memory: the tensors autograd saves during one forward pass, counted once per storage
 (parameters excluded), run under CPU autocast to bfloat16 as a GPU run would be: an
@@ -80,8 +80,10 @@ RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_delayed", "nvfp
 
 
 def _recipe(name: str, bf16_last_layers: int | None):
+    """The recipe with its BF16 tail set to ``bf16_last_layers`` where it has one by default (the FP8
+    recipes' default is none, and they keep it)."""
     knobs = {}
-    if bf16_last_layers is not None and "num_bf16_last_layers" in recipe_knobs(name):
+    if bf16_last_layers is not None and recipe_knobs(name).get("num_bf16_last_layers", 0) > 0:
         knobs["num_bf16_last_layers"] = bf16_last_layers
     return get_recipe(name, **knobs), knobs
 
