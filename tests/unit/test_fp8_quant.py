@@ -409,3 +409,25 @@ def test_the_fp4_program_refuses_the_mx_ceil_mode_it_does_not_implement():
     with pytest.raises(ValueError, match="floor rule only"):
         program.quantize_operand(torch.randn(4, 32), op)
     program.quantize_operand(torch.randn(4, 32), _spec("e4m3", "ue8m0", mx_scale_mode="ceil"))  # FP8: TE's rule
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+def test_scales_of_many_amaxes_equal_te_bit_for_bit(element):
+    """The scale formulas over 20,000 amaxes across float32's range (subnormals, whose quotient overflows
+    to FLT_MAX, included), one by one against the reference: ``max / amax`` and ``max * (1 / amax)``
+    differ in the last bit for a share of them, and TE's round-up E8M0 code depends on the product's
+    last bits."""
+    from nemofp4.formats.scaling import fp8_max, fp8_tensor_scale, mx_fp8_scale_codes
+
+    g = torch.Generator().manual_seed(7)
+    amaxes = torch.exp2(torch.empty(20_000, dtype=torch.float64).uniform_(-149, 127, generator=g)).float()
+    amaxes = torch.cat([amaxes, torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 448.0, 57344.0])])
+    top = torch.tensor(fp8_max(element))
+    for pow2 in (False, True):
+        ours = fp8_tensor_scale(amaxes, top, pow2)
+        expected = np.array([te_tensor_scale(np.float32(a), element, pow2) for a in amaxes.numpy()], dtype=np.float32)
+        assert torch.equal(ours.view(torch.int32), torch.from_numpy(expected).view(torch.int32))
+    rcp = float(np.float32(1.0 / FP8[element][1]))
+    codes = mx_fp8_scale_codes(amaxes, rcp)
+    expected = [te_float_to_e8m0(np.float32(a * np.float32(rcp))) for a in amaxes.numpy()]
+    assert codes.tolist() == expected
