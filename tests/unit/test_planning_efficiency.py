@@ -1,0 +1,61 @@
+"""The achieved-efficiency model of the step cost: the GEMM curve between its measured points, the roofline
+as the lower bound it is, the terms only achieved efficiency adds, and the DDP layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemofp4.models import get_model_config
+from nemofp4.planning import get_device, step_cost
+from nemofp4.planning.efficiency import ACHIEVED, PEAK, get_efficiency
+from nemofp4.recipes import get_recipe
+from nemofp4.training.parallel import DistributedConfig
+
+H100 = ACHIEVED["h100"]
+
+
+def test_the_gemm_curve_passes_through_its_measured_points_and_rises_with_size():
+    for side, fraction in H100.gemm:
+        assert H100.gemm_fraction(side, side, side) == pytest.approx(fraction)
+    sizes = [256, 512, 1024, 1500, 2048, 3000, 4096, 6000, 8192, 16384, 65536]
+    fractions = [H100.gemm_fraction(s, s, s) for s in sizes]
+    assert fractions == sorted(fractions) and fractions[-1] == H100.gemm[-1][1]  # flat beyond the last point
+    assert H100.gemm_fraction(512, 512, 512) == pytest.approx(H100.gemm[0][1] / 2)  # fixed cost below the first
+    # a GEMM is placed by its FLOPs' cube root: a long thin one sits with the square one of the same FLOPs
+    assert H100.gemm_fraction(8192, 1024, 4096) == pytest.approx(H100.gemm_fraction(4096, 4096, 2048))
+    assert get_efficiency("peak", "h100") is PEAK
+    with pytest.raises(ValueError):
+        get_efficiency("optimistic", "h100")
+
+
+@pytest.fixture(scope="module")
+def cost_8b():
+    model = get_model_config("nemotron_h_8b_paper")
+    dist_cfg = DistributedConfig(backend="fsdp", activation_checkpointing="full")
+    return step_cost(model, get_recipe("ue5m3"), dist_cfg, world_size=64, seq_len=8192, micro_batch=1,
+                     grad_accum=12, head_chunk_tokens=1024)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["h100", "h200", "b200", "gb200"])
+def test_the_roofline_is_a_lower_bound_and_only_achieved_efficiency_adds_its_terms(cost_8b, device):
+    dev = get_device(device)
+    peak = cost_8b.project(dev, "FSDP", PEAK)
+    achieved = cost_8b.project(dev, "FSDP", get_efficiency("achieved", device))
+    assert achieved.step_s > peak.step_s and achieved.mfu < peak.mfu <= 1
+    extra = {"elementwise", "optimizer", "kernel launches"}
+    assert not extra & set(peak.compute_s) and extra <= set(achieved.compute_s)
+    for name, seconds in peak.compute_s.items():  # every kernel class slower than at its peak, none faster
+        assert achieved.compute_s[name] >= seconds, name
+    assert achieved.comm_s > peak.comm_s  # links at their measured fraction
+
+
+def test_ddp_replicates_without_sharding(cost_8b):
+    model = get_model_config("nemotron_h_8b_paper")
+    step = dict(world_size=8, seq_len=4096, micro_batch=1, grad_accum=4, head_chunk_tokens=1024)
+    ddp = step_cost(model, get_recipe("bf16"), DistributedConfig(backend="fsdp", replicate_degree=8), **step)
+    fsdp = step_cost(model, get_recipe("bf16"), DistributedConfig(backend="fsdp"), **step)
+    assert ddp.configured == "DDP" and "DDP" in ddp.layouts and "DDP" not in fsdp.layouts
+    wire = ddp.collectives["DDP"]
+    assert wire["all-gather"] == 0 and wire["reduce-scatter"] == 0 and wire["all-reduce"] > 0
+    # each rank keeps the whole optimizer state: eight times the sharded one's traffic
+    assert ddp.optimizer_bytes == pytest.approx(8 * fsdp.optimizer_bytes)
