@@ -74,6 +74,22 @@ def one_thread():
 
 
 @pytest.fixture
+def empty_native_cache(monkeypatch, tmp_path):
+    """An empty native-library cache for this test (its ``kernels`` folder), fresh compiler and library
+    look-ups and no warning of ``kernels='auto'`` given yet; the process's own again after the test."""
+    from nemofp4.kernels import backend, native, program
+
+    monkeypatch.setenv("NEMOFP4_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(backend, "_warned", set())
+    native._load.cache_clear()
+    program._compiler_on_path.cache_clear()
+    yield tmp_path / "cache" / "kernels"
+    monkeypatch.undo()
+    native._load.cache_clear()
+    program._compiler_on_path.cache_clear()
+
+
+@pytest.fixture
 def eager_quantizer(monkeypatch):
     """'auto' takes the eager torch quantizer on CPU, as on a machine without a C++ compiler, for the
     modules whose subject is not the quantizer's path (``pytestmark = pytest.mark.usefixtures(...)``).

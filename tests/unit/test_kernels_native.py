@@ -248,34 +248,20 @@ def test_a_training_step_on_the_native_kernel_is_the_programs(monkeypatch):
         assert torch.equal(_bits(a), _bits(b))
 
 
-@pytest.fixture
-def fresh_library(monkeypatch, tmp_path):
-    """An empty library cache for this test, and no warning of ``auto`` given yet; the process's
-    library again after it."""
-    monkeypatch.setenv("NEMOFP4_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernel_backends, "_warned", set())
-    native._load.cache_clear()
-    program._compiler_on_path.cache_clear()
-    yield tmp_path / "cache" / "kernels"
-    monkeypatch.undo()
-    native._load.cache_clear()
-    program._compiler_on_path.cache_clear()
-
-
-def test_the_library_is_built_once_into_the_cache_and_loaded_from_it(fresh_library, monkeypatch):
+def test_the_library_is_built_once_into_the_cache_and_loaded_from_it(empty_native_cache, monkeypatch):
     """The build leaves the library and its record (size, SHA-256) and nothing else; a second process
     checks the library against the record and loads it, building nothing."""
     assert native.available()
-    built = sorted(p.name for p in fresh_library.iterdir())
+    built = sorted(p.name for p in empty_native_cache.iterdir())
     assert len(built) == 2 and built[0].startswith("cpu_quantize-") and built[0].endswith(".json"), built
     assert built[1] == built[0].removesuffix(".json") + ".so", built
     native._load.cache_clear()  # a second process: loads the file, builds nothing
     monkeypatch.setattr(native, "_build", lambda *a: pytest.fail("built a library that was already there"))
     assert native.available()
-    assert sorted(p.name for p in fresh_library.iterdir()) == built
+    assert sorted(p.name for p in empty_native_cache.iterdir()) == built
 
 
-def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(fresh_library, monkeypatch,
+def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(empty_native_cache, monkeypatch,
                                                                                  tmp_path):  # fmt: skip
     """The failed build is tried once per process; ``auto`` warns once, naming the compiler's failure,
     and the compiled program quantizes (the same bits); an explicit ``native`` is an error naming it."""
@@ -299,7 +285,7 @@ def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(
     with pytest.raises(ValueError, match="kernels='native' .* cannot run here: could not build .*broken-c\\+\\+ failed"
                        ".*; use 'auto', 'compiled' .* or 'eager'"):  # fmt: skip
         kernels.resolve_backend("native", "cpu")
-    assert not list(fresh_library.glob("*"))  # no partial library left behind
+    assert not list(empty_native_cache.glob("*"))  # no partial library left behind
     x, op = torch.randn(16, 32), OperandQuant(scale_format="ue5m3")
     # (not compiled here: torch.compile takes the same broken CXX, and would mark the spec failed for the process)
     q = program.quantize_operand(x, op, native=True)

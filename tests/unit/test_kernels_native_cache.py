@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from nemofp4 import kernels
-from nemofp4.kernels import backend as kernel_backends
 from nemofp4.kernels import native, program
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,17 +36,9 @@ def real_library() -> bytes:
 
 
 @pytest.fixture
-def cache(monkeypatch, tmp_path):
-    """An empty library cache, fresh compiler and library look-ups and no warning of ``auto`` given
-    yet; the process's own again after the test."""
-    monkeypatch.setenv("NEMOFP4_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernel_backends, "_warned", set())
-    native._load.cache_clear()
-    program._compiler_on_path.cache_clear()
-    yield tmp_path / "cache" / "kernels"
-    monkeypatch.undo()
-    native._load.cache_clear()
-    program._compiler_on_path.cache_clear()
+def cache(empty_native_cache):
+    """The test's empty library cache (``empty_native_cache``), named for this file's tests."""
+    return empty_native_cache
 
 
 def _compiler(tmp_path: Path, name: str, body: str) -> Path:
