@@ -19,7 +19,7 @@ from nemofp4.planning.measure import LiveTensorBytes, measure_blocks
 from nemofp4.planning.report import cost_table
 from nemofp4.planning.te_linear import TELinearStandIn, te_linear_operands, te_quantizations
 from nemofp4.quant import QuantLinear, set_step
-from nemofp4.recipes import get_recipe
+from nemofp4.recipes import get_recipe, runs_in_transformer_engine
 from nemofp4.training.parallel import DistributedConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,15 +83,18 @@ def test_mxfp8_storage_both_copies_in_the_tensors_layout_with_tes_padded_e8m0_sc
     assert not any(op.tn_only for op in (x, w, dy, wt, dyt, xt))
 
 
-@pytest.mark.parametrize("name", list(TE_FP8))
-def test_the_standin_saves_and_allocates_what_te_linear_does(name):
-    part = get_recipe(name).parts["fp8"]
-    x_op, w_fprop, dy_dgrad, w_dgrad, dy_wgrad, xt = te_linear_operands(TOKENS, K, N, part)
-    linear = nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
+# nvfp4_te at N = 128: eligible for TE's fused RHT cast (rows % 64, cols % 128)
+@pytest.mark.parametrize("name, n", [("nvfp4_te", 128), ("fp8_te", N), ("mxfp8_te", N)])
+def test_the_standin_saves_and_allocates_what_te_linear_does(name, n):
+    """Every TE recipe's stand-in: what it saves (X's column-wise copy alone; no weight copy under FSDP2)
+    and its forward and backward peaks, from the copies TE makes."""
+    part = next(p for p in get_recipe(name).parts.values() if runs_in_transformer_engine(p))
+    x_op, w_fprop, dy_dgrad, w_dgrad, dy_wgrad, xt = te_linear_operands(TOKENS, K, n, part)
+    linear = nn.Linear(K, n, bias=False, dtype=torch.bfloat16)
     module = TELinearStandIn(linear, part)
     assert module.weight is linear.weight
     x = torch.empty(TOKENS, K, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.empty(TOKENS, N, dtype=torch.bfloat16)
+    dy = torch.empty(TOKENS, n, dtype=torch.bfloat16)
     tracker = LiveTensorBytes(x, linear.weight, dy)
     with tracker:
         y = module(x.clone())
@@ -101,8 +104,8 @@ def test_the_standin_saves_and_allocates_what_te_linear_does(name):
         y.backward(dy)
         backward_peak = tracker.peak - saved - y.untyped_storage().nbytes()
     assert saved == xt.nbytes  # X's column-wise copy alone; no weight copy under FSDP2
-    assert forward_peak == TOKENS * K * 2 + x_op.nbytes + xt.nbytes + w_fprop.nbytes + TOKENS * N * 2
-    dx, dw = TOKENS * K * 2, N * K * 2
+    assert forward_peak == TOKENS * K * 2 + x_op.nbytes + xt.nbytes + w_fprop.nbytes + TOKENS * n * 2
+    dx, dw = TOKENS * K * 2, n * K * 2
     w_copies, dy_copies = w_fprop.nbytes + w_dgrad.nbytes, dy_dgrad.nbytes + dy_wgrad.nbytes
     assert backward_peak == max(w_copies + dy_copies + dx, dy_copies + dx + dw)
 

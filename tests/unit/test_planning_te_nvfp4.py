@@ -14,10 +14,8 @@ from torch import nn
 from nemofp4.models import get_model_config
 from nemofp4.planning import get_device, step_cost
 from nemofp4.planning.ablation import recipe_ablation
-from nemofp4.planning.measure import LiveTensorBytes
 from nemofp4.planning.te_linear import (
     HADAMARD_FLOPS_PER_ELEMENT,
-    TELinearStandIn,
     te_linear_operands,
     te_quantizations,
 )
@@ -63,31 +61,6 @@ def test_te_operands_are_the_emulated_nvfp4_operands(disable_rht):
         assert (emulated_op.hadamard, emulated_op.rounding != "rne", q.two_d) == (op.hadamard, op.stochastic, op.two_d), op
     # TE keeps X^T for wgrad; under FSDP2 it re-quantizes W in backward rather than keep it
     assert [op.role for op in te if op.saved] == ["x_wgrad"]
-
-
-def test_the_standin_saves_and_allocates_what_te_linear_does():
-    part = get_recipe("nvfp4_te").parts["fp4"]
-    x_op, w_fprop, dy_dgrad, w_dgrad, dy_wgrad, xt = te_linear_operands(TOKENS, K, N, part)
-    linear = nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
-    module = TELinearStandIn(linear, part)
-    assert module.weight is linear.weight
-    x = torch.empty(TOKENS, K, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.empty(TOKENS, N, dtype=torch.bfloat16)
-    tracker = LiveTensorBytes(x, linear.weight, dy)
-    with tracker:
-        y = module(x.clone())  # the clone: the previous op's output, freed once the linear has read it
-        forward_peak = tracker.peak
-        saved = tracker.live - y.untyped_storage().nbytes()
-        tracker.peak = tracker.live
-        y.backward(dy)
-        backward_peak = tracker.peak - saved - y.untyped_storage().nbytes()
-    assert saved == xt.nbytes  # X^T's codes, padded scales and amax; no weight copy
-    # forward: the input, both X copies, W's row-wise copy and the output at once
-    assert forward_peak == TOKENS * K * 2 + x_op.nbytes + xt.nbytes + w_fprop.nbytes + TOKENS * N * 2
-    # backward: W's two copies, dY's two, dX; then dW once W's copies are freed
-    dx, dw = TOKENS * K * 2, N * K * 2
-    w_copies, dy_copies = w_fprop.nbytes + w_dgrad.nbytes, dy_dgrad.nbytes + dy_wgrad.nbytes
-    assert backward_peak == max(w_copies + dy_copies + dx, dy_copies + dx + dw)
 
 
 def test_nvfp4_te_is_measured_without_transformer_engine():
