@@ -120,10 +120,6 @@ class QuantizedBlocks:
 
     # ----------------------------------------------------------------- values
     @property
-    def scale_fmt(self):
-        return SCALE_FORMATS[self.scale_format]
-
-    @property
     def per_tensor(self) -> bool:
         """One scale for the tensor, no block scales (FP8 current scaling)."""
         return SCALE_FORMAT_TABLE[self.scale_format].per_tensor
