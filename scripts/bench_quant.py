@@ -42,7 +42,7 @@ import warnings
 import torch
 
 from nemofp4.formats.spec import BlockSpec
-from nemofp4.kernels import BACKENDS, backend_for, resolve_backend
+from nemofp4.kernels import BACKENDS, OperandRequest, backend_for, resolve_backend
 
 
 def _torchao_nvfp4():
@@ -60,10 +60,10 @@ def _cases(backend) -> dict:
     generator = torch.Generator().manual_seed(1)
 
     def operand(spec: BlockSpec):
-        return lambda x: backend.quantize(x, spec, generator=generator).dequantize()
+        return lambda x: backend.quantize(OperandRequest(x, spec), generator=generator)[0].dequantize()
 
     def wgrad(spec: BlockSpec):
-        return lambda x: backend.quantize_tokens(x, spec, generator=generator).dequantize()
+        return lambda x: backend.quantize(OperandRequest(x, spec, layout="tokens"), generator=generator)[0].dequantize()
 
     return {
         "nvfp4 1x16": operand(BlockSpec(scale_format="e4m3")),

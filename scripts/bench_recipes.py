@@ -72,7 +72,7 @@ from torch import nn
 from nemofp4.kernels import BACKENDS, backend_for
 from nemofp4.models import build_model, get_model_config
 from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
-from nemofp4.quant.fp4_linear import register_ops
+from nemofp4.quant.linear_op import register_ops
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
 
 RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_delayed", "nvfp4_all_fp4_no_rht", "mxfp4", "fp8",
@@ -134,8 +134,7 @@ def _tiny_step(model, optimizer, ids, step):
 @contextmanager
 def timing_quantizers(kernels: str):
     """Yields a one-element list that accumulates the seconds spent inside the quantizers of the
-    ``kernels`` backend (quantize, quantize_tokens, quantize_pair, quantize_forward, amax,
-    hadamard_transform; an outer call's inner calls are not counted twice): the quantization share of
+    ``kernels`` backend (quantize, amax, hadamard_transform; an outer call's inner calls are not counted twice): the quantization share of
     a step."""
     backend = backend_for(kernels, "cpu")
     spent, depth = [0.0], [0]
@@ -153,7 +152,7 @@ def timing_quantizers(kernels: str):
 
         return run
 
-    names = ("quantize", "quantize_tokens", "quantize_pair", "quantize_forward", "amax", "hadamard_transform")
+    names = ("quantize", "amax", "hadamard_transform")
     for name in names:  # instance attributes shadow the class's methods (the backends are singletons)
         setattr(backend, name, timed(getattr(backend, name)))
     try:

@@ -77,16 +77,16 @@ def one_thread():
 def empty_native_cache(monkeypatch, tmp_path):
     """An empty native-library cache for this test (its ``kernels`` folder), fresh compiler and library
     look-ups and no warning of ``kernels='auto'`` given yet; the process's own again after the test."""
-    from nemofp4.kernels import backend, native, program
+    from nemofp4.kernels import backend, native, toolchain
 
     monkeypatch.setenv("NEMOFP4_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(backend, "_warned", set())
     native._load.cache_clear()
-    program._compiler_on_path.cache_clear()
+    toolchain.cpu_compile_available.cache_clear()
     yield tmp_path / "cache" / "kernels"
     monkeypatch.undo()
     native._load.cache_clear()
-    program._compiler_on_path.cache_clear()
+    toolchain.cpu_compile_available.cache_clear()
 
 
 @pytest.fixture

@@ -260,9 +260,9 @@ def check_rounding(rounding: str) -> None:
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDING_MODES)}")
 
 
-_HASH_MULTIPLIER = 0x45D9F3B
+HASH_MULTIPLIER = 0x45D9F3B
 """The multiplier of :func:`sr8_bytes_at`'s rounds (T. Mueller's integer hash)."""
-_HASH_ROUNDS = 3
+HASH_ROUNDS = 3
 """Three: with two, the bytes of elements 16 apart are measurably dependent (beyond the 6-sigma
 bound of ``test_sr8_draws_layout_and_uniformity``'s chi-square over byte pairs, which three pass
 at lags 1, 2, 16 and 17)."""
@@ -288,9 +288,9 @@ def sr8_bytes_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     it shifts in zeros as an unsigned shift would. In a compiled loop an int32 vector holds twice the
     lanes of an int64 one and multiplies in one instruction."""
     x = index.to(torch.int32) ^ key.to(torch.int32)  # the low 32 bits of each, wrapped into int32
-    for _ in range(_HASH_ROUNDS):  # in place on the fresh x: eagerly no new tensor per operation
+    for _ in range(HASH_ROUNDS):  # in place on the fresh x: eagerly no new tensor per operation
         x ^= (x >> 16).bitwise_and_(0xFFFF)
-        x.mul_(_HASH_MULTIPLIER)
+        x.mul_(HASH_MULTIPLIER)
     return x.bitwise_right_shift_(24).bitwise_and_(0xFF)
 
 

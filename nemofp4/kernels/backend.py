@@ -1,25 +1,29 @@
 """The kernel backends: one object per path, resolved once from the ``kernels`` knob and a device.
 
-A :class:`Backend` does the five things a quantized linear asks of the kernels: quantize an
-operand, quantize the token-major wgrad operand (and the X / X^T pair that shares one tensor
-reference, and the forward's X, X^T and W together), measure an amax, apply the wgrad Hadamard
-transform, and run the hardware GEMM model.
-Four implementations, with the same numerics:
+A :class:`Backend` does what a quantized linear asks of the kernels: quantize the operands of one
+call (:meth:`Backend.quantize`, one :class:`~nemofp4.kernels.request.OperandRequest` per operand),
+measure an amax, apply the wgrad Hadamard transform, run the hardware GEMM model, and
+:func:`nemofp4.formats.quantize_blocks` on its fast path. Four implementations, with the same
+numerics, each the torch program (:mod:`nemofp4.kernels.program`) with a different runner of its
+cores, composed rather than flagged:
 
-* :class:`EagerBackend`: the torch program (:mod:`nemofp4.kernels.program`) op by op;
-* :class:`CompiledBackend`: the same program compiled by Inductor (C++ on CPU). A spec whose build
+* :class:`EagerBackend`: the program op by op (:data:`~nemofp4.kernels.program.EAGER`);
+* :class:`CompiledBackend`: the program compiled by Inductor (C++ on CPU). A spec whose build
   fails warns once, naming the spec, and runs eagerly from then on; every other spec still compiles;
-* :class:`NativeBackend`: on CPU, the native kernel of :mod:`nemofp4.kernels.native` for the
-  operands it covers (checked bit for bit against the program), the compiled program for the rest;
-* :class:`TritonBackend`: the fused Triton kernels (CUDA, or Triton's CPU interpreter in tests), the
-  torch program for block sizes they have no kernel for.
+* :class:`NativeBackend`: on CPU, :class:`~nemofp4.kernels.native.NativeCores`: the native kernel
+  for the operands it covers (checked bit for bit against the program), the compiled program for
+  the rest;
+* :class:`TritonBackend`: the fused Triton kernels (CUDA, or Triton's CPU interpreter in tests) for
+  the requests they cover, the eager program for the rest (FP8 payloads, other block sizes).
 
-:func:`backend_for` turns the knob (``auto | triton | native | compiled | eager``, the trainer's
-``train.kernels``, the evaluator's ``kernels``) and a device into one of the four; a QuantLinear
-calls it once per device and keeps the result (:meth:`nemofp4.quant.QuantLinearState.kernels_for`).
-An explicit ``native`` that cannot run here (no C++ compiler, the build failed) is an error naming
-the cause; ``auto`` then falls back to the compiled program (or, without a compiler, the eager one)
-with one warning naming it.
+:data:`BACKENDS` is the one list of the knob's values, :func:`check_backend` its one check, and
+:func:`resolve_backend` the one place that chooses among the paths: :func:`backend_for` turns the
+knob (the trainer's ``train.kernels``, the evaluator's ``kernels``) and a device into one of the four;
+a QuantLinear calls it once per device and keeps the result
+(:meth:`nemofp4.quant.QuantLinearState.kernels_for`). An explicit ``native`` or ``compiled`` that
+cannot run here (no C++ compiler, the native build failed) is an error naming the cause; ``auto``
+then falls back to the compiled program (or, without a compiler, the eager one) with one warning
+naming it. :func:`gpu_quantizer` is the path the planner plans a CUDA job's quantizer with.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from nemofp4.formats import QuantizedBlocks, amax, quantize_blocks, wgrad_hadama
 from nemofp4.formats.spec import BlockSpec
 
 from . import native, program
-from .program import cpu_compile_available, tokens_transposed
 from .quantize import SUPPORTED_BLOCK_SIZES
+from .request import CoreRunner, OperandRequest, tokens_transposed
+from .toolchain import NO_COMPILER, cpu_compile_available
 
 __all__ = [
     "BACKENDS",
@@ -50,39 +55,27 @@ __all__ = [
     "backend_for",
     "check_backend",
     "describe",
+    "gpu_quantizer",
     "resolve_backend",
     "triton_available",
 ]
 
 BACKENDS = ("auto", "triton", "native", "compiled", "eager")
+"""The values of the ``kernels`` knob (``train.kernels``, nemofp4-eval's ``kernels``): the one list."""
 
 
 class Backend(Protocol):
-    """What a quantized linear asks of the kernels. ``options`` of the quantizers: ``tensor_amax``
-    (None: measured here), ``generator`` (stochastic rounding), ``two_d`` (override of the spec's,
-    :meth:`quantize` only), ``pack`` (add the packed codes), ``values`` (False: the packed form
-    alone, for an operand only saved for backward; ``values_xt`` for X^T in :meth:`quantize_pair` and
-    :meth:`quantize_forward`) and ``stats`` (keep the block counts);
-    see :func:`nemofp4.kernels.program.quantize_operand`, whose results every backend returns."""
+    """What a quantized linear asks of the kernels."""
 
     name: str
-    """'eager', 'compiled' or 'triton'."""
+    """One of :data:`BACKENDS` other than 'auto'."""
     reads_packed_codes: bool
     """Its hardware GEMM reads packed FP4 codes (so its operands are always packed)."""
 
-    def quantize(self, x: torch.Tensor, spec: BlockSpec, **options) -> QuantizedBlocks: ...
+    def quantize(self, *requests: OperandRequest, generator: torch.Generator | None = None,
+                 stats: bool = True) -> tuple[QuantizedBlocks, ...]: ...  # fmt: skip
 
-    def quantize_tokens(self, x_TD: torch.Tensor, spec: BlockSpec, **options) -> QuantizedBlocks: ...
-
-    def quantize_pair(self, x_TK: torch.Tensor, spec_x: BlockSpec, spec_xt: BlockSpec, *, pack_x: bool = False,
-                      pack_xt: bool = True, values_xt: bool = True,
-                      **options) -> tuple[QuantizedBlocks, QuantizedBlocks]: ...  # fmt: skip
-
-    def quantize_forward(self, x_TK: torch.Tensor, weight: torch.Tensor, spec_x: BlockSpec, spec_xt: BlockSpec | None,
-                         spec_w: BlockSpec, *, x_amax: torch.Tensor | None = None,
-                         w_amax: torch.Tensor | None = None, pack_x: bool = False, pack_xt: bool = True,
-                         values_xt: bool = True, pack_w: bool = False,
-                         **options) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]: ...  # fmt: skip
+    def quantize_blocks(self, x: torch.Tensor, *args, **kwargs) -> QuantizedBlocks: ...
 
     def amax(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -96,38 +89,27 @@ class EagerBackend:
 
     name = "eager"
     reads_packed_codes = False
-    _compiled = False
-    _native = False
+    cores: CoreRunner = program.EAGER
+    """What runs the program's cores."""
 
     def __repr__(self) -> str:
         return f"<{self.name} FP4 kernels>"
 
-    def quantize(self, x, spec, **options):
-        """``x`` [rows, cols] quantized along its last dim (or in tiles) as ``spec`` says."""
-        return program.quantize_operand(x, spec, compiled=self._compiled, native=self._native, **options)
-
-    def quantize_tokens(self, x_TD, spec, **options):
-        """The wgrad operand of a token-major ``x_TD`` [T, D]: its transpose [D, Tp] (tokens padded to
-        16) quantized along the tokens, after ``spec.hadamard``'s transform."""
-        return program.quantize_tokens_operand(x_TD, spec, compiled=self._compiled, native=self._native, **options)
-
-    def quantize_pair(self, x_TK, spec_x, spec_xt, *, pack_x=False, pack_xt=True, **options):
-        """(X along K, X^T [K, tokens padded to 16] along the tokens) sharing one tensor reference (one
-        compiled graph for the two)."""
-        return program.quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt,
-                                             compiled=self._compiled, native=self._native, **options)  # fmt: skip
-
-    def quantize_forward(self, x_TK, weight, spec_x, spec_xt, spec_w, *, x_amax=None, w_amax=None, pack_x=False,
-                         pack_xt=True, pack_w=False, **options):  # fmt: skip
-        """(X, X^T or None when ``spec_xt`` is None, W): what a linear's forward quantizes, one compiled
-        graph for the three."""
-        return program.quantize_forward_operands(x_TK, weight, spec_x, spec_xt, spec_w, x_amax=x_amax, w_amax=w_amax,
-                                                 pack_x=pack_x, pack_xt=pack_xt, pack_w=pack_w,
-                                                 compiled=self._compiled, native=self._native, **options)  # fmt: skip
+    def quantize(self, *requests, generator=None, stats=True):
+        """The requests' :class:`QuantizedBlocks`, quantized as one call (one compiled graph where
+        the program compiles), random bits drawn in request order: :func:`nemofp4.kernels.program.quantize`."""
+        return program.quantize(requests, generator=generator, stats=stats, cores=self.cores)
 
     def quantize_blocks(self, x, *args, **kwargs):
-        """:func:`nemofp4.formats.quantize_blocks` (same arguments)."""
-        return quantize_blocks(x, *args, **kwargs)
+        """:func:`nemofp4.formats.quantize_blocks` (same arguments), by the program on this backend's
+        runner: the same bits (random draws included) without the reference's float64 checks and
+        NaN/Inf check (no synchronization); its counts are the block counts alone. The reference
+        for what the program has no core for (E2M1 UE8M0 blocks in 'ceil' mode)."""
+        request = _blocks_request(x, *args, **kwargs)
+        if request is None:
+            return quantize_blocks(x, *args, **kwargs)
+        (q,) = self.quantize(request[0], generator=request[1])
+        return _as_blocks_result(q, x)
 
     def amax(self, x):
         """max |x| as a float32 0-d tensor on x's device (exact)."""
@@ -145,10 +127,10 @@ class EagerBackend:
 
 
 class CompiledBackend(EagerBackend):
-    """The same program compiled by Inductor, one graph per spec (the same bits)."""
+    """The same program compiled by Inductor, one graph per call's specs (the same bits)."""
 
     name = "compiled"
-    _compiled = True
+    cores = program.COMPILED
 
     def hadamard_transform(self, x):
         return program.compiled_hadamard_transform(x)
@@ -159,11 +141,46 @@ class NativeBackend(CompiledBackend):
     call each; the compiled program for the rest (the same bits)."""
 
     name = "native"
-    _native = True
+    cores = native.NativeCores(program.COMPILED)
 
     def amax(self, x):
         """max |x| in one native pass for a contiguous float32 tensor (exact), else the program's."""
         return native.amax(x) if native.supports_amax(x) else super().amax(x)
+
+
+_QUANTIZE_BLOCKS = inspect.signature(quantize_blocks)
+
+
+def _blocks_request(x, *args, **kwargs) -> tuple[OperandRequest, torch.Generator | None] | None:
+    """:func:`quantize_blocks`'s arguments as a ``rows`` request of ``x`` viewed 2-D (and its
+    generator), checked as the reference checks them; None where the program has no core for them."""
+    a = _QUANTIZE_BLOCKS.bind(x, *args, **kwargs)
+    a.apply_defaults()
+    a = a.arguments
+    spec = BlockSpec(scale_format=a["scale_format"], block_size=a["block_size"], two_d=a["two_d"],
+                     rounding=a["rounding"], scale_target=a["scale_target"], mx_scale_mode=a["mx_scale_mode"])  # fmt: skip
+    spec.check_input(x, a["tensor_amax"], name=a["name"], stacklevel=4)
+    if spec.format.power_of_two and spec.mx_scale_mode != "floor":
+        return None
+    g = a["tensor_amax"]
+    if g is not None:
+        g = torch.as_tensor(g, dtype=torch.float32, device=x.device).reshape(())
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 1 else x.view(1, -1)
+    return OperandRequest(x2, spec, pack=True, values=False, tensor_amax=g), a["generator"]
+
+
+def _as_blocks_result(q: QuantizedBlocks, x: torch.Tensor) -> QuantizedBlocks:
+    """``q`` of ``x`` viewed 2-D, in ``x``'s own leading dims (the reference's layout)."""
+    if q.two_d:
+        return q
+    lead = tuple(x.shape[:-1])
+    padded = (*lead, q.padded_shape[-1])
+    return QuantizedBlocks(
+        element_format=q.element_format, shape=tuple(x.shape), padded_shape=padded, block_size=q.block_size,
+        two_d=False, scale_format=q.scale_format, tensor_scale=q.tensor_scale, tensor_amax=q.tensor_amax,
+        scale_target=q.scale_target, codes=q.codes.view(*lead, -1), scale_codes=q.scale_codes.view(*lead, -1),
+        counts=q.counts, num_blocks=q.num_blocks, num_elements=q.num_elements,
+    )  # fmt: skip
 
 
 def _triton_covers(spec: BlockSpec) -> bool:
@@ -171,53 +188,51 @@ def _triton_covers(spec: BlockSpec) -> bool:
     return spec.block_size in SUPPORTED_BLOCK_SIZES and not spec.is_fp8
 
 
+def _fused_pair(x: OperandRequest, xt: OperandRequest) -> bool:
+    """Whether one Triton launch quantizes the two: X along K (with its values) and X^T along the
+    tokens of the same tensor and reference, in the same format, block and rounding, 1-D blocks
+    without a Hadamard transform."""
+    return (x.layout == "rows" and xt.layout == "tokens" and x.tensor is xt.tensor
+            and x.tensor_amax is xt.tensor_amax and x.values and not x.tiles and x.spec.blocks_like(xt.spec)
+            and _triton_covers(x.spec) and not (x.spec.two_d or xt.spec.two_d or x.spec.hadamard
+                                                or xt.spec.hadamard))  # fmt: skip
+
+
 class TritonBackend(EagerBackend):
-    """Fused Triton kernels; the torch program for FP8 payloads and the block sizes they have no kernel for."""
+    """Fused Triton kernels for the requests they cover; the eager program for the others (FP8
+    payloads, the block sizes they have no kernel for), request by request in order."""
 
     name = "triton"
     reads_packed_codes = True
 
-    def quantize(self, x, spec, **options):
-        if not _triton_covers(spec):
-            return super().quantize(x, spec, **options)
-        from .operand import triton_quantize_operand
+    def quantize(self, *requests, generator=None, stats=True):
+        """Each request by a Triton launch, an X / X^T pair (:func:`_fused_pair`) by one fused launch,
+        the others by the program; launches have no per-call guards to share, so one call is the
+        launches in request order (each stochastic one draws its Philox seed from ``generator`` then)."""
+        from .operand import triton_quantize_operand, triton_quantize_operand_pair
 
-        return triton_quantize_operand(x, spec, **options)
-
-    def quantize_tokens(self, x_TD, spec, **options):
-        """The padded transpose, quantized (after the eager Hadamard transform when ``spec.hadamard``)."""
-        if not _triton_covers(spec):
-            return super().quantize_tokens(x_TD, spec, **options)
-        from .operand import triton_quantize_operand
-
-        t = tokens_transposed(x_TD)
-        return triton_quantize_operand(wgrad_hadamard_transform(t) if spec.hadamard else t, spec, **options)
-
-    def quantize_pair(self, x_TK, spec_x, spec_xt, *, pack_x=False, pack_xt=True, values_xt=True, **options):
-        """One fused launch when the two can share it (same format, block and rounding; 1-D blocks
-        without a Hadamard transform); two quantizations otherwise."""
-        fusable = (spec_x.blocks_like(spec_xt) and _triton_covers(spec_x)
-                   and not (spec_x.two_d or spec_xt.two_d or spec_x.hadamard or spec_xt.hadamard))  # fmt: skip
-        if spec_xt.hadamard:
-            raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
-        if not fusable:
-            return self.quantize(x_TK, spec_x, pack=pack_x, **options), self.quantize_tokens(
-                x_TK, spec_xt, pack=pack_xt, values=values_xt, **options)  # fmt: skip
-        from .operand import triton_quantize_operand_pair
-
-        return triton_quantize_operand_pair(x_TK, spec_x, spec_xt, pack_x=pack_x, pack_xt=pack_xt, values_xt=values_xt,
-                                            **options)  # fmt: skip
-
-    def quantize_forward(self, x_TK, weight, spec_x, spec_xt, spec_w, *, x_amax=None, w_amax=None, pack_x=False,
-                         pack_xt=True, values_xt=True, pack_w=False, **options):  # fmt: skip
-        """X (with X^T: :meth:`quantize_pair`), then W: kernel launches, which have no per-call guards
-        to share."""
-        if spec_xt is None:
-            qx, qxt = self.quantize(x_TK, spec_x, tensor_amax=x_amax, pack=pack_x, **options), None
-        else:
-            qx, qxt = self.quantize_pair(x_TK, spec_x, spec_xt, tensor_amax=x_amax, pack_x=pack_x, pack_xt=pack_xt,
-                                         values_xt=values_xt, **options)  # fmt: skip
-        return qx, qxt, self.quantize(weight, spec_w, tensor_amax=w_amax, pack=pack_w, **options)
+        out: list[QuantizedBlocks] = []
+        i = 0
+        while i < len(requests):
+            r = requests[i]
+            if i + 1 < len(requests) and _fused_pair(r, requests[i + 1]):
+                xt = requests[i + 1]
+                out += triton_quantize_operand_pair(r.tensor, r.spec, xt.spec, tensor_amax=r.tensor_amax,
+                                                    generator=generator, pack_x=r.pack, pack_xt=xt.pack,
+                                                    values_xt=xt.values, stats=stats)  # fmt: skip
+                i += 2
+                continue
+            if not _triton_covers(r.spec):
+                out += program.quantize((r,), generator=generator, stats=stats, cores=program.EAGER)
+            else:
+                x = r.tensor
+                if r.layout == "tokens":
+                    x = tokens_transposed(x)
+                    x = wgrad_hadamard_transform(x) if r.spec.hadamard else x
+                out.append(triton_quantize_operand(x, r.spec, tensor_amax=r.tensor_amax, generator=generator,
+                                                   two_d=r.tiles, pack=r.pack, values=r.values, stats=stats))  # fmt: skip
+            i += 1
+        return tuple(out)
 
     def quantize_blocks(self, x, *args, **kwargs):
         """The Triton kernel for the block sizes it has; its stochastic roundings seed Philox with one
@@ -226,7 +241,7 @@ class TritonBackend(EagerBackend):
         arguments.apply_defaults()
         a = arguments.arguments
         if a["block_size"] not in (None, *SUPPORTED_BLOCK_SIZES):
-            return super().quantize_blocks(x, *args, **kwargs)
+            return quantize_blocks(x, *args, **kwargs)
         from .operand import _seed
         from .quantize import triton_quantize_blocks
 
@@ -250,7 +265,6 @@ class TritonBackend(EagerBackend):
         return triton_hardware_gemm(a, b, **options)
 
 
-_QUANTIZE_BLOCKS = inspect.signature(quantize_blocks)
 _BACKENDS = {backend.name: backend for backend in (EagerBackend(), CompiledBackend(), NativeBackend(), TritonBackend())}
 
 
@@ -266,9 +280,13 @@ def triton_available() -> bool:
     return _triton_importable() and (torch.cuda.is_available() or interpret)
 
 
-def check_backend(backend: str) -> str:
+def check_backend(backend: str, knob: str | None = None) -> str:
+    """``backend`` if it is one of :data:`BACKENDS`, else a ValueError naming it (as the value of
+    ``knob``, the config field, when given) and the valid values: the one check of the setting, which
+    the typed configs and a module's setter call."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown FP4 kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        what = f"{knob}={backend!r}" if knob else f"unknown FP4 kernel backend {backend!r}"
+        raise ValueError(f"{what}; valid: {', '.join(BACKENDS)}")
     return backend
 
 
@@ -286,15 +304,16 @@ def _fall_back(path: str, why: str) -> str:
     return path
 
 
-def _cannot_run_native(why: str, use: str) -> ValueError:
-    return ValueError(f"kernels='native' (train.kernels, or nemofp4-eval's kernels) cannot run here: {why}; "
+def _cannot_run(backend: str, why: str, use: str) -> ValueError:
+    return ValueError(f"kernels={backend!r} (train.kernels, or nemofp4-eval's kernels) cannot run here: {why}; "
                       f"use {use}")  # fmt: skip
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The path (``triton``, ``native``, ``compiled`` or ``eager``) that ``backend`` takes for tensors on
-    ``device``. An explicit ``native`` that cannot run is a ValueError saying why; ``auto`` falls back
-    to the compiled program, or without a C++ compiler to the eager one, with one warning saying why."""
+    ``device``: the one place the choice is made. An explicit ``native`` or ``compiled`` that cannot
+    run is a ValueError saying why; ``auto`` falls back to the compiled program, or without a C++
+    compiler to the eager one, with one warning saying why."""
     check_backend(backend)
     device = torch.device(device)
     if backend == "auto":
@@ -303,7 +322,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         if device.type != "cpu":
             return "eager"
         if not cpu_compile_available():
-            return _fall_back("eager", native.NO_COMPILER)
+            return _fall_back("eager", NO_COMPILER)
         if native.available():
             return "native"
         return _fall_back("compiled", native.unavailable_reason())
@@ -314,16 +333,25 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         )
     if backend == "native":
         if device.type != "cpu":
-            raise _cannot_run_native(f"it quantizes CPU tensors, and these are on {device.type}",
-                                     "'auto', 'triton', 'compiled' or 'eager'")  # fmt: skip
+            raise _cannot_run(backend, f"it quantizes CPU tensors, and these are on {device.type}",
+                              "'auto', 'triton', 'compiled' or 'eager'")  # fmt: skip
         if not cpu_compile_available():
-            raise _cannot_run_native(native.NO_COMPILER, "'auto' or 'eager' (the eager torch program: the same numerics)")
+            raise _cannot_run(backend, NO_COMPILER, "'auto' or 'eager' (the eager torch program: the same numerics)")
         if not native.available():
-            raise _cannot_run_native(native.unavailable_reason(), "'auto', 'compiled' (the compiled torch program: "
-                                     "the same numerics) or 'eager'")  # fmt: skip
+            raise _cannot_run(backend, native.unavailable_reason(), "'auto', 'compiled' (the compiled torch program: "
+                              "the same numerics) or 'eager'")  # fmt: skip
     if backend == "compiled" and device.type == "cpu" and not cpu_compile_available():
-        return "eager"  # no C++ compiler: same numerics
+        raise _cannot_run(backend, NO_COMPILER, "'auto' or 'eager' (the eager torch program: the same numerics)")
     return backend
+
+
+def gpu_quantizer(backend: str) -> str:
+    """The quantizer a CUDA job's FP4 operands take under ``backend``, as the planner models it on a
+    machine that may have neither CUDA nor Triton: 'eager' (the torch program op by op) for
+    ``eager``, else 'triton' (what ``auto`` resolves to on a GPU node; the compiled program's
+    buffers are planned as the Triton kernels', and a CPU-only ``native`` job plans as one of a
+    GPU node would)."""
+    return "eager" if check_backend(backend, "train.kernels") == "eager" else "triton"
 
 
 def backend_for(backend: str, device: torch.device | str) -> Backend:

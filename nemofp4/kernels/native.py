@@ -1,5 +1,5 @@
 """The CPU quantizer as one native call: ``cpu_quantize.cpp``, the quantization program's core
-(:func:`nemofp4.kernels.program._quantize_core`) for the operands most CPU steps quantize: float32,
+(``_quantize_core`` of :mod:`nemofp4.kernels.program`) for the operands most CPU steps quantize: float32,
 1-D blocks of 16 along the rows or down the columns (the wgrad operands) or 16x16 weight tiles,
 E4M3 or UE5M3 block scales, RNE, ``sr`` or ``sr8``. Bit for bit the program
 (``tests/unit/test_kernels_native.py``); the program quantizes every other operand.
@@ -24,7 +24,12 @@ temporary files and the compiler writes the same bytes each time, so the last re
 harmlessly (bytes that differed from the record would only mean a rebuild). A crash leaves at most a
 ``.partial`` file, removed by a later build once it is :data:`STALE_PARTIAL_S` old.
 
-A set ``CXX`` that is not one executable on PATH is an error (:func:`compiler`). Without a
+:class:`NativeCores` is the runner of a native backend: it quantizes the operands the kernel
+covers (:func:`supports`) and hands the others to the runner it is given (the compiled program's),
+in the same call.
+
+A set ``CXX`` that is not one executable on PATH is an error
+(:func:`nemofp4.kernels.toolchain.compiler`, the one finder ``torch.compile``'s check shares). Without a
 compiler, or when the build fails, :func:`available` is false and :func:`unavailable_reason` says
 why; the kernels' resolution (:func:`nemofp4.kernels.resolve_backend`) raises for an explicit
 ``native`` and warns once for ``auto``, whose compiled torch program gives the same bits.
@@ -39,8 +44,6 @@ import json
 import math
 import os
 import platform
-import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -50,11 +53,14 @@ from pathlib import Path
 
 import torch
 
-from nemofp4.formats.minifloat import _HASH_MULTIPLIER, _HASH_ROUNDS
+from nemofp4.formats.minifloat import HASH_MULTIPLIER, HASH_ROUNDS
 from nemofp4.formats.scaling import scale_grid
 from nemofp4.formats.spec import SCALE_FORMAT_TABLE
 
-__all__ = ["amax", "available", "compiler", "library_path", "quantize_core", "supports", "supports_amax",
+from .request import CoreOperand, CoreRunner, CoreSpec
+from .toolchain import NO_COMPILER, compiler
+
+__all__ = ["NativeCores", "amax", "available", "library_path", "quantize_core", "supports", "supports_amax",
            "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("cpu_quantize.cpp")
@@ -66,9 +72,6 @@ KERNELS = ("nf4_amax", "nf4_quantize_rows", "nf4_quantize_tiles", "nf4_quantize_
 """The library's symbols: one lacking any of them is not ours (or not this source's)."""
 STALE_PARTIAL_S = 600
 """A build's temporary file older than this is a crashed build's (a build takes seconds)."""
-COMPILERS = ("c++", "g++", "clang++")
-"""Searched on PATH when ``CXX`` is unset."""
-NO_COMPILER = f"no C++ compiler (CXX is unset and none of {', '.join(COMPILERS)} is on PATH)"
 _ROUNDINGS = {"rne": 0, "sr": 1, "sr8": 2}
 _P = ctypes.c_void_p
 
@@ -94,26 +97,7 @@ def _grid(scale_format: str) -> _Grid:
     grid, row = scale_grid(scale_format), SCALE_FORMAT_TABLE[scale_format]
     magic = 1.5 * 2.0 ** (23 + math.log2(grid.min_subnormal))  # formats.scaling.round_scale_rne's
     return _Grid(grid.mantissa_bits, grid.bias, int(row.zero_code_to_one), grid.min_normal, grid.min_subnormal,
-                 grid.max_finite, magic, _HASH_MULTIPLIER, _HASH_ROUNDS)  # fmt: skip
-
-
-def compiler() -> str | None:
-    """The C++ compiler's path: ``CXX`` when set, else the first of :data:`COMPILERS` on PATH; None
-    without one. A set ``CXX`` that is not one executable on PATH is a ValueError naming it: another
-    compiler in its place would build with a toolchain nobody chose, and ``torch.compile`` (which
-    runs ``CXX`` as one program) would fail on it anyway."""
-    cxx = os.environ.get("CXX")
-    if not cxx:
-        return next((path for path in map(shutil.which, COMPILERS) if path), None)
-    path = shutil.which(cxx)
-    if path is not None:
-        return path
-    if len(shlex.split(cxx)) > 1:
-        raise ValueError(f"CXX={cxx!r} is a command with arguments; torch.compile and the native CPU quantizer run "
-                         "CXX as one executable: set it to the compiler (e.g. CXX=g++), or to a launcher's compiler "
-                         "link (ccache: e.g. CXX=/usr/lib/ccache/g++), or unset it")  # fmt: skip
-    raise ValueError(f"CXX={cxx!r} is not an executable on PATH; set it to a C++ compiler (e.g. g++ or clang++, a "
-                     f"name on PATH or a path), or unset it to use the first of {', '.join(COMPILERS)} on PATH")
+                 grid.max_finite, magic, HASH_MULTIPLIER, HASH_ROUNDS)  # fmt: skip
 
 
 def _cpu_features() -> str:
@@ -306,9 +290,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(_library().nf4_amax(x.data_ptr(), x.numel(), torch.get_num_threads()), dtype=torch.float32)
 
 
-def supports(spec, blocks: torch.Tensor) -> bool:
-    """Whether the native kernel quantizes this operand (``spec``: the program's ``_Spec``; ``blocks``
-    its padded input viewed as blocks): a plain float32 CPU tensor, outside ``torch.compile``, in
+def supports(spec: CoreSpec, blocks: torch.Tensor) -> bool:
+    """Whether the native kernel quantizes this operand (``blocks``: its padded input viewed as blocks): a plain float32 CPU tensor, outside ``torch.compile``, in
     blocks of 16 (or 16x16 tiles) without the Hadamard transform, E2M1 payloads with E4M3/UE5M3 scales,
     RNE/sr/sr8."""
     return (
@@ -325,9 +308,9 @@ def supports(spec, blocks: torch.Tensor) -> bool:
     )
 
 
-def quantize_core(spec, blocks: torch.Tensor, g: torch.Tensor | None, target: torch.Tensor,
+def quantize_core(spec: CoreSpec, blocks: torch.Tensor, g: torch.Tensor | None, target: torch.Tensor,
                   key: torch.Tensor | None) -> tuple:  # fmt: skip
-    """``program._quantize_core(blocks, g, target, key, spec)``'s outputs, from the native kernel
+    """The program's FP4 core's outputs for ``(blocks, g, target, key, spec)``, from the native kernel
     (:func:`supports` must hold): (values shaped like ``blocks`` | None, tensor_scale, g, packed codes
     (flat) | None, scale codes, counts)."""
     lib = _library()
@@ -353,3 +336,26 @@ def quantize_core(spec, blocks: torch.Tensor, g: torch.Tensor | None, target: to
            None if values is None else values.data_ptr(), None if packed is None else packed.data_ptr(),
            scale_codes.data_ptr(), counts.data_ptr(), tensor_scale.data_ptr(), torch.get_num_threads())  # fmt: skip
     return values, tensor_scale, g, packed, scale_codes, counts
+
+
+class NativeCores:
+    """A :class:`~nemofp4.kernels.request.CoreRunner`: the native kernel for each operand it covers
+    (:func:`supports`), one ctypes call each, and ``rest`` (another runner) for the others, as one
+    call of its own."""
+
+    name = "native"
+
+    def __init__(self, rest: CoreRunner) -> None:
+        self.rest = rest
+
+    def __repr__(self) -> str:
+        return f"NativeCores(rest={getattr(self.rest, 'name', self.rest)!r})"
+
+    def run(self, operands: tuple[CoreOperand, ...], args: list[tuple]) -> list[tuple]:
+        outputs: list = [quantize_core(o.spec, *a) if supports(o.spec, o.blocks) else None
+                         for o, a in zip(operands, args)]  # fmt: skip
+        rest = [i for i, output in enumerate(outputs) if output is None]
+        if rest:
+            for i, output in zip(rest, self.rest.run(tuple(operands[i] for i in rest), [args[i] for i in rest])):
+                outputs[i] = output
+        return outputs

@@ -20,8 +20,8 @@ import torch
 from nemofp4.formats import BlockSpec, QuantizedBlocks
 from nemofp4.formats.spec import BLOCK_STATS
 
-from .program import TOKEN_MULTIPLE, check_values
 from .quantize import triton_quantize
+from .request import TOKEN_MULTIPLE, check_values
 
 __all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
 

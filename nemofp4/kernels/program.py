@@ -1,35 +1,32 @@
-"""The one torch program that quantizes a GEMM operand: run eagerly, or compiled by Inductor.
+"""The one torch program that quantizes GEMM operands: run eagerly, or compiled by Inductor.
 
-:func:`quantize_operand` covers every scale format (E4M3, UE5M3, UE8M0) and payload rounding
-(RNE, TE's 8-bit ``sr``, the paper's ``sr8``, ``sr_exact``) with 1-D blocks or 2-D tiles. Its
-core, :func:`_quantize_core`, is plain
-tensor code over the shared formulas of :mod:`nemofp4.formats.scaling`; ``compiled=True`` hands
-that same function to ``torch.compile``, whose C++ backend fuses it into a block-amax reduction
-and one elementwise loop. Inductor compiles without value-changing math flags (no
-reassociation, no contraction), so eager and compiled results are bitwise equal, and both
-equal the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the tests hold
-them to that. :func:`quantize_tokens_operand` runs the same core on the wgrad operands (X^T,
-dY^T) with its blocks down the columns of the token-major tensor, the wgrad Hadamard transform
-inside the loop; :func:`quantize_operand_pair` runs X's core and X^T's as one compiled graph, and
-:func:`quantize_forward_operands` those and W's (every compiled call pays Dynamo's wrapper and
-guards, which on a small operand weigh as much as its kernel).
+:func:`quantize` takes :class:`~nemofp4.kernels.request.OperandRequest`s and covers every scale
+format (E4M3, UE5M3, UE8M0, per-tensor FP32) and payload rounding (RNE, TE's 8-bit ``sr``, the
+paper's ``sr8``, ``sr_exact``) with 1-D blocks, 2-D tiles or blocks down the columns of a
+token-major tensor (the wgrad operands X^T, dY^T, the wgrad Hadamard transform inside the loop).
+Its cores, :func:`_quantize_core` (FP4) and :func:`_fp8_core`, are plain tensor code over the
+shared formulas of :mod:`nemofp4.formats.scaling`; the :class:`~nemofp4.kernels.request.CoreRunner`
+the call is given runs them: :data:`EAGER` op by op, :data:`COMPILED` through ``torch.compile``,
+whose C++ backend fuses them into a block-amax reduction and one elementwise loop, all the
+requests of a call as one graph (every compiled call pays Dynamo's wrapper and guards, which on a
+small operand weigh as much as its kernel), or the native kernel's runner
+(:class:`nemofp4.kernels.native.NativeCores`) for the operands it covers. Inductor compiles
+without value-changing math flags (no reassociation, no contraction), so every runner gives the
+same bits, equal to the float64-checked reference :func:`nemofp4.formats.quantize_blocks`; the
+tests hold them to that.
 
 Random bits follow the reference's contract: sr and sr8 draw one key per operand
 (:func:`sr8_key`) and the core hashes each element's index with it (:func:`sr8_bytes_at`), inside
 the loop that rounds (compiled, no random bytes are stored or read); sr_exact draws one float64
-``torch.rand`` per element outside the core. Every path consumes a generator identically.
+``torch.rand`` per element outside the core. The draws are made here, request after request, before
+any core runs, so every runner consumes a generator identically.
 
 Unlike the reference the program does not check for NaN/Inf (that would synchronize): a
 non-finite input yields non-finite values, which the trainer's checks catch.
 
-``native=True`` hands each operand that :mod:`nemofp4.kernels.native` covers (float32, blocks or
-tiles of 16, E4M3/UE5M3 scales, RNE/sr/sr8) to that C++ kernel of :func:`_quantize_core` instead,
-after the same padding and the same draws; tests/unit/test_kernels_native.py holds it to this
-program bit for bit.
-
-Compiling needs a C++ compiler (:func:`cpu_compile_available`); a spec whose build fails anyway
-warns once, naming the spec, and runs its core eagerly on the same inputs from then on (the other
-specs still compile).
+Compiling needs a C++ compiler (:func:`nemofp4.kernels.toolchain.cpu_compile_available`); a spec
+whose build fails anyway warns once, naming the spec, and runs its core eagerly on the same inputs
+from then on (the other specs still compile).
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ import math
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -69,13 +65,21 @@ from nemofp4.formats.spec import (
     BlockSpec,
 )
 
-from . import native as _native
+from .request import (
+    TOKEN_MULTIPLE,
+    CoreOperand,
+    CoreRunner,
+    CoreSpec,
+    OperandRequest,
+    tokens_transposed,
+)
 
 __all__ = [
+    "COMPILED",
+    "EAGER",
     "TOKEN_MULTIPLE",
     "compiled_hadamard_transform",
-    "cpu_compile_available",
-    "quantize_forward_operands",
+    "quantize",
     "quantize_operand",
     "quantize_operand_pair",
     "quantize_tokens_operand",
@@ -91,82 +95,6 @@ _FP8_MAX_RECIPROCALS = {name: float(torch.tensor(1.0 / fp8_max(name), dtype=torc
 """TE's ``Quantized_Limits::max_norm_rcp``: ``1.0 / max`` in double, stored as a float32."""
 _FP8_EMAX = {name: int(math.floor(math.log2(fp8_max(name)))) for name in _FP8_GRIDS}
 """The FP8 payloads' largest exponents (8 for E4M3, 15 for E5M2): OCP MX's floor-mode offset."""
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """The static part of one quantization: one compiled graph per distinct spec.
-
-    The statistics counts are always computed (three block-level reductions, cheap): a run that
-    collects them only on logging steps then never compiles a second graph variant for them."""
-
-    scale_format: str
-    block_size: int
-    two_d: bool
-    rounding: str
-    pack: bool
-    measure: bool
-    """Current scaling: the tensor reference is max |x|, reduced from the block amaxes inside
-    the program (one pass over ``x`` fewer than a separate amax)."""
-    columns: bool = False
-    """Blocks run down the columns (dim 0) of the input: the wgrad operand X^T or dY^T read from
-    the token-major X or dY, so the transpose is never materialized."""
-    hadamard: bool = False
-    """The wgrad Hadamard transform along the blocks' dim first (with ``columns``), in the same loop."""
-    values: bool = True
-    """The scaled values are an output. An operand only saved for backward (X^T) needs its packed
-    form alone: its values would be a float32 buffer written, faulted in and thrown away."""
-    element: str = "e2m1"
-    """The payload format: 'e2m1' (:func:`_quantize_core`) or an FP8 format (:func:`_fp8_core`)."""
-    mx_scale_mode: str = "floor"
-    power_of_two_scale: bool = False
-    power_of_two: bool = field(init=False)
-    """The scale format's columns of the table (plain bools: the compiled core reads constants)."""
-    zero_code_to_one: bool = field(init=False)
-    per_tensor: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        row = SCALE_FORMAT_TABLE[self.scale_format]
-        object.__setattr__(self, "power_of_two", row.power_of_two)
-        object.__setattr__(self, "zero_code_to_one", row.zero_code_to_one)
-        object.__setattr__(self, "per_tensor", row.per_tensor)
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.element != "e2m1"
-
-    def describe(self) -> str:
-        blocks = f"{self.block_size}x{self.block_size} tiles" if self.two_d else f"blocks of {self.block_size}"
-        if self.per_tensor:
-            blocks = "per tensor"
-        layout = ", down the columns" + (" after the Hadamard transform" if self.hadamard else "") if self.columns else ""
-        formats = f"{self.element}/{self.scale_format}" if self.is_fp8 else self.scale_format
-        return f"{formats} {blocks}, {self.rounding}{layout}"
-
-    @classmethod
-    def of(cls, op: BlockSpec, pack: bool, measure: bool, values: bool, *, two_d: bool = False,
-           columns: bool = False) -> _Spec:  # fmt: skip
-        """The spec of quantizing with ``op`` in the given layout. The FP4 core has OCP's floor exponent
-        only: an E2M1 UE8M0 spec in 'ceil' mode is the reference's and the Triton kernels', refused here
-        rather than floored."""
-        if not op.is_fp8 and op.format.power_of_two and op.mx_scale_mode != "floor":
-            raise ValueError(f"mx_scale_mode={op.mx_scale_mode!r} with E2M1 payloads: the torch program quantizes "
-                             "FP4 MX blocks with OCP's floor rule only (nemofp4.formats.quantize_blocks and the "
-                             "Triton kernels have 'ceil')")  # fmt: skip
-        return cls(op.scale_format, op.block_size, two_d, op.rounding, pack, measure=measure, columns=columns,
-                   hadamard=op.hadamard and columns, values=check_values(pack, values), element=op.element_format,
-                   mx_scale_mode=op.mx_scale_mode, power_of_two_scale=op.power_of_two_scale)  # fmt: skip
-
-
-@functools.cache
-def _compiler_on_path() -> bool:
-    return _native.compiler() is not None
-
-
-def cpu_compile_available() -> bool:
-    """``torch.compile`` can build CPU kernels here: a C++ compiler is on PATH, or in ``CXX`` (a set
-    ``CXX`` that is not one executable on PATH is a ValueError naming it: :func:`nemofp4.kernels.native.compiler`)."""
-    return _compiler_on_path()
 
 
 # ------------------------------------------------------------------------------------ core
@@ -200,7 +128,7 @@ def _materialized(t: torch.Tensor) -> torch.Tensor:
     return torch.ops.prims.inductor_force_stride_order(t, t.stride())
 
 
-def _element_index(blocks: torch.Tensor, spec: _Spec) -> torch.Tensor:
+def _element_index(blocks: torch.Tensor, spec: CoreSpec) -> torch.Tensor:
     """int64 index of each element of ``blocks`` in the operand's element order (that of its random
     bytes): row-major over the padded ``x``, or with ``spec.columns`` over its transpose (element
     (t, d) of the token-major input is element d * Tp + t). Compiled, it is the loop's index
@@ -217,7 +145,7 @@ def _element_index(blocks: torch.Tensor, spec: _Spec) -> torch.Tensor:
 
 
 def _quantize_core(
-    blocks: torch.Tensor, g: torch.Tensor, target: torch.Tensor, draws: torch.Tensor | None, spec: _Spec
+    blocks: torch.Tensor, g: torch.Tensor, target: torch.Tensor, draws: torch.Tensor | None, spec: CoreSpec
 ):
     """Quantize ``blocks``, padded ``x`` (float32, or the BF16/FP16 input itself, converted exactly in
     the loop that reads it: no float32 copy is made) viewed as [R, 1, C/b, b] (1-D blocks),
@@ -310,7 +238,7 @@ def _quantize_core(
     return values, tensor_scale, g, codes, scale_codes, counts
 
 
-def _fp8_core(blocks: torch.Tensor, g: torch.Tensor, max_value: torch.Tensor, draws: None, spec: _Spec):
+def _fp8_core(blocks: torch.Tensor, g: torch.Tensor, max_value: torch.Tensor, draws: None, spec: CoreSpec):
     """Quantize ``blocks`` (laid out as for :func:`_quantize_core`) to an FP8 payload as Transformer
     Engine's cast kernels do: per-tensor current scaling (``fp32``: ``x * scale`` with TE's
     :func:`~nemofp4.formats.scaling.fp8_tensor_scale`, decode factor ``1 / scale``) or MXFP8
@@ -369,7 +297,7 @@ def _fp8_core(blocks: torch.Tensor, g: torch.Tensor, max_value: torch.Tensor, dr
     return values, tensor_scale, g, codes, scale_codes, counts
 
 
-def _quantize_cores(specs: tuple[_Spec, ...], *args):
+def _quantize_cores(specs: tuple[CoreSpec, ...], *args):
     """The core of each spec in turn (:func:`_fp8_core` for an FP8 payload, :func:`_quantize_core`
     otherwise), on its four arguments (``args`` holds them in the order of ``specs``): the operands
     that one call quantizes, in one graph when compiled."""
@@ -378,7 +306,7 @@ def _quantize_cores(specs: tuple[_Spec, ...], *args):
 
 
 @functools.cache
-def _compiled(specs: tuple[_Spec, ...]):
+def _compiled(specs: tuple[CoreSpec, ...]):
     """The cores compiled for ``specs`` as one graph (the caller marks the block-count dims dynamic;
     the specs and the block sizes stay constants). Dynamo keeps its graphs per code object and stops
     compiling one after ``recompile_limit`` graphs, so each key gets a code object of its own: its
@@ -396,7 +324,7 @@ def _compiled(specs: tuple[_Spec, ...]):
     return torch.compile(own, dynamic=False, fullgraph=True)
 
 
-_SPEC_NAMES: dict[tuple[_Spec, ...], str] = {}
+_SPEC_NAMES: dict[tuple[CoreSpec, ...], str] = {}
 
 
 _failed_builds: set = set()
@@ -421,7 +349,7 @@ def _compiled_or_eager(key, build, eager, args: tuple, what: Callable[[], str]):
     return eager(*args)
 
 
-def _run_compiled(specs: tuple[_Spec, ...], *args):
+def _run_compiled(specs: tuple[CoreSpec, ...], *args):
     """The compiled cores of ``specs`` (eager where the build failed)."""
     def what() -> str:
         return " and ".join(spec.describe() for spec in specs)
@@ -445,169 +373,118 @@ def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
                               lambda: "the wgrad Hadamard transform")
 
 
+# ------------------------------------------------------------------------------------ runners
+class EagerCores:
+    """The cores op by op (inside a compiled region: traced into the caller's graph)."""
+
+    name = "eager"
+
+    def run(self, operands: tuple[CoreOperand, ...], args: list[tuple]) -> list[tuple]:
+        return list(_quantize_cores(tuple(o.spec for o in operands), *(a for arg in args for a in arg)))
+
+
+class CompiledCores:
+    """The cores of a call as one ``torch.compile`` graph, the block-count dims dynamic (one graph for
+    every operand shape); inlined when the caller is already being compiled."""
+
+    name = "compiled"
+
+    def run(self, operands: tuple[CoreOperand, ...], args: list[tuple]) -> list[tuple]:
+        if torch.compiler.is_compiling():
+            return EAGER.run(operands, args)
+        for operand, arg in zip(operands, args):
+            torch._dynamo.mark_dynamic(operand.blocks, (0, 2))
+            if operand.op.rounding == "sr_exact":
+                torch._dynamo.mark_dynamic(arg[3], (0, 2))
+        return list(_run_compiled(tuple(o.spec for o in operands), *(a for arg in args for a in arg)))
+
+
+EAGER = EagerCores()
+COMPILED = CompiledCores()
+
+
 # ------------------------------------------------------------------------------------ entry
-TOKEN_MULTIPLE = 16
-"""The tokens of a wgrad operand are zero-padded to this multiple (one Hadamard group)."""
+def quantize(requests: tuple[OperandRequest, ...] | list[OperandRequest], *, generator: torch.Generator | None = None,
+             stats: bool = True, cores: CoreRunner = EAGER) -> tuple[QuantizedBlocks, ...]:  # fmt: skip
+    """Quantize ``requests`` as one call: each operand's random bits drawn in request order (in its
+    element order: row-major over the padded operand, over the padded transpose for ``tokens``),
+    then ``cores`` runs the cores; one :class:`QuantizedBlocks` per request.
+
+    A ``rows`` request equals ``quantize_blocks(x, op.scale_format, op.block_size, two_d,
+    op.scale_target, tensor_amax, op.rounding, generator)`` bitwise (``scaled`` == its
+    ``scaled_values()``); a ``tokens`` request equals the ``rows`` request of ``tokens_transposed(x)``
+    (after ``wgrad_hadamard_transform`` when ``op.hadamard``), its values a transposed view
+    ([D, Tp], strides (1, D)), its packed and scale codes row-major [D, ...]. ``stats`` keeps the
+    saturation/underflow/zero block counts (on the device, no synchronization)."""
+    operands = tuple(_prepared(request) for request in requests)
+    args = [_core_args(operand, generator) for operand in operands]
+    outputs = cores.run(operands, args)
+    return tuple(_result(operand, output, stats) for operand, output in zip(operands, outputs))
 
 
-def tokens_transposed(x_TD: torch.Tensor) -> torch.Tensor:
-    """[D, Tp]: the wgrad operand's layout, ``x_TD`` transposed with its tokens zero-padded to 16 (a
-    view when no padding is needed): what :func:`quantize_tokens_operand` quantizes without building it."""
-    pad = -x_TD.shape[0] % TOKEN_MULTIPLE
-    return (F.pad(x_TD, (0, 0, 0, pad)) if pad else x_TD).t()
+def quantize_operand(x: torch.Tensor, op: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
+                     generator: torch.Generator | None = None, two_d: bool | None = None, pack: bool = False,
+                     values: bool = True, stats: bool = True, cores: CoreRunner = EAGER) -> QuantizedBlocks:  # fmt: skip
+    """:func:`quantize` of one ``rows`` request: a 2-D ``x`` along its last dim (or in tiles)."""
+    request = OperandRequest(x, op, pack=pack, values=values, two_d=two_d, tensor_amax=tensor_amax)
+    return quantize((request,), generator=generator, stats=stats, cores=cores)[0]
 
 
-def quantize_operand(
-    x: torch.Tensor,
-    op: BlockSpec,
-    *,
-    tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    two_d: bool | None = None,
-    pack: bool = False,
-    values: bool = True,
-    stats: bool = True,
-    compiled: bool = False,
-    native: bool = False,
-) -> QuantizedBlocks:
-    """Quantize a 2-D ``x`` along its last dim (or in 2-D tiles) as ``op`` (a
-    :class:`~nemofp4.formats.BlockSpec`, e.g. an ``OperandQuant``) says.
-
-    Equals ``quantize_blocks(x, op.scale_format, op.block_size, two_d, op.scale_target,
-    tensor_amax, op.rounding, generator)`` bitwise (``scaled`` == its ``scaled_values()``).
-    The result has the scaled form; ``pack`` adds the packed codes (for operands saved for
-    backward), and with ``values=False`` it has them alone (``scaled`` None: for an operand that is
-    only saved, so no float32 buffer is written for it). ``stats`` keeps the
-    saturation/underflow/zero counts (on the device, no synchronization). ``compiled`` runs the
-    core through ``torch.compile`` (inside an already compiled region it is inlined); ``native`` runs
-    the native kernel where it supports the operand (:mod:`nemofp4.kernels.native`), the same bits.
-    """
-    (q,) = _quantize((_along_rows(x, op, two_d, pack, tensor_amax, values),), generator, stats, compiled, native)
-    return q
+def quantize_tokens_operand(x_TD: torch.Tensor, op: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
+                            generator: torch.Generator | None = None, pack: bool = False, values: bool = True,
+                            stats: bool = True, cores: CoreRunner = EAGER) -> QuantizedBlocks:  # fmt: skip
+    """:func:`quantize` of one ``tokens`` request: the wgrad operand [D, Tp] of a token-major ``x_TD``."""
+    request = OperandRequest(x_TD, op, layout="tokens", pack=pack, values=values, tensor_amax=tensor_amax)
+    return quantize((request,), generator=generator, stats=stats, cores=cores)[0]
 
 
-def quantize_tokens_operand(
-    x_TD: torch.Tensor,
-    op: BlockSpec,
-    *,
-    tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    pack: bool = False,
-    values: bool = True,
-    stats: bool = True,
-    compiled: bool = False,
-    native: bool = False,
-) -> QuantizedBlocks:
-    """The wgrad operand of a token-major ``x_TD`` [T, D]: its transpose [D, Tp] (tokens zero-padded
-    to 16) quantized along the tokens, after ``op.hadamard``'s wgrad transform along them.
-
-    Equals ``quantize_operand(t, op, ...)`` with ``t = pad(x_TD).t()``, or
-    ``wgrad_hadamard_transform(t)`` when ``op.hadamard``, bit for bit (random draws included, in
-    ``t``'s element order), but reads ``x_TD`` in its own layout: the blocks run down its
-    columns, so neither the transpose nor the transform is ever materialized (the transform runs
-    inside the quantizer's loop). The scaled values come back as a transposed view (``[D, Tp]``,
-    strides ``(1, D)``); packed codes and scale codes are row-major ``[D, ...]``, as
-    ``quantize_operand`` gives them. ``pack`` and ``values`` as in :func:`quantize_operand`.
-    """
-    (q,) = _quantize((_down_columns(x_TD, op, pack, tensor_amax, values),), generator, stats, compiled, native)
-    return q
-
-
-def quantize_operand_pair(
-    x_TK: torch.Tensor,
-    op_x: BlockSpec,
-    op_xt: BlockSpec,
-    *,
-    tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    pack_x: bool = False,
-    pack_xt: bool = True,
-    values_xt: bool = True,
-    stats: bool = True,
-    compiled: bool = False,
-    native: bool = False,
-) -> tuple[QuantizedBlocks, QuantizedBlocks]:
-    """(``quantize_operand(x_TK, op_x, pack=pack_x)``, ``quantize_tokens_operand(x_TK, op_xt,
-    pack=pack_xt, values=values_xt)``) with one tensor reference, bit for bit (X's random bits drawn
-    first), as one compiled graph: one call, one set of guards, for the two operands a linear's
-    forward quantizes from its input."""
-    if op_xt.hadamard:
-        raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
-    operands = (
-        _along_rows(x_TK, op_x, None, pack_x, tensor_amax),
-        _down_columns(x_TK, op_xt, pack_xt, tensor_amax, values_xt),
-    )
-    qx, qxt = _quantize(operands, generator, stats, compiled, native)
+def quantize_operand_pair(x_TK: torch.Tensor, op_x: BlockSpec, op_xt: BlockSpec, *,
+                          tensor_amax: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                          pack_x: bool = False, pack_xt: bool = True, values_xt: bool = True, stats: bool = True,
+                          cores: CoreRunner = EAGER) -> tuple[QuantizedBlocks, QuantizedBlocks]:  # fmt: skip
+    """(X along K, X^T [K, Tp] along the tokens) with one tensor reference: :func:`quantize` of the
+    two requests (X's random bits drawn first)."""
+    qx, qxt = quantize(x_and_tokens(x_TK, op_x, op_xt, tensor_amax=tensor_amax, pack_x=pack_x, pack_xt=pack_xt,
+                                    values_xt=values_xt), generator=generator, stats=stats, cores=cores)  # fmt: skip
     return qx, qxt
 
 
-def quantize_forward_operands(
-    x_TK: torch.Tensor,
-    weight: torch.Tensor,
-    op_x: BlockSpec,
-    op_xt: BlockSpec | None,
-    op_w: BlockSpec,
-    *,
-    x_amax: torch.Tensor | None = None,
-    w_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    pack_x: bool = False,
-    pack_xt: bool = True,
-    values_xt: bool = True,
-    pack_w: bool = False,
-    stats: bool = True,
-    compiled: bool = False,
-    native: bool = False,
-) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]:
-    """What a linear's forward quantizes, as one compiled graph (one call, one set of guards): X
-    along K, X^T along the tokens sharing X's tensor reference ``x_amax`` (``op_xt`` None: not
-    quantized here), and W along K or in tiles as ``op_w`` says, with its own reference ``w_amax``.
-    Bit for bit (random bits drawn in that order) ``quantize_operand_pair`` (or ``quantize_operand``
-    of X) followed by ``quantize_operand`` of W."""
-    if op_xt is not None and op_xt.hadamard:
+def x_and_tokens(x_TK: torch.Tensor, op_x: BlockSpec, op_xt: BlockSpec, *, tensor_amax: torch.Tensor | None,
+                 pack_x: bool = False, pack_xt: bool = True,
+                 values_xt: bool = True) -> tuple[OperandRequest, OperandRequest]:  # fmt: skip
+    """The requests of X along K and its wgrad operand X^T, sharing one tensor reference (which a
+    Hadamard transform on X^T would change: refused)."""
+    if op_xt.hadamard:
         raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
-    operands = [_along_rows(x_TK, op_x, None, pack_x, x_amax)]
-    if op_xt is not None:
-        operands.append(_down_columns(x_TK, op_xt, pack_xt, x_amax, values_xt))
-    operands.append(_along_rows(weight, op_w, None, pack_w, w_amax))
-    *quantized, qw = _quantize(tuple(operands), generator, stats, compiled, native)
-    return quantized[0], quantized[1] if op_xt is not None else None, qw
+    return (OperandRequest(x_TK, op_x, pack=pack_x, tensor_amax=tensor_amax),
+            OperandRequest(x_TK, op_xt, layout="tokens", pack=pack_xt, values=values_xt, tensor_amax=tensor_amax))  # fmt: skip
 
 
-@dataclass(frozen=True)
-class _Operand:
-    """One operand ready for the core: its padded input viewed as blocks, and its result's shapes."""
-
-    op: BlockSpec
-    spec: _Spec
-    blocks: torch.Tensor
-    shape: tuple[int, int]
-    """The result's shape (for a wgrad operand: [D, tokens padded to 16])."""
-    padded_shape: tuple[int, int]
-    """The operand padded to whole blocks ([D, Tp] for a wgrad operand): the element order of its draws."""
-    tensor_amax: torch.Tensor | None
-    """Its tensor reference (None: measured in the core)."""
+def _prepared(request: OperandRequest) -> CoreOperand:
+    """The request's padded input viewed as blocks, and its core spec."""
+    x, op, amax = request.tensor, request.spec, request.tensor_amax
+    if request.layout == "tokens":
+        return _down_columns(x, op, request.pack, amax, request.values)
+    return _along_rows(x, op, request.tiles, request.pack, amax, request.values)
 
 
-def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool | None, pack: bool, tensor_amax,
-                values: bool = True) -> _Operand:  # fmt: skip
-    """``x`` [rows, cols] in blocks along its rows (or 2-D tiles): :func:`quantize_operand`'s operand."""
+def _along_rows(x: torch.Tensor, op: BlockSpec, two_d: bool, pack: bool, tensor_amax, values: bool) -> CoreOperand:
+    """``x`` [rows, cols] in blocks along its rows (or 2-D tiles)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
-    two_d = op.two_d if two_d is None else two_d
     b = op.block_size
     rows, cols = x.shape
     xp = _padded(x, -rows % b if two_d else 0, -cols % b)
     rows_p, cols_p = xp.shape
     row_block = b if two_d else 1
     blocks = xp.view(rows_p // row_block, row_block, cols_p // b, b)
-    spec = _Spec.of(op, pack, tensor_amax is None, values, two_d=two_d)
-    return _Operand(op, spec, blocks, (rows, cols), (rows_p, cols_p), tensor_amax)
+    spec = CoreSpec.of(op, pack, tensor_amax is None, values, two_d=two_d)
+    return CoreOperand(op, spec, blocks, (rows, cols), (rows_p, cols_p), tensor_amax)
 
 
-def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax, values: bool = True) -> _Operand:
+def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax, values: bool) -> CoreOperand:
     """The padded transpose of ``x_TD`` [T, D] in blocks along the tokens, read as blocks down the
-    columns of ``x_TD``: :func:`quantize_tokens_operand`'s operand."""
+    columns of ``x_TD``."""
     if x_TD.dim() != 2:
         raise ValueError(f"quantize_tokens_operand takes a 2-D [tokens, features] tensor, got shape {tuple(x_TD.shape)}")
     if op.two_d:
@@ -618,15 +495,8 @@ def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax, va
     xp = _padded(x_TD, padded_tokens - tokens + -padded_tokens % b, 0)
     rows_p = xp.shape[0]  # tokens padded to 16, then to the block
     blocks = xp.view(rows_p // b, b, features, 1)
-    spec = _Spec.of(op, pack, tensor_amax is None, values, columns=True)
-    return _Operand(op, spec, blocks, (features, padded_tokens), (features, rows_p), tensor_amax)
-
-
-def check_values(pack: bool, values: bool) -> bool:
-    """``values``, refused without ``pack`` (every backend's check): the result would hold neither form."""
-    if not (values or pack):
-        raise ValueError("values=False keeps only the packed form: it needs pack=True")
-    return values
+    spec = CoreSpec.of(op, pack, tensor_amax is None, values, columns=True)
+    return CoreOperand(op, spec, blocks, (features, padded_tokens), (features, rows_p), tensor_amax)
 
 
 def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
@@ -638,34 +508,7 @@ def _padded(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
     return x.contiguous()
 
 
-def _quantize(operands: tuple[_Operand, ...], generator, stats: bool, compiled: bool, native: bool = False):
-    """Draw each operand's random bits (in its element order, operand after operand) and run the cores:
-    with ``native``, the native kernel for each operand it supports (:mod:`nemofp4.kernels.native`),
-    then the others as one compiled graph or eagerly; one :class:`QuantizedBlocks` per operand."""
-    args = [_core_args(operand, generator) for operand in operands]
-    outputs: list = [None] * len(operands)
-    if native:
-        for i, (operand, core_args) in enumerate(zip(operands, args)):
-            if _native.supports(operand.spec, operand.blocks):
-                outputs[i] = _native.quantize_core(operand.spec, *core_args)
-    rest = [i for i, output in enumerate(outputs) if output is None]
-    if rest:
-        specs = tuple(operands[i].spec for i in rest)
-        rest_args = [arg for i in rest for arg in args[i]]
-        if compiled and not torch.compiler.is_compiling():
-            for i in rest:
-                torch._dynamo.mark_dynamic(operands[i].blocks, (0, 2))  # one graph for every operand shape
-                if operands[i].op.rounding == "sr_exact":
-                    torch._dynamo.mark_dynamic(args[i][3], (0, 2))
-            rest_outputs = _run_compiled(specs, *rest_args)
-        else:
-            rest_outputs = _quantize_cores(specs, *rest_args)
-        for i, output in zip(rest, rest_outputs):
-            outputs[i] = output
-    return tuple(_result(operand, output, stats) for operand, output in zip(operands, outputs))
-
-
-def _core_args(operand: _Operand, generator) -> tuple:
+def _core_args(operand: CoreOperand, generator) -> tuple:
     """The core's (blocks, g, target, draws) for ``operand``, its random bits drawn here."""
     spec, op, blocks = operand.spec, operand.op, operand.blocks
     device = blocks.device
@@ -687,7 +530,7 @@ def _fp8_max_tensor(element: str, device: torch.device) -> torch.Tensor:
     return torch.tensor(fp8_max(element), dtype=torch.float32, device=device)
 
 
-def _packed(codes: torch.Tensor, spec: _Spec) -> torch.Tensor:
+def _packed(codes: torch.Tensor, spec: CoreSpec) -> torch.Tensor:
     """Two E2M1 codes per byte, the first in the low nibble, laid out as the operand's rows: pairs
     along a row, or with ``spec.columns`` pairs of consecutive tokens, [D, Tp / 2]. The codes are
     stored first (compiled, a loop of its own): packing in the vectorized loop that computes them
@@ -698,7 +541,7 @@ def _packed(codes: torch.Tensor, spec: _Spec) -> torch.Tensor:
     return packed.t().contiguous() if spec.columns else packed
 
 
-def _result(operand: _Operand, outputs: tuple, stats: bool) -> QuantizedBlocks:
+def _result(operand: CoreOperand, outputs: tuple, stats: bool) -> QuantizedBlocks:
     """The core's outputs for ``operand`` as its :class:`QuantizedBlocks` (a wgrad operand's values are
     a transposed view of the token-major result)."""
     values, tensor_scale, g, codes, scale_codes, counts = outputs

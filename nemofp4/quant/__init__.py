@@ -10,9 +10,9 @@ reference (amax) state, and the model-level controls the trainer calls.
 
 from .checkpoint import MODULE_STATE, ReferenceLoad
 from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
-from .fp4_linear import run_inside_for
 from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
 from .linear import FP32Linear, QuantLinear
+from .linear_op import run_inside_for
 from .reference import HeldReference, ReferenceState
 from .state import (
     WRAPPER_SEGMENTS,

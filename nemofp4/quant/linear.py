@@ -1,5 +1,6 @@
-"""QuantLinear: a drop-in ``nn.Linear`` whose three GEMMs run on FP4 block-quantized operands (the
-program, its state and its custom ops: :mod:`nemofp4.quant.fp4_linear`), and FP32Linear."""
+"""QuantLinear: a drop-in ``nn.Linear`` whose three GEMMs run on FP4 block-quantized operands (its
+programs and custom ops: :mod:`nemofp4.quant.linear_op`; its operands:
+:mod:`nemofp4.quant.linear_operands`; its state: :mod:`nemofp4.quant.linear_state`), and FP32Linear."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LinearQuantConfig
-from .fp4_linear import QuantCall, QuantLinearState, _mix_seed, _Quantizer, fp4_linear, register_ops
+from .linear_op import fp4_linear, register_ops
+from .linear_operands import _Quantizer
+from .linear_state import QuantCall, QuantLinearState, _mix_seed
 from .reference import ReferenceState
 from .stats import OperandStats
 
@@ -17,7 +20,7 @@ __all__ += ["_mix_seed", "_Quantizer"]  # test seams
 
 
 class QuantLinear(nn.Linear):
-    """``nn.Linear`` with emulated FP4 fprop, dgrad and wgrad GEMMs (see :mod:`nemofp4.quant.fp4_linear`).
+    """``nn.Linear`` with emulated FP4 fprop, dgrad and wgrad GEMMs (see :mod:`nemofp4.quant.linear_op`).
 
     Usually made by :func:`nemofp4.recipes.apply_recipe` as a class swap of an existing
     ``nn.Linear`` (:meth:`from_linear`: no reallocation, same parameter objects, works on the
@@ -63,7 +66,7 @@ class QuantLinear(nn.Linear):
 
     @property
     def quant_backend(self) -> str:
-        """The kernels setting: 'auto', 'triton', 'native', 'compiled' or 'eager' (kept in :attr:`quant_state`)."""
+        """The kernels setting, one of :data:`nemofp4.kernels.BACKENDS` (kept in :attr:`quant_state`)."""
         return self.quant_state.backend
 
     @quant_backend.setter

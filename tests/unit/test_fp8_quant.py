@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemofp4.kernels import program
+from nemofp4.kernels import OperandRequest, program, x_and_tokens
 from nemofp4.quant import GemmOperand, OperandQuant, QuantLinear, reference_gemm
 from nemofp4.recipes import get_recipe
 
@@ -163,7 +163,8 @@ def _reference(x: np.ndarray, element, scaling, kw, amax=None):
 def _check(x: torch.Tensor, element, scaling, kw, *, compiled=False, amax=None):
     op = _spec(element, scaling, **kw)
     tensor_amax = None if amax is None else torch.tensor(amax, dtype=torch.float32)
-    q = program.quantize_operand(x, op, pack=True, compiled=compiled, tensor_amax=tensor_amax)
+    q = program.quantize_operand(x, op, pack=True, cores=program.COMPILED if compiled else program.EAGER,
+                                 tensor_amax=tensor_amax)  # fmt: skip
     expected, scale_inv, codes = _reference(x.numpy(), element, scaling, kw, amax)
     _same(q.scaled, expected)
     _same(q.packed.scaled_values(), expected)  # the packed form (one byte a code) decodes to the same
@@ -266,20 +267,21 @@ def test_compiled_equals_eager_and_every_layout_equals_the_rows_one(element, sca
     x[5, 5] = float("nan")
     op = _spec(element, scaling, **kw)
     eager = program.quantize_operand(x, op, pack=True)
-    compiled = program.quantize_operand(x, op, pack=True, compiled=True)
+    compiled = program.quantize_operand(x, op, pack=True, cores=program.COMPILED)
     for a, b in ((eager.scaled, compiled.scaled), (eager.codes, compiled.codes),
                  (eager.scale_codes, compiled.scale_codes), (eager.tensor_scale, compiled.tensor_scale)):  # fmt: skip
         assert torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
     # X^T along the tokens (read down the columns of X) == the rows quantization of padded X^T
     t = F.pad(x, (0, 0, 0, -x.shape[0] % 16)).t().contiguous()
     rows = program.quantize_operand(t, op, pack=True)
-    for compiled_flag in (False, True):
-        cols = program.quantize_tokens_operand(x, op, pack=True, compiled=compiled_flag)
+    for cores in (program.EAGER, program.COMPILED):
+        cols = program.quantize_tokens_operand(x, op, pack=True, cores=cores)
         assert torch.equal(cols.codes, rows.codes) and torch.equal(cols.scale_codes, rows.scale_codes)
         assert torch.equal(torch.nan_to_num(cols.scaled, 7.0), torch.nan_to_num(rows.scaled, 7.0))
     # the forward's one call (X, X^T, W) == its operands one by one
     w = torch.randn(24, 70)
-    qx, qxt, qw = program.quantize_forward_operands(x, w, op, op, op, pack_w=True, compiled=True)
+    qx, qxt, qw = program.quantize((OperandRequest(x, op), OperandRequest(x, op, layout="tokens", pack=True),
+                                    OperandRequest(w, op, pack=True)), cores=program.COMPILED)  # fmt: skip
     assert torch.equal(torch.nan_to_num(qx.scaled, 7.0), torch.nan_to_num(eager.scaled, 7.0))
     assert torch.equal(qxt.codes, rows.codes)
     assert torch.equal(qw.codes, program.quantize_operand(w, op, pack=True).codes)
@@ -377,11 +379,12 @@ def test_every_backend_quantizes_fp8_with_the_program(name):
     for op in (_spec("e4m3", "fp32"), _spec("e5m2", "ue8m0", mx_scale_mode="ceil")):
         expected_x = program.quantize_operand(x, op, pack=True)
         expected_xt = program.quantize_tokens_operand(x, op, pack=True)
-        qx, qxt = backend.quantize_pair(x, op, op, pack_x=True)
-        _, _, qw = backend.quantize_forward(x, w, op, None, op, pack_w=True)
+        qx, qxt = backend.quantize(*x_and_tokens(x, op, op, tensor_amax=None, pack_x=True))
+        _, qw = backend.quantize(OperandRequest(x, op), OperandRequest(w, op, pack=True))
         assert torch.equal(qx.codes, expected_x.codes) and torch.equal(qxt.codes, expected_xt.codes)
-        assert torch.equal(backend.quantize(x, op, pack=True).scaled, expected_x.scaled)
-        assert torch.equal(backend.quantize_tokens(x, op, pack=True).codes, expected_xt.codes)
+        assert torch.equal(backend.quantize(OperandRequest(x, op, pack=True))[0].scaled, expected_x.scaled)
+        assert torch.equal(backend.quantize(OperandRequest(x, op, layout="tokens", pack=True))[0].codes,
+                           expected_xt.codes)  # fmt: skip
         assert torch.equal(qw.codes, program.quantize_operand(w, op, pack=True).codes)
 
 

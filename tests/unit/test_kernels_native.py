@@ -11,8 +11,8 @@ import torch
 
 from nemofp4 import kernels
 from nemofp4.formats import amax, quantize_blocks
+from nemofp4.kernels import OperandRequest, native, program
 from nemofp4.kernels import backend as kernel_backends
-from nemofp4.kernels import native, program
 from nemofp4.quant import OperandQuant
 from tests.conftest import quant_inputs
 
@@ -26,6 +26,8 @@ ROUNDINGS = ["rne", "sr", "sr8"]
 LAYOUTS = ["rows", "tiles", "tokens"]
 OUTPUTS = [(False, True), (True, True), (True, False)]  # (pack, values)
 _program_cores = program._quantize_cores
+NATIVE = native.NativeCores(program.EAGER)
+"""The native kernel, the eager program for what it does not cover."""
 
 
 def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -84,7 +86,7 @@ def test_every_covered_operand_is_the_programs_and_the_references(layout, fmt, r
                 where = f"{layout} {fmt} {rounding}, {label}, reference={reference}, pack={pack}, values={values}"
                 options = dict(tensor_amax=reference, pack=pack, values=values)
                 calls = len(native_calls)
-                fast = _quantize(layout, x, op, native=True, generator=torch.Generator().manual_seed(3), **options)
+                fast = _quantize(layout, x, op, cores=NATIVE, generator=torch.Generator().manual_seed(3), **options)
                 assert len(native_calls) == calls + 1, where
                 with pytest.MonkeyPatch.context() as patch:
                     patch.setattr(program, "_quantize_cores", _program_cores)
@@ -107,7 +109,7 @@ def test_threads_split_an_operand_without_changing_a_bit(layout, native_calls):
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        results.append(_quantize(layout, x, op, native=True, pack=True, generator=torch.Generator().manual_seed(1)))
+        results.append(_quantize(layout, x, op, cores=NATIVE, pack=True, generator=torch.Generator().manual_seed(1)))
     torch.set_num_threads(1)
     assert_same_bits(results[1], results[0], f"{layout}: two threads against one")
     with pytest.MonkeyPatch.context() as patch:
@@ -132,7 +134,7 @@ def test_non_finite_inputs_give_the_programs_results(layout, native_calls):
     op = OperandQuant(scale_format="ue5m3", rounding="sr8")
 
     def both(t, reference):
-        fast = _quantize(layout, t, op, native=True, pack=True, tensor_amax=reference,
+        fast = _quantize(layout, t, op, cores=NATIVE, pack=True, tensor_amax=reference,
                          generator=torch.Generator().manual_seed(4))  # fmt: skip
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(program, "_quantize_cores", _program_cores)
@@ -163,12 +165,12 @@ def test_the_pair_and_the_forward_call_are_the_programs_draw_for_draw(native_cal
     calls = {
         "pair": lambda **k: program.quantize_operand_pair(x, dy_op, dy_op, tensor_amax=torch.tensor(9.0),
                                                            pack_xt=False, **k),
-        "forward": lambda **k: program.quantize_forward_operands(x, w, x_op, x_op, w_op, x_amax=None, w_amax=None,
-                                                                  values_xt=False, **k),
+        "forward": lambda **k: program.quantize((OperandRequest(x, x_op), OperandRequest(x, x_op, layout="tokens",
+                                                 pack=True, values=False), OperandRequest(w, w_op)), **k),
     }  # fmt: skip
     for name, call in calls.items():
         generators = [torch.Generator().manual_seed(8) for _ in range(2)]
-        fast = call(native=True, generator=generators[0])
+        fast = call(cores=NATIVE, generator=generators[0])
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(program, "_quantize_cores", _program_cores)
             slow = call(generator=generators[1])
@@ -191,16 +193,13 @@ def test_operands_it_does_not_cover_go_to_the_program():
         ("quantize_operand", x.bfloat16(), OperandQuant(scale_format="ue5m3")),
     ]
     for name, t, op in cases:
-        if name == "quantize_operand":
-            operand = program._along_rows(t, op, None, False, None)
-        else:
-            operand = program._down_columns(t, op, False, None)
+        operand = program._prepared(OperandRequest(t, op, layout="rows" if name == "quantize_operand" else "tokens"))
         assert not native.supports(operand.spec, operand.blocks), op
-        fast = getattr(program, name)(t, op, native=True, generator=torch.Generator().manual_seed(1))
+        fast = getattr(program, name)(t, op, cores=NATIVE, generator=torch.Generator().manual_seed(1))
         slow = getattr(program, name)(t, op, generator=torch.Generator().manual_seed(1))
         assert_same_bits(fast, slow, str(op))
     with FakeTensorMode():  # the planner's simulation
-        fake = program._along_rows(torch.empty(32, 64), OperandQuant(scale_format="ue5m3"), None, False, None)
+        fake = program._prepared(OperandRequest(torch.empty(32, 64), OperandQuant(scale_format="ue5m3")))
         assert not native.supports(fake.spec, fake.blocks)
 
 
@@ -288,5 +287,5 @@ def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(
     assert not list(empty_native_cache.glob("*"))  # no partial library left behind
     x, op = torch.randn(16, 32), OperandQuant(scale_format="ue5m3")
     # (not compiled here: torch.compile takes the same broken CXX, and would mark the spec failed for the process)
-    q = program.quantize_operand(x, op, native=True)
+    q = program.quantize_operand(x, op, cores=NATIVE)
     assert torch.equal(q.scaled, program.quantize_operand(x, op).scaled)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nemofp4 import kernels
-from nemofp4.kernels import native, program
+from nemofp4.kernels import native, toolchain
 
 ROOT = Path(__file__).resolve().parents[2]
 TRUNCATED = 60000
@@ -235,7 +235,7 @@ def test_an_unusable_cxx_is_an_error_naming_it(cache, monkeypatch, cxx, message)
     compiler: the native library, the compiled program's check and every setting that compiles on CPU
     raise, naming it."""
     monkeypatch.setenv("CXX", cxx)
-    checks = [native.available, program.cpu_compile_available]
+    checks = [native.available, toolchain.cpu_compile_available]
     checks += [lambda setting=setting: kernels.resolve_backend(setting, "cpu") for setting in ("auto", "native", "compiled")]
     for check in checks:
         with pytest.raises(ValueError, match=message):
@@ -273,7 +273,8 @@ def test_explicit_native_without_a_compiler_is_one_error(no_compiler):
         kernels.describe("cpu", "native")
     with pytest.raises(ValueError, match=match):
         _standin_step("native")
-    assert kernels.resolve_backend("compiled", "cpu") == "eager"
+    with pytest.raises(ValueError, match=match.replace("native", "compiled")):  # the compiled program needs one too
+        kernels.resolve_backend("compiled", "cpu")
 
 
 def test_auto_without_a_compiler_warns_once_and_runs_eagerly(no_compiler):

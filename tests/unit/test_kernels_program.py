@@ -9,9 +9,9 @@ import torch
 
 from nemofp4 import kernels
 from nemofp4.formats import quantize_blocks
+from nemofp4.kernels import OperandRequest, cpu_compile_available, native, program, toolchain
 from nemofp4.kernels import backend as kernel_backends
-from nemofp4.kernels import native, program
-from nemofp4.kernels.program import cpu_compile_available, quantize_operand
+from nemofp4.kernels.program import COMPILED, EAGER, quantize_operand
 from nemofp4.quant import OperandQuant
 from tests.conftest import QUANT_CASES as CASES
 from tests.conftest import quant_inputs as _inputs
@@ -30,6 +30,21 @@ def slow(*values):
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
+
+
+def _cores(compiled: bool):
+    return COMPILED if compiled else EAGER
+
+
+def _forward(x, w, op_x, op_xt, op_w, *, x_amax=None, w_amax=None, pack_x=False, values_xt=True, pack_w=False,
+             **call):  # fmt: skip
+    """X, X^T (``op_xt`` None: not asked for) and W as one program call, what a linear's forward asks."""
+    requests = [OperandRequest(x, op_x, pack=pack_x, tensor_amax=x_amax)]
+    if op_xt is not None:
+        requests.append(OperandRequest(x, op_xt, layout="tokens", pack=True, values=values_xt, tensor_amax=x_amax))
+    requests.append(OperandRequest(w, op_w, pack=pack_w, tensor_amax=w_amax))
+    qx, *qxt, qw = program.quantize(requests, **call)
+    return qx, (qxt[0] if qxt else None), qw
 
 
 # Every case compiles a graph (about 10 s each on a cold machine): by default every scale format,
@@ -54,7 +69,7 @@ def test_compiled_program_is_bitwise_the_reference_and_the_eager_program(fmt, bl
             ref = quantize_blocks(x, fmt, block, two_d, target, reference, rounding, seeds[0])
             eager = quantize_operand(x, op, tensor_amax=reference, generator=seeds[1], pack=True)
             fast = quantize_operand(
-                x, op, tensor_amax=reference, generator=seeds[2], pack=True, compiled=True
+                x, op, tensor_amax=reference, generator=seeds[2], pack=True, cores=COMPILED
             )
             where = f"{label}, reference={reference}"
             assert torch.equal(fast.scaled, ref.scaled_values()), where
@@ -79,7 +94,7 @@ def test_outputs_without_packing_or_statistics_are_the_same(rounding):
     """The cheaper variants (no codes, no counts) compute the same values."""
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * 3
     op = OperandQuant(scale_format="ue5m3", rounding=rounding)
-    kw = dict(compiled=True)
+    kw = dict(cores=COMPILED)
     full = quantize_operand(x, op, generator=torch.Generator().manual_seed(5), pack=True, stats=True, **kw)
     lean = quantize_operand(x, op, generator=torch.Generator().manual_seed(5), pack=False, stats=False, **kw)
     assert torch.equal(_bits(full.scaled), _bits(lean.scaled))
@@ -91,9 +106,9 @@ def test_statistics_on_and_off_share_one_graph():
     """Collecting statistics only on logging steps must not compile another graph variant."""
     op = OperandQuant(scale_format="ue5m3_cuda", rounding="sr8")
     x = torch.randn(32, 64)
-    quantize_operand(x, op, generator=torch.Generator().manual_seed(1), stats=False, compiled=True)
+    quantize_operand(x, op, generator=torch.Generator().manual_seed(1), stats=False, cores=COMPILED)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    quantize_operand(x, op, generator=torch.Generator().manual_seed(1), stats=True, compiled=True)
+    quantize_operand(x, op, generator=torch.Generator().manual_seed(1), stats=True, cores=COMPILED)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
@@ -101,15 +116,15 @@ def test_statistics_on_and_off_share_one_graph():
 def test_one_graph_serves_every_operand_shape():
     """Sizes are dynamic: new shapes (ragged ones padded) reuse the compiled graph."""
     op = OperandQuant(scale_format="ue5m3", rounding="rne")
-    core = program._compiled((program._Spec("ue5m3", 16, False, "rne", False, True),))
-    quantize_operand(torch.randn(48, 64), op, stats=False, compiled=True)
+    core = program._compiled((program.CoreSpec("ue5m3", 16, False, "rne", False, True),))
+    quantize_operand(torch.randn(48, 64), op, stats=False, cores=COMPILED)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for shape in [(80, 160), (33, 40), (256, 32), (16, 1024)]:
         x = torch.randn(*shape)
-        out = quantize_operand(x, op, stats=False, compiled=True)
+        out = quantize_operand(x, op, stats=False, cores=COMPILED)
         assert torch.equal(out.scaled, quantize_operand(x, op, stats=False).scaled), shape
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert core is program._compiled((program._Spec("ue5m3", 16, False, "rne", False, True),))
+    assert core is program._compiled((program.CoreSpec("ue5m3", 16, False, "rne", False, True),))
 
 
 @needs_compiler
@@ -119,9 +134,9 @@ def test_the_program_leaves_the_process_recompile_limit_alone():
     counts against another's and no limit is raised."""
     before = torch._dynamo.config.recompile_limit
     for fmt in ("e4m3", "ue5m3"):
-        quantize_operand(torch.randn(16, 32), OperandQuant(scale_format=fmt), compiled=True)
+        quantize_operand(torch.randn(16, 32), OperandQuant(scale_format=fmt), cores=COMPILED)
     assert torch._dynamo.config.recompile_limit == before
-    specs = [program._Spec(fmt, 16, two_d, rounding, False, True) for fmt in ("e4m3", "ue5m3")
+    specs = [program.CoreSpec(fmt, 16, two_d, rounding, False, True) for fmt in ("e4m3", "ue5m3")
              for two_d in (False, True) for rounding in ("rne", "sr", "sr8")]  # fmt: skip
     codes = {program._compiled((spec,))._torchdynamo_orig_callable.__code__ for spec in specs}
     assert len(codes) == len(specs) > before
@@ -157,7 +172,7 @@ def test_tokens_operand_is_bitwise_the_quantization_of_the_padded_transpose(fmt,
         if hadamard:
             t = wgrad_hadamard_transform(t)
         ref = quantize_blocks(t.contiguous(), fmt, block, False, 448.0, reference, rounding, seeds[0])
-        ours = quantize_tokens_operand(x, op, tensor_amax=reference, generator=seeds[1], pack=True, compiled=compiled)
+        ours = quantize_tokens_operand(x, op, tensor_amax=reference, generator=seeds[1], pack=True, cores=_cores(compiled))
         where = f"reference={reference}"
         assert ours.shape == (48, 48) and ours.padded_shape == ref.padded_shape, where
         assert torch.equal(_bits(ours.scaled), _bits(ref.scaled_values())), where
@@ -195,7 +210,7 @@ def test_the_pair_is_bitwise_x_and_its_padded_transpose_quantized_one_after_the_
         t = torch.nn.functional.pad(x, (0, 0, 0, -tokens % 16)).t().contiguous()
         ref_xt = quantize_blocks(t, fmt, 16, False, 448.0, reference, rounding, seeds[0])
         qx, qxt = quantize_operand_pair(x, op, op, tensor_amax=reference, generator=seeds[1], pack_x=True,
-                                        compiled=compiled)  # fmt: skip
+                                        cores=_cores(compiled))  # fmt: skip
         for ours, ref in ((qx, ref_x), (qxt, ref_xt)):
             where = f"tokens={tokens}, {'X' if ours is qx else 'X^T'}"
             assert ours.shape == ref.shape and ours.padded_shape == ref.padded_shape, where
@@ -235,10 +250,10 @@ FORWARD_PARAMS = [(case, with_xt, False) for case in _FORWARD_SPECS for with_xt 
 
 @pytest.mark.parametrize("case,with_xt,compiled", FORWARD_PARAMS)
 def test_the_forward_operands_are_bitwise_the_pair_then_the_weight(case, with_xt, compiled):
-    """quantize_forward_operands (one call, one compiled graph) equals X and X^T (quantize_operand_pair,
+    """The forward's three requests (one call, one compiled graph) equal X and X^T (quantize_operand_pair,
     or X alone) and then W (quantize_operand), each with its own tensor reference, the random bits
     drawn in that order, W's padded rows and columns included."""
-    from nemofp4.kernels.program import quantize_forward_operands, quantize_operand_pair
+    from nemofp4.kernels.program import quantize_operand_pair
 
     op_x, op_w, x_amax, w_amax = _FORWARD_SPECS[case]
     gen = torch.Generator().manual_seed(5)
@@ -249,8 +264,8 @@ def test_the_forward_operands_are_bitwise_the_pair_then_the_weight(case, with_xt
     else:
         expected = quantize_operand(x, op_x, tensor_amax=x_amax, generator=seeds[0], pack=True), None
     expected += (quantize_operand(w, op_w, tensor_amax=w_amax, generator=seeds[0], pack=True),)
-    ours = quantize_forward_operands(x, w, op_x, op_x if with_xt else None, op_w, x_amax=x_amax, w_amax=w_amax,
-                                     generator=seeds[1], pack_x=True, pack_w=True, compiled=compiled)  # fmt: skip
+    ours = _forward(x, w, op_x, op_x if with_xt else None, op_w, x_amax=x_amax, w_amax=w_amax, generator=seeds[1],
+                    pack_x=True, pack_w=True, cores=_cores(compiled))  # fmt: skip
     assert (ours[1] is None) is not with_xt
     for name, q, ref in zip(("X", "X^T", "W"), ours, expected, strict=True):
         if ref is None:
@@ -272,11 +287,7 @@ def test_an_operand_only_saved_for_backward_comes_packed_alone(entry, fmt, hadam
     """``values=False`` (``values_xt=False``): the operand (X^T) has no scaled values, and everything
     else (its packed and scale codes, tensor scale and reference, X and W, the random bits drawn) is
     bitwise what the same call with values gives; its dequantize (decoded from the codes) too."""
-    from nemofp4.kernels.program import (
-        quantize_forward_operands,
-        quantize_operand_pair,
-        quantize_tokens_operand,
-    )
+    from nemofp4.kernels.program import quantize_operand_pair, quantize_tokens_operand
 
     op = OperandQuant(scale_format=fmt, rounding="sr8", hadamard=hadamard)
     gen = torch.Generator().manual_seed(5)
@@ -284,15 +295,15 @@ def test_an_operand_only_saved_for_backward_comes_packed_alone(entry, fmt, hadam
     seeds = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
 
     def run(values: bool, seed: torch.Generator):
-        options = dict(generator=seed, compiled=compiled)
+        options = dict(generator=seed, cores=_cores(compiled))
         if entry == "rows":
             return (quantize_operand(x, op, pack=True, values=values, **options),)
         if entry == "tokens":
             return (quantize_tokens_operand(x, op, pack=True, values=values, **options),)
         if entry == "pair":
             return quantize_operand_pair(x, op, op, values_xt=values, **options)[::-1]
-        xt_first = quantize_forward_operands(x, w, op, op, OperandQuant(scale_format=fmt, two_d=True), pack_w=True,
-                                             values_xt=values, **options)  # fmt: skip
+        xt_first = _forward(x, w, op, op, OperandQuant(scale_format=fmt, two_d=True), pack_w=True, values_xt=values,
+                            **options)  # fmt: skip
         return xt_first[1], xt_first[0], xt_first[2]
 
     (ours_xt, *ours_rest), (ref_xt, *ref_rest) = run(False, seeds[0]), run(True, seeds[1])
@@ -382,15 +393,16 @@ def test_sr8_bytes_are_the_unsigned_32_bit_hash_for_every_key_and_index(compiled
 @needs_compiler
 def test_backend_setting_picks_the_path(monkeypatch):
     calls = []
-    real = program.quantize_operand
-    monkeypatch.setattr(program, "quantize_operand",
-                        lambda *a, **k: calls.append((k["compiled"], k["native"])) or real(*a, **k))  # fmt: skip
+    real = program.quantize
+    monkeypatch.setattr(program, "quantize", lambda *a, **k: calls.append(k["cores"]) or real(*a, **k))
     monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: True)
     x = torch.randn(16, 32)
     for backend in ("auto", "native", "compiled", "eager"):
         kernels.quantize_operand(x, OperandQuant(scale_format="ue5m3"), backend=backend)
-    auto = (True, True) if native.available() else (True, False)
-    assert calls == [auto, (True, True), (True, False), (False, False)]
+    native_cores = kernel_backends.NativeBackend.cores
+    auto = native_cores if native.available() else COMPILED
+    assert calls == [auto, native_cores, COMPILED, EAGER]
+    assert native_cores.rest is COMPILED  # the native runner hands what it does not cover to the compiled program
     # the native build failed: auto warns and takes the compiled program, native is an error
     monkeypatch.setattr(native, "_load", lambda: (None, "the build failed"))
     monkeypatch.setattr(kernel_backends, "_warned", set())
@@ -401,9 +413,9 @@ def test_backend_setting_picks_the_path(monkeypatch):
     monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: False)
     with pytest.warns(UserWarning, match="kernels='auto': no C\\+\\+ compiler .*; the eager torch program"):
         assert kernels.resolve_backend("auto", "cpu") == "eager"
-    assert kernels.resolve_backend("compiled", "cpu") == "eager"  # no compiler: same numerics, eagerly
-    with pytest.raises(ValueError, match="kernels='native' .* cannot run here: no C\\+\\+ compiler"):
-        kernels.resolve_backend("native", "cpu")
+    for explicit in ("compiled", "native"):  # no compiler: an explicit compiling path is one clear error
+        with pytest.raises(ValueError, match=f"kernels='{explicit}' .* cannot run here: no C\\+\\+ compiler"):
+            kernels.resolve_backend(explicit, "cpu")
     with pytest.raises(ValueError, match="kernels='native' .* cannot run here: it quantizes CPU tensors, and these "
                        "are on cuda; use 'auto', 'triton', 'compiled' or 'eager'"):  # fmt: skip
         kernels.resolve_backend("native", "cuda")
@@ -414,13 +426,13 @@ def test_backend_setting_picks_the_path(monkeypatch):
 
 
 def test_no_compiler_on_path_means_no_compiled_program(monkeypatch):
-    program._compiler_on_path.cache_clear()
+    toolchain.cpu_compile_available.cache_clear()
     try:
         monkeypatch.setenv("PATH", "")
         monkeypatch.delenv("CXX", raising=False)
-        assert not program.cpu_compile_available()
+        assert not toolchain.cpu_compile_available()
     finally:
-        program._compiler_on_path.cache_clear()
+        toolchain.cpu_compile_available.cache_clear()
 
 
 @needs_compiler
@@ -431,7 +443,7 @@ def test_single_block_and_tiny_operands(shape, two_d):
     """One block row or column (size-1 dims, which the compiler specializes) and padding."""
     op = OperandQuant(scale_format="ue5m3", two_d=two_d)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
-    fast, eager = quantize_operand(x, op, pack=True, compiled=True), quantize_operand(x, op, pack=True)
+    fast, eager = quantize_operand(x, op, pack=True, cores=COMPILED), quantize_operand(x, op, pack=True)
     assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
     assert torch.equal(fast.packed.codes, eager.packed.codes)
     assert torch.equal(fast.packed.scale_codes, eager.packed.scale_codes)
@@ -458,18 +470,18 @@ def test_a_failed_build_warns_falls_back_and_keeps_the_numerics(monkeypatch):
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
     op = OperandQuant(scale_format="ue5m3", rounding="sr8")
     with pytest.warns(UserWarning, match=r"(?s)could not build the CPU FP4 quantizer for ue5m3 blocks of 16, sr8.*no working C"):
-        fast = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True, compiled=True)
+        fast = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True, cores=COMPILED)
     eager = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True)
     assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
     assert torch.equal(fast.packed.codes, eager.packed.codes)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: the spec runs eagerly without another attempt
-        quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True, compiled=True)
+        quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True, cores=COMPILED)
     assert len(builds) == 1
     with pytest.warns(UserWarning, match="for ue5m3 blocks of 16, rne"):  # another spec still tries to compile
-        quantize_operand(x, OperandQuant(scale_format="ue5m3"), compiled=True)
+        quantize_operand(x, OperandQuant(scale_format="ue5m3"), cores=COMPILED)
     assert len(builds) == 2
-    assert program.cpu_compile_available() == program._compiler_on_path()
+    assert toolchain.cpu_compile_available() == (toolchain.compiler() is not None)
 
 
 def test_describe_names_the_path_the_backend_takes(monkeypatch):
@@ -585,3 +597,39 @@ def test_the_bitwise_sign_is_copysign_bit_for_bit():
     magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]).repeat_interleave(2).repeat(64)[: x.numel()]
     ours = program._copysign(magnitudes, x, bitwise=True)
     assert torch.equal(_bits(ours), _bits(torch.copysign(magnitudes, x)))
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("compiled", marks=needs_compiler),
+                                     pytest.param("native", marks=needs_compiler)])  # fmt: skip
+def test_kernels_quantize_blocks_runs_the_backend_not_the_reference(backend, monkeypatch):
+    """``kernels.quantize_blocks(..., backend=)`` quantizes on the path the setting resolves to (never
+    the float64 reference) and equals the reference bit for bit: codes, scale codes, tensor scale and
+    reference, the decoded tensor and the block counts, for any leading dims, tiles, MX blocks, a held
+    reference and stochastic rounding (the same draws: the generators agree after)."""
+    real = quantize_blocks
+    cases = [((2, 5, 70), dict(scale_format="ue5m3")), ((37, 50), dict(scale_format="e4m3", two_d=True)),
+             ((70,), dict(scale_format="ue8m0")), ((9, 48), dict(scale_format="ue5m3", tensor_amax=3.0)),
+             ((33, 64), dict(scale_format="ue5m3", rounding="sr8")),
+             ((33, 64), dict(scale_format="e4m3", rounding="sr_exact"))]  # fmt: skip
+    references = []
+    for shape, kw in cases:
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))) * 5
+        seeds = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+        references.append((x, kw, seeds, real(x, generator=seeds[0], **kw)))
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("kernels.quantize_blocks ran the float64 reference")
+
+    monkeypatch.setattr(kernel_backends, "quantize_blocks", no_reference)
+    monkeypatch.setattr("nemofp4.formats.block.quantize_with_spec", no_reference)
+    for x, kw, seeds, ref in references:
+        ours = kernels.quantize_blocks(x, generator=seeds[1], backend=backend, **kw)
+        where = f"{tuple(x.shape)} {kw}"
+        assert ours.shape == ref.shape and ours.padded_shape == ref.padded_shape and ours.two_d == ref.two_d, where
+        assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale_codes, ref.scale_codes), where
+        assert torch.equal(_bits(ours.tensor_scale), _bits(ref.tensor_scale)), where
+        assert torch.equal(_bits(ours.tensor_amax), _bits(ref.tensor_amax)), where
+        assert torch.equal(_bits(ours.dequantize()), _bits(ref.dequantize())), where
+        expected = {k: v for k, v in ref.stats().items() if k != "clipped_elements"}
+        assert ours.stats() == expected and ours.num_blocks == ref.num_blocks, where
+        assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1])), where

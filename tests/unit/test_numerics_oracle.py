@@ -17,7 +17,7 @@ from torch import nn
 from nemofp4.formats import quantize_blocks
 from nemofp4.formats.block import amax
 from nemofp4.kernels import cpu_compile_available
-from nemofp4.kernels.program import quantize_operand
+from nemofp4.kernels.program import COMPILED, EAGER, quantize_operand
 from nemofp4.quant import QuantLinear
 from nemofp4.recipes import get_recipe
 from tests.conftest import TRITON_INTERPRETER, needs_triton_interpreter
@@ -60,7 +60,7 @@ def test_negative_zero_amax_is_positive_zero_on_every_path(scale_format, compile
     assert (q.dequantize() == 0).all()
     op = _fp4_config("nvfp4_all_fp4_no_rht" if scale_format == "e4m3" else "ue5m3").x
     # a held reference measured by amax() of a -0 tensor
-    p = quantize_operand(x, op, tensor_amax=amax(x), compiled=compiled)
+    p = quantize_operand(x, op, tensor_amax=amax(x), cores=COMPILED if compiled else EAGER)
     assert torch.isfinite(p.tensor_scale) and p.tensor_scale > 0 and (p.dequantize() == 0).all()
 
 
@@ -161,7 +161,7 @@ def test_rounding_probability_is_the_exact_count_over_all_random_bytes(rounding,
         op = _fp4_config("nvfp4" if scale_format == "e4m3" else "ue5m3").dy_dgrad
         assert op.rounding == rounding and op.scale_format == scale_format
         # g = 448 * 6: G = 1 and every block scale is 1, so the payload is x itself
-        q = quantize_operand(x, op, tensor_amax=torch.tensor(2688.0), compiled=path == "compiled")
+        q = quantize_operand(x, op, tensor_amax=torch.tensor(2688.0), cores=COMPILED if path == "compiled" else EAGER)
         assert float(q.tensor_scale) == 1.0
         out = q.dequantize()
     mags = out.abs().numpy().reshape(256, blocks, 16)[:, :, 1:].reshape(256, -1)
@@ -332,7 +332,7 @@ def test_nvfp4_dequantize_is_te_order(two_d, path):
         if path == "reference":
             q = packed
         else:  # the program's scaled form (no E2M1 codes), as the scaled GEMM path keeps it
-            q = quantize_operand(a, op, two_d=two_d, compiled=path == "compiled")
+            q = quantize_operand(a, op, two_d=two_d, cores=COMPILED if path == "compiled" else EAGER)
             assert q.codes is None
         np.testing.assert_array_equal(q.dequantize().numpy().view(np.int32), expected.view(np.int32), err_msg=label)
 

@@ -178,11 +178,11 @@ def test_plain_eager_runs_the_ops_programs_without_the_ops_to_the_bit(recipe, gr
     """In plain eager the FP4 linear skips the dispatcher's custom ops (``fp4_linear`` calls its
     programs through an autograd.Function); the ops, which compile and dispatch modes need, give the
     same bits: output, both gradients and the bias's, stochastic rounding included, two steps."""
-    from nemofp4.quant import fp4_linear
+    from nemofp4.quant import linear_op
 
     recipe, _, gemm = recipe.partition("/")
     config = _config(recipe, **({"gemm": gemm} if gemm else {}))
-    ops = fp4_linear.register_ops()
+    ops = linear_op.register_ops()
     results = []
     for through_ops in (False, True):
         _, layer = _layer(config, seed=1)

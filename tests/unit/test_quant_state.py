@@ -201,17 +201,17 @@ def test_the_current_layout_resumes_the_module_state_and_each_ranks_own_referenc
 def test_the_fp4_op_gets_values_and_the_state_not_the_module(monkeypatch):
     import dataclasses
 
-    from nemofp4.quant import fp4_linear, linear
+    from nemofp4.quant import linear, linear_op
 
     model, optimizer = _fresh()
     _train(model, optimizer, range(1, 2))
-    seen, real = [], fp4_linear._fp4_linear
+    seen, real = [], linear_op._fp4_linear
 
     def spy(*args):
         seen.append(args)
         return real(*args)
 
-    monkeypatch.setattr(fp4_linear, "_fp4_linear", spy)  # the forward program, op or not
+    monkeypatch.setattr(linear_op, "_fp4_linear", spy)  # the forward program, op or not
     _train(model, optimizer, range(2, 3))
     assert len(seen) == len(quant_linears(model)) > 0  # one call per FP4 linear
     for args in seen:
