@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nemofp4.kernels import BACKENDS as KERNEL_BACKENDS
+from nemofp4.kernels import check_backend
 
 from .policies import InferencePolicy
 
@@ -54,7 +54,7 @@ class EvaluateConfig:
     dtype: str = "auto"
     """Compute dtype: auto (the run's train.dtype on CUDA, float32 on CPU) | float32 | bfloat16."""
     kernels: str = "auto"
-    """FP4 quantization kernels, as the trainer's train.kernels: auto | triton | native | compiled | eager
+    """FP4 quantization kernels, as the trainer's train.kernels: one of nemofp4.kernels.BACKENDS
     (the same numerics on every path; eager skips the compile of the first forward)."""
     out: str = ""
     """Results JSON path ('' prints only); a markdown table is written next to it (.md)."""
@@ -64,8 +64,7 @@ class EvaluateConfig:
             raise ValueError("checkpoint= is required: a run directory, step folder or transformers folder")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; valid: {COMPUTE_DTYPES}")
-        if self.kernels not in KERNEL_BACKENDS:
-            raise ValueError(f"kernels={self.kernels!r}; valid: {', '.join(KERNEL_BACKENDS)}")
+        check_backend(self.kernels, "kernels")
         for name in ("task_limit", "val_sequences", "seq_len", "batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")

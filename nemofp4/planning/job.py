@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from nemofp4.kernels import gpu_quantizer
 from nemofp4.models.loss import DEFAULT_CHUNK_TOKENS
 
 from .cost import StepCost, step_cost
@@ -29,7 +30,7 @@ def _job(cfg, world_size: int) -> dict:
         compute_dtype=dist_cfg.param_dtype if dist_cfg.backend == "fsdp" else cfg.train.dtype,
         head_precision=cfg.model.head_precision,
         keep_head_gathered=bool(getattr(dist_cfg, "keep_head_gathered", False)),
-        quantizer="eager" if cfg.train.kernels == "eager" else "triton",
+        quantizer=gpu_quantizer(cfg.train.kernels),  # the path kernels resolves for a CUDA job
     )
 
 

@@ -29,8 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemofp4 import kernels
-
 from .linear import QuantLinear
 from .reference import HeldReference
 
@@ -256,11 +254,10 @@ def set_quant_stats(model: nn.Module, enabled: bool) -> None:
 
 
 def set_quant_backend(model: nn.Module, backend: str) -> None:
-    """Which kernels quantize every QuantLinear's operands: 'auto' (Triton on CUDA, the native
-    kernel and the compiled torch program on CPU with a C++ compiler, else eager), 'triton', 'native',
-    'compiled' or 'eager'. All
-    have the same numerics (see :mod:`nemofp4.kernels`)."""
-    kernels.check_backend(backend)
+    """Which kernels quantize every QuantLinear's operands: one of :data:`nemofp4.kernels.BACKENDS`
+    ('auto': Triton on CUDA, the native kernel and the compiled torch program on CPU with a C++
+    compiler, else eager), checked by each module's setter. All have the same numerics (see
+    :mod:`nemofp4.kernels`)."""
     for _, module in quant_linears(model):
         module.quant_backend = backend
 

@@ -43,7 +43,7 @@ class QuantTrainingConfig:
     """What the trainer's configuration says about the quantizers, interpreted once."""
 
     kernels: str = "auto"
-    """train.kernels: 'auto', 'triton', 'native', 'compiled' or 'eager' (:func:`nemofp4.quant.set_quant_backend`)."""
+    """train.kernels, one of :data:`nemofp4.kernels.BACKENDS` (:func:`nemofp4.quant.set_quant_backend`)."""
     seed: int = 0
     rank: int = 0
     """train.seed and this rank: the SR generators' seeds (:func:`nemofp4.quant.set_step`)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from nemofp4.data import DataConfig
 from nemofp4.evaluation.run_config import saved_config
-from nemofp4.kernels import BACKENDS as KERNEL_BACKENDS
+from nemofp4.kernels import check_backend
 from nemofp4.models.nemotron_h.config import NemotronHConfig
 from nemofp4.recipes import Recipe, precision_config, recipe_from_config
 from nemofp4.training.checkpoint import CheckpointConfig
@@ -68,7 +68,7 @@ class TrainConfig:
     """FP4 quantization kernels (nemofp4.kernels): 'auto' (fused Triton kernels on CUDA when
     importable; on CPU, when a C++ compiler is present, the native CPU kernel built on first use and
     the torch program compiled by torch.compile for what it does not cover; else the eager torch
-    program), 'triton', 'native', 'compiled' or 'eager'. Same numerics on every path
+    program), or any other of nemofp4.kernels.BACKENDS. Same numerics on every path
     (Triton's stochastic rounding draws its own random bits). 'reference' is a deprecated alias
     of 'eager'."""
     weight_cache: bool = True
@@ -99,8 +99,7 @@ class TrainConfig:
         if self.kernels == "reference":
             warnings.warn("train.kernels=reference is deprecated; it means train.kernels=eager", FutureWarning, stacklevel=2)
             self.kernels = "eager"
-        if self.kernels not in KERNEL_BACKENDS:
-            raise ValueError(f"train.kernels={self.kernels!r}; valid: {', '.join(KERNEL_BACKENDS)}")
+        check_backend(self.kernels, "train.kernels")  # the one check of the knob
         if self.sync_debug not in SYNC_DEBUG_MODES:
             raise ValueError(f"train.sync_debug={self.sync_debug!r}; valid: {', '.join(SYNC_DEBUG_MODES)}")
         if self.tokens < 0 or self.max_steps < 0:

@@ -505,6 +505,15 @@ def test_train_kernels_takes_every_backend_and_reference_is_a_deprecated_alias()
         TrainConfig(kernels="fast")
 
 
+def test_the_planner_plans_the_quantizer_the_kernels_resolve_for_a_gpu_job():
+    """The planner does not read the knob itself: ``kernels.gpu_quantizer`` names the quantizer of a
+    CUDA job for every setting, and refuses a name outside ``BACKENDS``."""
+    assert {b: kernels.gpu_quantizer(b) for b in kernels.BACKENDS} == {
+        "auto": "triton", "triton": "triton", "native": "triton", "compiled": "triton", "eager": "eager"}  # fmt: skip
+    with pytest.raises(ValueError, match="train.kernels='fast'; valid"):
+        kernels.gpu_quantizer("fast")
+
+
 def test_set_quant_backend_reaches_every_linear_and_refuses_unknown_names():
     from nemofp4.models import build_model, get_model_config
     from nemofp4.quant import quant_linears, set_quant_backend
