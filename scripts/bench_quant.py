@@ -10,7 +10,7 @@ scaling, so the amax is measured inside) and dequantizes it back to float32. ``-
 cases on other settings to the same run (``--kernels native compiled``: the two CPU paths side by
 side). The cases are
 the issue's: NVFP4 in 1-D blocks of 16, in 16x16 weight tiles, and the wgrad operand after the 16x16
-Hadamard transform (``quantize_tokens``); UE5M3 with RNE and with the paper's 8-bit stochastic
+Hadamard transform (a ``tokens`` request); UE5M3 with RNE and with the paper's 8-bit stochastic
 rounding. The floor is ``x.clone()`` of the same tensor (one read, one write); the baseline
 torchao's NVFP4 reference (``NVFP4Tensor.to_nvfp4(x, per_tensor_scale)`` + ``dequantize``).
 
