@@ -15,7 +15,7 @@ from .cost import step_cost
 from .devices import get_device
 from .efficiency import get_efficiency
 
-__all__ = ["PUBLISHED_RUNS", "PublishedRun", "llama3_8b", "predict"]
+__all__ = ["PUBLISHED_RUNS", "SPEED_UPS", "PublishedRun", "llama3_8b", "predict"]
 
 MEGATRON_BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md, 25.11 NeMo Container, "
                    "commit 00b7660be0254ac6f95f44164ddd0c3e9cc798ed")
@@ -104,6 +104,13 @@ rows are FP8: Megatron-Bridge's docs/performance-summary.md and its archive, 25.
 their own preset (``h100_hbm2e_500w``), with its op-level selective checkpointing (:data:`TORCHTITAN_OP_SAC`)
 and, for its torch.compile rows, fused elementwise kernels. Megatron's runs use Transformer Engine's fused
 kernels (planned as fused) and, on the Blackwells, CUDA graphs (their launch cost is planned as eager's)."""
+
+
+SPEED_UPS: tuple[tuple[str, str], ...] = (
+    ("Llama 3.1 8B BF16, FSDP, torch.compile", "Llama 3.1 8B FP8 (torchao), FSDP, torch.compile"),
+)
+"""(BF16 run, FP8 run) pairs measured alike but for the precision: their FP8-over-BF16 speed-up, measured and
+predicted (the only such pair published: no BF16 Megatron row, see :data:`PUBLISHED_RUNS`)."""
 
 
 def predict(run: PublishedRun, *, efficiency: str = "achieved") -> dict[str, float]:
