@@ -90,7 +90,9 @@ class _AttentionStandIn(torch.autograd.Function):
 _CACHE: dict[tuple, BlockLaunches] = {}
 
 
-def _count(model: NemotronHConfig, block_type: str, micro_batch: int, seq_len: int, dtype: torch.dtype) -> BlockLaunches:
+def _count(
+    model: NemotronHConfig, block_type: str, micro_batch: int, seq_len: int, dtype: torch.dtype
+) -> BlockLaunches:
     from nemofp4.models.nemotron_h.model import Block
 
     index = next(i for i, t in enumerate(model.layer_types) if t.block_type == block_type)
@@ -113,7 +115,11 @@ def _count(model: NemotronHConfig, block_type: str, micro_batch: int, seq_len: i
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
     ops = counter.ops
-    fused = sum(1 for i, (kind, *_) in enumerate(ops) if kind != "elementwise" or i == 0 or ops[i - 1][0] != "elementwise")
+    fused = sum(
+        1
+        for i, (kind, *_) in enumerate(ops)
+        if kind != "elementwise" or i == 0 or ops[i - 1][0] != "elementwise"
+    )
     elementwise = [(phase, nbytes) for kind, phase, nbytes in ops if kind == "elementwise"]
     return BlockLaunches(eager_kernels=len(ops), compiled_kernels=fused,
                          gemm_kernels=sum(kind == "gemm" for kind, *_ in ops),
