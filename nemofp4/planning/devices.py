@@ -28,7 +28,7 @@ sources (checked 2026):
 
 * Compute capability (https://developer.nvidia.com/cuda-gpus): H100 and H200 9.0 (Hopper), B200 and
   GB200 10.0 (Blackwell). It decides which Transformer Engine recipes run natively
-  (:data:`nemofp4.quant.TE_RECIPES`): per-tensor FP8 on all four, MXFP8 and NVFP4 on the Blackwells.
+  (:data:`nemofp4.quant.TE_RECIPES`): per-tensor FP8 on every preset, MXFP8 and NVFP4 on the Blackwells.
 
 NVLink figures are bidirectional in the datasheets; a collective's per-direction bandwidth is half.
 """

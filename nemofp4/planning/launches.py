@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemofp4.models import NemotronHConfig
@@ -87,6 +88,21 @@ class _AttentionStandIn(torch.autograd.Function):
         return None, torch.empty_like(grad), torch.empty_like(k), torch.empty_like(v)
 
 
+class _AttentionAsOneKernel(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to :class:`_AttentionStandIn` (on meta it would decompose into
+    its math path, many kernels a GPU does not run)."""
+
+    def __init__(self, counter: _Counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            return _AttentionStandIn.apply(self.counter, q, k, v)
+        return func(*args, **(kwargs or {}))
+
+
 _CACHE: dict[tuple, BlockLaunches] = {}
 
 
@@ -99,21 +115,12 @@ def _count(
     block = Block(model, index, device="meta", dtype=dtype)
     x = torch.empty(micro_batch, seq_len, model.hidden_size, device="meta", dtype=dtype, requires_grad=True)
     counter = _Counter()
-
-    def attention(q, k, v, *args, **kwargs):
-        return _AttentionStandIn.apply(counter, q, k, v)
-
     from .standins import mamba_kernel_standins
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = attention
-    try:
-        with mamba_kernel_standins(True), counter:
-            y = block(x)
-            counter.phase = "backward"
-            y.backward(torch.empty_like(y))
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
+    with mamba_kernel_standins(True), _AttentionAsOneKernel(counter), counter:
+        y = block(x)
+        counter.phase = "backward"
+        y.backward(torch.empty_like(y))
     ops = counter.ops
     fused = sum(
         1
