@@ -110,8 +110,8 @@ _B200 = Efficiency(
     # 0.627 / 0.646 / 0.631 of 2,250 at N = 1024 / 1536 / 2048 / 3072 / 4096 / 6144 / 8192
     gemm=((1024, 0.188), (1536, 0.410), (2048, 0.503), (3072, 0.672), (4096, 0.627), (6144, 0.646), (8192, 0.631)),
     # tensor-scaled FP8 (vLLM's CUTLASS kernel, quantization excluded), Llama-3.1-8B's N=6144 K=4096 at
-    # M = 1024 / 16384: 2,207.5 / 2,544.7 TFLOPS of 4,500
-    gemm_fp8=((2954, 0.491), (7442, 0.565)),
+    # M = 1024 / 16384: 2,341.4 / 2,544.7 TFLOPS of 4,500
+    gemm_fp8=((2954, 0.520), (7442, 0.565)),
     # NVFP4 torch._scaled_mm, square N (the same torchao benchmark), of 9,000
     gemm_fp4=((1024, 0.041), (1536, 0.120), (2048, 0.187), (3072, 0.390), (4096, 0.495), (6144, 0.611), (8192, 0.597)),
     # cuDNN frontend's SDPA training benchmark on B200, causal, 128 query / 8 KV heads of 128, seq 8192,
@@ -156,8 +156,8 @@ SOURCES: tuple[tuple[str, str, str], ...] = (
      "https://github.com/pytorch/FBGEMM/pull/2546 (\"H100 500W\", BF16 and FP8 GEMM TFLOPS)"),
     ("GEMM, BF16 / FP4, by size (B200)", "BF16 0.188 / 0.503 / 0.627 / 0.631, NVFP4 0.041 / 0.187 / 0.495 / 0.597 "
      "at N = 1024 / 2048 / 4096 / 8192", "https://github.com/pytorch/ao/pull/2427 (bench_matmul.py, NVIDIA B200)"),
-    ("GEMM, FP8 (B200)", "0.491 / 0.565 at M = 1024 / 16384, N = 6144, K = 4096 (tensor-scaled, CUTLASS)",
-     "https://github.com/vllm-project/vllm/pull/18778 and /pull/19566 (bench_fp8_gemm.py on B200)"),
+    ("GEMM, FP8 (B200)", "0.520 / 0.565 at M = 1024 / 16384, N = 6144, K = 4096 (tensor-scaled, CUTLASS)",
+     "https://github.com/vllm-project/vllm/pull/19566 (bench_fp8_gemm.py, SM100 CUTLASS tunings for B200)"),
     ("GEMM, FP8 / FP4, by size (GB200)", "FP8 0.098 / 0.449 / 0.567 / 0.575 / 0.581, FP4 0.029 / 0.168 / 0.518 / "
      "0.754 / 0.763 at N = 1024 / 2048 / 4096 / 8192 / 16384; BF16: none found, the B200's",
      "https://github.com/Azure/AI-benchmarking-guide Azure_Results/ND_GB200_v6_results.md (cuBLASLt)"),
