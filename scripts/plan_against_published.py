@@ -1,6 +1,7 @@
 """The step-cost model against published, measured training runs: each run's model, GPUs, precision,
 parallelism, sequence and batch planned with `nemofp4-plan`'s model, its prediction beside the measured
-throughput (nemofp4.planning.published lists the runs and their sources).
+throughput, the FP8-over-BF16 speed-up measured and predicted, and the kernel-level measurements the
+prediction rests on (nemofp4.planning.published lists the runs, nemofp4.planning.efficiency the measurements).
 
     python scripts/plan_against_published.py
 
@@ -11,27 +12,46 @@ from __future__ import annotations
 
 import argparse
 
-from nemofp4.planning.published import PUBLISHED_RUNS, predict
+from nemofp4.planning.efficiency import SOURCES
+from nemofp4.planning.published import PUBLISHED_RUNS, SPEED_UPS, predict
 
 
 def table(efficiency: str = "achieved") -> str:
-    """The Markdown table docs/planning.md holds (tests/unit/test_plan_published.py checks it)."""
+    """The Markdown tables docs/planning.md holds (tests/unit/test_plan_published.py checks them): the runs, and
+    the FP8-over-BF16 speed-ups."""
     lines = ["| run | source | GPUs | precision (our recipe) | parallelism | seq | global / micro batch | "
              "measured tokens/s/GPU | predicted tokens/s/GPU | body tokens/s/GPU | predicted / measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    predicted = {}
     for run in PUBLISHED_RUNS:
         p = predict(run, efficiency=efficiency)
+        predicted[run.name] = p["tokens_per_s_per_gpu"]
         lines.append(f"| {run.name} | {run.source} | {run.gpus}x {run.device} | {run.recipe} | {run.parallelism} | "
                      f"{run.seq_len} | {run.global_batch} / {run.micro_batch} | {run.measured_tokens_per_s_per_gpu:,.0f} | "
                      f"{p['tokens_per_s_per_gpu']:,.0f} | {p['body_tokens_per_s_per_gpu']:,.0f} | "
                      f"{p['tokens_per_s_per_gpu'] / run.measured_tokens_per_s_per_gpu:.2f} |")  # fmt: skip
+    measured = {run.name: run.measured_tokens_per_s_per_gpu for run in PUBLISHED_RUNS}
+    lines += ["", "| FP8 run over BF16 run | measured speed-up | predicted speed-up | predicted / measured |",
+              "|---|---|---|---|"]  # fmt: skip
+    for bf16, fp8 in SPEED_UPS:
+        m, p = measured[fp8] / measured[bf16], predicted[fp8] / predicted[bf16]
+        lines.append(f"| {fp8} over {bf16} | {m:.3f}x | {p:.3f}x | {p / m:.3f} |")
+    return "\n".join(lines)
+
+
+def sources_table() -> str:
+    """docs/planning.md's table of the kernel-level measurements (nemofp4.planning.efficiency.SOURCES)."""
+    lines = ["| kernel class | fraction of peak | source |", "|---|---|---|"]
+    lines += [f"| {kind} | {figure} | {source} |" for kind, figure, source in SOURCES]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--efficiency", default="achieved", choices=("achieved", "peak"))
-    print(table(parser.parse_args().efficiency))
+    parser.add_argument("--sources", action="store_true", help="print the table of kernel-level measurements instead")
+    args = parser.parse_args()
+    print(sources_table() if args.sources else table(args.efficiency))
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ class PlanConfig(JobConfig):
     world_size: int = 8
     """GPUs the run is planned on."""
     device: str = ""
-    """A device preset (h100, h200, b200, gb200: nemofp4.planning.devices) for the step-time projection and,
-    unless device_memory_gib is given, the memory; empty: no projection."""
+    """A device preset (h100, h200, h100_hbm2e_500w, b200, gb200: nemofp4.planning.devices) for the step-time
+    projection and, unless device_memory_gib is given, the memory; empty: no projection."""
     device_memory_gib: float | None = None
     """Memory of one GPU; default: the device preset's, else 80."""
     chunked_head: bool | None = None

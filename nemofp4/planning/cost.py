@@ -15,8 +15,13 @@ head at its precision's; attention at half its FLOPs, as a causal flash kernel s
 quantization at HBM bandwidth, collectives at the link bandwidth (NVLink inside an NVLink domain, the
 scale-out NIC beyond), overlapped with compute as FSDP2 prefetches. A lower bound on the step time:
 real kernels reach a fraction of peak. With achieved efficiencies (:mod:`nemofp4.planning.efficiency`,
-``nemofp4-plan``'s default) each term is divided by its kernels' measured fraction of peak, and the
-elementwise kernels, the optimizer step and the kernel launches are added.
+``nemofp4-plan``'s default) each term is divided by its kernels' measured fraction of peak (a GEMM's by its
+size and precision), and the elementwise kernels, the optimizer step and the kernel launches are added, the
+launches and the eager elementwise bytes counted from our code path (:mod:`nemofp4.planning.launches`).
+
+Overlap: the GPU runs compute, quantizer passes, elementwise kernels, the optimizer step and the launches one
+after another (one stream); collectives run on their own stream beside them (FSDP2's prefetch, DDP's bucketed
+all-reduce), so the step is the larger of the two sums.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
 
 from .devices import Device
 from .efficiency import PEAK, Efficiency
+from .launches import count_block_launches
 from .layers import LinearSpec, linear_specs
 from .te_linear import HADAMARD_FLOPS_PER_ELEMENT, te_quantizations
 
@@ -50,17 +56,15 @@ HADAMARD_REFERENCE_BYTES_PER_ELEMENT = 10
 """The emulated recipes' current amax of a transformed wgrad operand: the token-major tensor read and its
 transpose written (4), the transform read and written (4), the amax's read (2), in BF16."""
 ROLES = ("x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad")
-KERNELS_PER_BLOCK = {"attention": 40, "mamba": 60, "mlp": 20}
-"""Kernels one block launches per micro-batch, forward and backward: an estimate, not a count of our code
-path (its launch time is under 1% of the steps planned here)."""
 ADAMW_BYTES_PER_PARAMETER = 32
 """The fused AdamW step over an FP32 shard: parameter, gradient and both moments read (16) and parameter
 and moments written (12), and the gradient norm's read of the gradient (4)."""
 
 
 def _elementwise_elements(model: NemotronHConfig, block_type: str) -> float:
-    """Elements read and written per token by one block's elementwise kernels, forward and backward, as our
-    code path runs them unfused: the pre-norm (forward read and write, backward two reads and a write) and
+    """Elements read and written per token by one block's elementwise kernels, forward and backward, fused as
+    ``torch.compile`` (or Transformer Engine's and Megatron's fused kernels) runs them, each reading its inputs
+    and writing its outputs once: the pre-norm (forward read and write, backward two reads and a write) and
     the residual add (three each way), 11 x d; rotary embedding on q and k (a read and a write each way);
     the MLP's activation (relu2 5 x F, SwiGLU 8 x F); the Mamba mixer's conv activation, gate, gated norm
     and skip (5 x conv width + 12.5 x inner width)."""
@@ -202,7 +206,8 @@ class StepCost:
     optimizer_bytes: float = 0.0
     """HBM bytes of the AdamW step and the gradient-norm pass over this rank's shard."""
     kernels: float = 0.0
-    """Kernel launches of the step (:data:`KERNELS_PER_BLOCK`)."""
+    """Kernel launches of the step: each block's, counted from our code path
+    (:func:`nemofp4.planning.launches.count_block_launches`), eager or compiled."""
     attention_kernel: str = "sdpa"
     """The attention kernel the run uses (:attr:`Efficiency.attention`)."""
 
@@ -228,12 +233,13 @@ class StepCost:
         the device runs the recipe, else BF16."""
         return TE_RECIPES[te_recipe].gemm if device.runs(te_recipe) else "bf16"
 
-    def linear_fraction(self, efficiency: Efficiency) -> float:
-        """The FLOP-weighted achieved fraction of peak of the body's linear GEMMs (harmonic: time adds)."""
+    def linear_fraction(self, efficiency: Efficiency, precision: str = "bf16") -> float:
+        """The FLOP-weighted achieved fraction of ``precision``'s peak of the body's linear GEMMs (harmonic: time
+        adds)."""
         total = sum(f for *_, f in self.gemm_shapes)
         if efficiency is PEAK or not total:
             return 1.0
-        return total / sum(f / efficiency.gemm_fraction(m, k, n) for m, k, n, f in self.gemm_shapes)
+        return total / sum(f / efficiency.gemm_fraction(m, k, n, precision) for m, k, n, f in self.gemm_shapes)
 
     def project(self, device: Device, layout: str, efficiency: Efficiency = PEAK) -> Projection:
         """Step time and MFU on ``device`` in ``layout``: with :data:`~nemofp4.planning.efficiency.PEAK`
@@ -252,9 +258,10 @@ class StepCost:
                 flops = flops / 2  # causal: the flash kernel skips the masked half
             seconds = 0.0
             for recipe, native in self.native_flops.get(name, {}).items():  # TE's GEMMs, at its recipe's peak here
-                seconds += native / device.matmul_tflops(self.native_precision(recipe, device))
+                native_precision = self.native_precision(recipe, device)
+                seconds += native / device.matmul_tflops(native_precision) / self.linear_fraction(efficiency, native_precision)
                 flops -= native
-            compute[name] = (seconds + flops / device.matmul_tflops(precision)) / 1e12 / fraction[name]
+            compute[name] = (seconds + flops / device.matmul_tflops(precision) / fraction[name]) / 1e12
         hbm = device.hbm_tb_s * 1e12 * efficiency.hbm
         if achieved:
             compute["elementwise"] = self.elementwise_bytes / hbm
@@ -371,13 +378,20 @@ def _quant_passes(spec: LinearSpec, tokens: int, *, forward_count: int, backward
 def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int, seq_len: int,
               micro_batch: int, grad_accum: int, head_chunk_tokens: int = 0, head_precision: str = "fp32",
               keep_head_gathered: bool = False, gpus_per_node: int = 8, compute_dtype: str = "bfloat16",
-              policies: tuple[str, ...] = (), weight_cache: bool = True,
-              attention_kernel: str = "sdpa") -> StepCost:  # fmt: skip
+              policies: tuple[str, ...] = (), weight_cache: bool = True, attention_kernel: str = "sdpa",
+              recompute_linears: tuple[tuple[str, float], ...] = (),
+              recompute_blocks: tuple[int, ...] = ()) -> StepCost:  # fmt: skip
     """The cost of one optimizer step per rank (see the module docstring). ``head_precision``: how the
     LM head's GEMMs compute (fp32, tf32 or bf16); ``keep_head_gathered``: the head and final norm stay
     gathered from forward to backward. The HSDP layout shards within ``gpus_per_node`` ranks and
     replicates across nodes; ``policies`` adds the recompute FLOPs of other checkpointing policies;
-    ``weight_cache``: each emulated FP4 weight quantized once per step (``train.weight_cache``)."""
+    ``weight_cache``: each emulated FP4 weight quantized once per step (``train.weight_cache``).
+    ``recompute_linears``: an op-level selective checkpointing policy, as (linear name, share of its forward
+    GEMM) that every block the block policy leaves stored recomputes in backward, with the forward's
+    elementwise ops (TorchTitan's ``selective_ac_option="op"``: every second matmul and every elementwise op);
+    ``recompute_blocks``: blocks (by index) recomputed whole besides the checkpointing policy's (Megatron's
+    ``recompute_num_layers`` with the block method).
+    ``dist_cfg.compile``: the elementwise kernels fused (else each op's bytes as eager PyTorch moves them)."""
     check_head_precision(head_precision)
     tokens = micro_batch * seq_len
     specs = linear_specs(model, recipe)
@@ -386,14 +400,20 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     passes: list[QuantPass] = []
     forward = block_forward_flops(model, recipe, batch=micro_batch, seq_len=seq_len)
     chosen = checkpointed_blocks(dist_cfg.activation_checkpointing, [t.block_type for t in model.layer_types])
+    chosen = [c or i in recompute_blocks for i, c in enumerate(chosen)]
+    op_recompute = dict(recompute_linears)
+    selective = 0.0  # the op-level policy's recomputed GEMM FLOPs, per micro-batch
     for spec in specs:
         if spec.layer is None:
             continue
         gemm = 6.0 * tokens * spec.in_features * spec.out_features
         linear += gemm
+        share = 0.0 if chosen[spec.layer] else op_recompute.get(spec.fqn.rsplit(".", 1)[-1], 0.0)
+        selective += share * gemm / 3
         if runs_in_transformer_engine(spec.part):  # its GEMMs, and its recompute's forward GEMM
             te_recipe = spec.part.te_recipe
-            for component, flops in (("linear GEMMs", gemm), ("recompute", gemm / 3 if chosen[spec.layer] else 0.0)):
+            recomputed = gemm / 3 if chosen[spec.layer] else share * gemm / 3
+            for component, flops in (("linear GEMMs", gemm), ("recompute", recomputed)):
                 if flops:
                     native[component][te_recipe] = native[component].get(te_recipe, 0.0) + flops
         # the weight cache: a round-to-nearest FP4 weight quantized once per step, its recompute reading the cache
@@ -408,14 +428,23 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
             ssd += 3.0 * _ssd_forward(model, micro_batch, seq_len)
     head = (8.0 if head_chunk_tokens > 0 else 6.0) * tokens * model.hidden_size * model.vocab_size
     compute_bytes = 2 if compute_dtype == "bfloat16" else 4
-    elementwise = sum(_elementwise_elements(model, t.block_type) for t in model.layer_types) * tokens * compute_bytes
+    elementwise = kernels = 0.0
+    for i, t in enumerate(model.layer_types):
+        counted = count_block_launches(model, t.block_type, micro_batch=micro_batch, seq_len=seq_len,
+                                       compute_dtype=compute_dtype)  # fmt: skip
+        forward_share = counted.forward_eager_elementwise_bytes / counted.eager_elementwise_bytes if counted.eager_elementwise_bytes else 0.0
+        block = (_elementwise_elements(model, t.block_type) * tokens * compute_bytes if dist_cfg.compile
+                 else counted.eager_elementwise_bytes)  # fmt: skip
+        recomputed = chosen[i] or bool(op_recompute)  # a checkpointed block, or the op-level policy's
+        elementwise += block * (1 + forward_share) if recomputed else block
+        kernels += counted.compiled_kernels if dist_cfg.compile else counted.eager_kernels
     elementwise += 4.0 * 4 * tokens * model.vocab_size  # the loss: FP32 logits' softmax read, written, read, gradient written
     gemm_shapes = tuple((float(tokens), float(s.in_features), float(s.out_features),
                          6.0 * tokens * s.in_features * s.out_features * grad_accum)
                         for s in specs if s.layer is not None)  # fmt: skip
     head_rows = min(head_chunk_tokens, tokens) if head_chunk_tokens > 0 else tokens
-    kernels = sum(KERNELS_PER_BLOCK.get(t.block_type, 0) for t in model.layer_types) * grad_accum
-    recompute = sum(f for f, c in zip(forward, chosen) if c)
+    kernels *= grad_accum
+    recompute = sum(f for f, c in zip(forward, chosen) if c) + selective
     flops = {"linear GEMMs": linear, "attention": attention, "SSD scan": ssd, "head and loss": head,
              "recompute": recompute}  # fmt: skip
     flops = {k: v * grad_accum for k, v in flops.items()}

@@ -8,6 +8,11 @@ sources (checked 2026):
   900 GB/s. No FP4 tensor cores.
 * H200 SXM: https://www.nvidia.com/en-us/data-center/h200/ ("H200 SXM"): the H100's compute, 141 GB
   HBM3e at 4.8 TB/s, NVLink 900 GB/s. No FP4 tensor cores.
+* H100 SXM 96GB HBM2e at 500 W (TorchTitan's benchmark hardware, Meta's Grand Teton: pytorch/torchtitan
+  benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit,
+  eight GPUs per host fully connected by NVLink, 400 Gb/s RDMA per GPU. Its peak "is between SXM and NVL" and
+  unknown (the benchmark's footnote): the preset keeps the SXM5 datasheet's peaks, and its power limit
+  enters through the GEMM fractions measured on a 500 W H100 (:mod:`nemofp4.planning.efficiency`).
 * B200 (one GPU of an HGX B200, 1,000 W): https://www.nvidia.com/en-us/data-center/hgx/ ("HGX
   B200", eight GPUs): FP4 144, FP8 72, BF16 36, TF32 18 PFLOPS with sparsity, 1,440 GB HBM3e at
   64 TB/s, NVLink 1.8 TB/s per GPU; per GPU and dense: FP4 9, FP8 4.5, BF16 2.25, TF32 1.1 PFLOPS,
@@ -23,7 +28,7 @@ sources (checked 2026):
 
 * Compute capability (https://developer.nvidia.com/cuda-gpus): H100 and H200 9.0 (Hopper), B200 and
   GB200 10.0 (Blackwell). It decides which Transformer Engine recipes run natively
-  (:data:`nemofp4.quant.TE_RECIPES`): per-tensor FP8 on all four, MXFP8 and NVFP4 on the Blackwells.
+  (:data:`nemofp4.quant.TE_RECIPES`): per-tensor FP8 on every preset, MXFP8 and NVFP4 on the Blackwells.
 
 NVLink figures are bidirectional in the datasheets; a collective's per-direction bandwidth is half.
 """
@@ -99,6 +104,10 @@ DEVICES: dict[str, Device] = {
                    fp4_tflops=0, fp8_tflops=1979, hbm_tb_s=4.8, nvlink_gb_s=450, scale_out_gb_s=50, nvlink_domain=8, gpus_per_node=8,
                    compute_capability=(9, 0),
                    source="https://www.nvidia.com/en-us/data-center/h200/"),
+    "h100_hbm2e_500w": Device(name="H100 SXM 96GB HBM2e, 500 W", memory_gib=96, bf16_tflops=989.5, tf32_tflops=494.5,
+                              fp32_tflops=67, fp4_tflops=0, fp8_tflops=1979, hbm_tb_s=2.4, nvlink_gb_s=450,
+                              scale_out_gb_s=50, nvlink_domain=8, gpus_per_node=8, compute_capability=(9, 0),
+                              source="https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"),
     "b200": Device(name="B200 (HGX) 180GB", memory_gib=180, bf16_tflops=2250, tf32_tflops=1100, fp32_tflops=80,
                    fp4_tflops=9000, fp8_tflops=4500, hbm_tb_s=8.0, nvlink_gb_s=900, scale_out_gb_s=50, nvlink_domain=8,
                    gpus_per_node=8, compute_capability=(10, 0),
@@ -111,7 +120,7 @@ DEVICES: dict[str, Device] = {
 
 
 def get_device(name: str) -> Device:
-    """The preset ``name`` (case-insensitive): h100, h200, b200 or gb200."""
+    """The preset ``name`` (case-insensitive): h100, h200, h100_hbm2e_500w, b200 or gb200."""
     key = name.strip().lower()
     if key not in DEVICES:
         raise ValueError(f"device={name!r}; valid presets: {', '.join(DEVICES)}")

@@ -1,12 +1,14 @@
-"""docs/planning.md's table of published runs is what scripts/plan_against_published.py prints, and the
-model's FP8-over-BF16 speed-up for TorchTitan's compiled runs is within 10% of the measured one."""
+"""docs/planning.md's tables of published runs and of the kernel-level measurements are what
+scripts/plan_against_published.py prints, the model's FP8-over-BF16 speed-up for TorchTitan's compiled runs is
+within 10% of the measured one, and each run is planned on the hardware and settings its source states."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-from nemofp4.planning.published import PUBLISHED_RUNS, predict
+from nemofp4.planning.devices import get_device
+from nemofp4.planning.published import PUBLISHED_RUNS, SPEED_UPS, TORCHTITAN, predict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,8 +20,10 @@ def _script():
     return module
 
 
-def test_the_docs_table_is_the_scripts_output():
-    assert _script().table() in (ROOT / "docs/planning.md").read_text()
+def test_the_docs_tables_are_the_scripts_output():
+    docs = (ROOT / "docs/planning.md").read_text()
+    assert _script().table() in docs
+    assert _script().sources_table() in docs
 
 
 def test_the_fp8_speed_up_over_bf16_is_within_ten_percent_of_the_measured_one():
@@ -33,3 +37,14 @@ def test_the_fp8_speed_up_over_bf16_is_within_ten_percent_of_the_measured_one():
 def test_the_prediction_is_slower_than_the_roofline():
     for run in PUBLISHED_RUNS:
         assert predict(run)["tokens_per_s_per_gpu"] < predict(run, efficiency="peak")["tokens_per_s_per_gpu"]
+
+
+def test_each_run_is_planned_on_the_hardware_and_settings_its_source_states():
+    titan = [run for run in PUBLISHED_RUNS if run.source == TORCHTITAN]
+    assert titan and all(run.device == "h100_hbm2e_500w" and run.recompute_linears for run in titan)
+    device = get_device("h100_hbm2e_500w")
+    assert device.hbm_tb_s == 2.4 and device.memory_gib == 96  # "96GB HBM2e with 2.4 TB/sec"
+    assert [run.compiled for run in titan] == ["compile" in run.name for run in titan]
+    eager, compiled = titan[0], titan[1]
+    assert predict(eager)["tokens_per_s_per_gpu"] < predict(compiled)["tokens_per_s_per_gpu"]
+    assert {pair for pair in SPEED_UPS} <= {(a.name, b.name) for a in PUBLISHED_RUNS for b in PUBLISHED_RUNS}

@@ -1,0 +1,146 @@
+"""Kernels one block launches and the bytes its elementwise kernels move, counted from our code path.
+
+One block of the model is built at its real widths on the meta device and run forward and backward under
+a dispatch mode that records every ATen op (nothing is allocated or computed). Each op is one kernel on a
+GPU except those that only make a view or allocate (:data:`NO_KERNEL`); the GEMMs (``mm`` and its kin) and
+the attention kernel are counted apart, as the step-cost model times them by FLOPs. Attention runs as a
+stand-in counted as one forward and one backward kernel (on meta, SDPA decomposes into its math path; on a
+GPU it is one fused kernel each way). The Mamba mixer runs its GPU path with the planner's stand-ins for
+mamba-ssm's scan and causal-conv1d (:mod:`nemofp4.planning.standins`), which launch nothing here: their own
+kernels (timed by FLOPs as the SSD scan) are left out of the count. A recipe's quantizer kernels are costed as
+passes over memory (:class:`nemofp4.planning.cost.QuantPass`): the block is counted in the compute dtype.
+
+Eager PyTorch launches every op; ``torch.compile`` fuses the elementwise ops between two GEMM or attention
+kernels into (about) one kernel, so the compiled count takes each such run of ops as one kernel. The bytes
+of the eager elementwise ops are each op's tensor inputs read and outputs written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nemofp4.models import NemotronHConfig
+
+__all__ = ["BlockLaunches", "NO_KERNEL", "count_block_launches"]
+
+NO_KERNEL = frozenset({
+    "alias", "as_strided", "detach", "empty", "empty_like", "empty_strided", "expand", "lift_fresh",
+    "new_empty", "new_empty_strided", "permute", "scalar_tensor", "select", "slice", "split", "split_with_sizes",
+    "squeeze", "t", "transpose", "unbind", "unflatten", "unsafe_split", "unsqueeze", "view", "_unsafe_view",
+    "_reshape_alias",
+})  # fmt: skip
+"""ATen ops that launch no kernel: views, and allocations the caching allocator serves."""
+GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul"})
+
+
+@dataclass(frozen=True)
+class BlockLaunches:
+    """One block's forward and backward for one micro-batch."""
+
+    eager_kernels: int
+    """Kernels eager PyTorch launches (GEMMs and attention included)."""
+    compiled_kernels: int
+    """Kernels with every run of elementwise ops between GEMM and attention kernels fused into one."""
+    gemm_kernels: int
+    attention_kernels: int
+    eager_elementwise_bytes: float
+    """Bytes the eager elementwise kernels read and write."""
+    forward_eager_elementwise_bytes: float
+    """Of those, the forward's (what a recompute repeats)."""
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.ops: list[tuple[str, str, float]] = []  # (kind, phase, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in NO_KERNEL:
+            return out
+        kind = "gemm" if name in GEMM_OPS else "elementwise"
+        tensors = [t for t in (*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else (out,)))
+                   if isinstance(t, torch.Tensor)]  # fmt: skip
+        self.ops.append((kind, self.phase, float(sum(t.numel() * t.element_size() for t in tensors))))
+        return out
+
+
+class _AttentionStandIn(torch.autograd.Function):
+    """Causal attention as one forward and one backward kernel, recorded in the active :class:`_Counter`."""
+
+    @staticmethod
+    def forward(ctx, counter, q, k, v):
+        ctx.counter = counter
+        ctx.save_for_backward(k, v)
+        counter.ops.append(("attention", counter.phase, 0.0))
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        k, v = ctx.saved_tensors
+        ctx.counter.ops.append(("attention", "backward", 0.0))
+        return None, torch.empty_like(grad), torch.empty_like(k), torch.empty_like(v)
+
+
+class _AttentionAsOneKernel(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to :class:`_AttentionStandIn` (on meta it would decompose into
+    its math path, many kernels a GPU does not run)."""
+
+    def __init__(self, counter: _Counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            return _AttentionStandIn.apply(self.counter, q, k, v)
+        return func(*args, **(kwargs or {}))
+
+
+_CACHE: dict[tuple, BlockLaunches] = {}
+
+
+def _count(
+    model: NemotronHConfig, block_type: str, micro_batch: int, seq_len: int, dtype: torch.dtype
+) -> BlockLaunches:
+    from nemofp4.models.nemotron_h.model import Block
+
+    index = next(i for i, t in enumerate(model.layer_types) if t.block_type == block_type)
+    block = Block(model, index, device="meta", dtype=dtype)
+    x = torch.empty(micro_batch, seq_len, model.hidden_size, device="meta", dtype=dtype, requires_grad=True)
+    counter = _Counter()
+    from .standins import mamba_kernel_standins
+
+    with mamba_kernel_standins(True), _AttentionAsOneKernel(counter), counter:
+        y = block(x)
+        counter.phase = "backward"
+        y.backward(torch.empty_like(y))
+    ops = counter.ops
+    fused = sum(
+        1
+        for i, (kind, *_) in enumerate(ops)
+        if kind != "elementwise" or i == 0 or ops[i - 1][0] != "elementwise"
+    )
+    elementwise = [(phase, nbytes) for kind, phase, nbytes in ops if kind == "elementwise"]
+    return BlockLaunches(eager_kernels=len(ops), compiled_kernels=fused,
+                         gemm_kernels=sum(kind == "gemm" for kind, *_ in ops),
+                         attention_kernels=sum(kind == "attention" for kind, *_ in ops),
+                         eager_elementwise_bytes=sum(b for _, b in elementwise),
+                         forward_eager_elementwise_bytes=sum(b for p, b in elementwise if p == "forward"))  # fmt: skip
+
+
+def count_block_launches(model: NemotronHConfig, block_type: str, *, micro_batch: int, seq_len: int,
+                         compute_dtype: str = "bfloat16") -> BlockLaunches:  # fmt: skip
+    """The launches of one ``block_type`` block of ``model`` (its first in the pattern), forward and backward of
+    one micro-batch of ``micro_batch`` x ``seq_len`` tokens, in ``compute_dtype``. Cached."""
+    dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
+    key = (repr(model), block_type, micro_batch, seq_len, dtype)
+    if key not in _CACHE:
+        _CACHE[key] = _count(model, block_type, micro_batch, seq_len, dtype)
+    return _CACHE[key]
