@@ -2,9 +2,9 @@
 
 Build order (each arrow one call with a typed argument):
 data -> model on meta -> recipe swap -> parallelize + materialize (or init_from) -> quant state ->
-optimizer -> engine -> checkpoint load. Per step: tick the quantizers' reference schedule,
-forward/backward with gradient accumulation, clip, optimizer step (all through the engine,
-``training/engine.py``), metrics, periodic eval, periodic checkpoint, preemption check.
+optimizer -> engine -> checkpoint load. Per step: tick the quantizers' reference schedule, the engine's
+step (``training/engine.py``: begin, forward/backward per micro-batch with gradient accumulation and its
+sync toggle, then clip and update), metrics, periodic eval, periodic checkpoint, preemption check.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from nemofp4.training.nonfinite import (
     where_nonfinite_starts,
 )
 from nemofp4.training.optim import build_optimizer
-from nemofp4.training.parallel import parallelize_and_materialize, set_gradient_sync
+from nemofp4.training.parallel import parallelize_and_materialize
 from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler, flush_and_exit
 from nemofp4.training.resume import load_resume_checkpoint
@@ -418,34 +418,30 @@ class Trainer:
         step = self.step
         self.faults.before_step(self.model, step)
         lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, self.budget.total_steps)
-        self.engine.set_lr(lr)
-        self.engine.zero_grad()
+        self.engine.begin_step(lr)
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
         # the FP4 linears' step: references, SR seeds, statistics; each weight quantized once (the weights
-        # change only in the optimizer step below)
+        # change only in the engine's finish_step below)
         with self._sync_free(), self.quant.step(step):
             for micro in range(self.budget.grad_accum):
-                set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
                 batch = next(data_iter)
                 input_ids = batch["input_ids"].to(self.device, non_blocking=True)
                 labels = batch["labels"].to(self.device, non_blocking=True)
                 first_batch = first_batch or (input_ids, labels)
-                with self.autocast():
-                    loss = lm_loss(self.engine.forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
-                                   head_precision=cfg.model.head_precision)
-                loss = self.faults.loss(step, loss)
-                self.engine.backward(loss)
-                loss_sum += loss.detach()
+
+                def loss_of(forward, input_ids=input_ids, labels=labels):
+                    with self.autocast():
+                        loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
+                                       head_precision=cfg.model.head_precision)
+                    return self.faults.loss(step, loss)
+
+                loss_sum += self.engine.forward_backward(loss_of, micro_batch=micro).detach()
             loss_avg = all_reduce_mean(loss_sum / self.budget.grad_accum)
-            grad_norm = self.engine.clip_grad_norm()
-        # the step's one host read of loss and gradient norm (the non-finite policy), outside the check
-        finite = bool(torch.isfinite(loss_avg)) and bool(torch.isfinite(grad_norm))
-        if finite:
-            with self._sync_free():
-                self.engine.step()
-        else:
+        # clipping, the step's one host read of loss and gradient norm, and the update the engine makes
+        grad_norm, finite = self.engine.finish_step(loss_avg, sync_free=self._sync_free)
+        if not finite:
             self._handle_nonfinite(loss_avg, grad_norm, first_batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
