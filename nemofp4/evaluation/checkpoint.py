@@ -4,7 +4,7 @@ A checkpoint of ours is rebuilt exactly as the trainer built it: the model from 
 saved config on the meta device, the run's precision recipe applied (so the FP4 linears are
 there for the inference policies), then only the ``model`` part of the DCP state is read: the
 weights and, under the run's own recipe, the FP4 linears' held references, read as the trainer's
-resume reads them (:class:`nemofp4.quant.ReferenceLoad`). The optimizer state, usually twice the
+resume reads them (:func:`nemofp4.quant.read_references`). The optimizer state, usually twice the
 model's size, is never loaded.
 """
 
@@ -27,7 +27,7 @@ from nemofp4.checkpointing import (
 )
 from nemofp4.models import NemotronHModel, build_model
 from nemofp4.models.nemotron_h import import_hf
-from nemofp4.quant import ReferenceLoad
+from nemofp4.quant import read_references
 from nemofp4.recipes import PrecisionConfig, apply_recipe, recipe_from_config
 
 from .run_config import TrainedRunConfig, read_step_config
@@ -93,16 +93,18 @@ def load_checkpoint_model(
     apply_recipe(model, recipe_from_config(precision or cfg.precision), log=False)
     model.to_empty(device=device)
     state = {"model": get_model_state_dict(model)}
-    # the held references as the trainer reads them (any layout), under the run's own recipe only
-    references = ReferenceLoad(model, restore=precision is None)
-    references.select(trainer_state, state)
-    # the optimizer state is not read; nothing is unpickled beyond DCP's metadata types and tensors
-    reader = SafeFileSystemReader(str(folder))
-    reader.read_metadata()  # a planted metadata pickle fails here, by name
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     rank_file = folder / "rank" / "rank-00000.pt"  # per-rank references: rank 0's, as a rank new to a run takes
+
+    def read(state: dict[str, Any] | None) -> None:
+        # the optimizer state is not read; nothing is unpickled beyond DCP's metadata types and tensors
+        reader = SafeFileSystemReader(str(folder))
+        reader.read_metadata()  # a planted metadata pickle fails here, by name
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+
+    # the model state as the trainer reads it (any layout), its references under the run's own recipe only
     try:
-        references.finish(trainer_state, load_tensors(rank_file) if rank_file.is_file() else {}, state)
+        read_references(model, state, read, trainer_state=trainer_state, restore=precision is None,
+                        rank_state=load_tensors(rank_file) if rank_file.is_file() else {})  # fmt: skip
     except ValueError as err:
         raise ValueError(f"checkpoint {folder}: {err}") from None
     set_model_state_dict(model, state["model"])

@@ -8,7 +8,7 @@ reference (amax) state, and the model-level controls the trainer calls.
     saved = snapshot(model); hold(model, "x", amaxes); ...; restore(model, saved)   # the quant-state API
 """
 
-from .checkpoint import MODULE_STATE, ReferenceLoad
+from .checkpoint import MODULE_STATE, read_references, references_layout_problem
 from .config import GEMM_MODES, ROUNDING_MODES, SCALE_FORMATS, LinearQuantConfig, OperandQuant, Role
 from .gemm import GemmOperand, decoded_gemm, gemm, reference_gemm, scaled_gemm
 from .linear import FP32Linear, QuantLinear
@@ -56,7 +56,6 @@ __all__ = [
     "QuantLinear",
     "QuantSnapshot",
     "QuantTraining",
-    "ReferenceLoad",
     "QuantTrainingConfig",
     "cached_weights",
     "ReferenceState",
@@ -73,6 +72,8 @@ __all__ = [
     "override_interval",
     "quant_linears",
     "quant_stats",
+    "read_references",
+    "references_layout_problem",
     "reference_gemm",
     "reference_state_dict",
     "references_by_module",

@@ -1,5 +1,6 @@
-"""Held references in checkpoints: the layout a checkpoint records, and the one path that reads the
-references of any layout into a model (the trainer's resume and evaluation's loading share it).
+"""Held references in checkpoints: the layout a checkpoint records, and the one path that reads a
+checkpoint of any layout into a model's state in the current layout (the trainer's resume and
+evaluation's loading share it).
 
 Current checkpoints keep them in the model state, as each QuantLinear's extra state, which
 ``get_model_state_dict`` gives with the weights (``quant_state: "module"`` in the trainer state); ranks
@@ -10,7 +11,7 @@ files. Older checkpoints kept them in a ``"quant"`` DCP entry under the same can
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,71 +20,76 @@ from torch import nn
 from .reference import held_state_problem
 from .state import EXTRA_STATE, quant_linears, references_by_module
 
-__all__ = ["MODULE_STATE", "ReferenceLoad"]
+__all__ = ["MODULE_STATE", "read_references", "references_layout_problem"]
 
 MODULE_STATE = "module"
 """The trainer state's ``quant_state`` for checkpoints whose model state holds the references."""
 _LEGACY_DCP_ENTRY = "quant"
 
+ReadState = Callable[[dict[str, Any] | None], None]
+"""Reads a checkpoint's tensors in place into a DCP state dict (None: only what the engine keeps in its
+own files, DeepSpeed's)."""
 
-class ReferenceLoad:
-    """Reading one checkpoint's held references into ``model``: :meth:`select` before DCP reads the
-    state (which holds the model state as ``get_model_state_dict`` gives it, or no model state when
-    DeepSpeed reads its own), :meth:`finish` after, before the model state is set. ``restore=False``
-    leaves them empty (``precision.restore_references=false``; a model evaluated under another recipe)."""
 
-    def __init__(self, model: nn.Module, *, restore: bool = True) -> None:
-        self.model = model
-        self.restore = restore
-        self._set_aside: dict[str, dict[str, torch.Tensor]] = {}
-        """the model state's references, taken out of DCP's reading (older layouts, not restored)"""
+def references_layout_problem(trainer_state: Mapping[str, Any], *, reads_model_state: bool,
+                              restore: bool = True) -> str | None:  # fmt: skip
+    """Why a checkpoint's references cannot be read into a model whose model state DCP does not read
+    (``reads_model_state=False``: DeepSpeed reads its own), from its saved trainer state alone; None
+    when they can."""
+    if restore and not reads_model_state and trainer_state.get("quant_state") == "dcp":
+        return ("this checkpoint keeps its held FP4 references in a 'quant' DCP entry (written before they "
+                "were module state), which a DeepSpeed run does not read; resume it with "
+                "precision.restore_references=false, or with distributed.backend=fsdp or none")
+    return None
 
-    def select(self, trainer_state: Mapping[str, Any], dcp_state: dict[str, Any] | None) -> None:
-        """Before DCP reads: an older checkpoint has no references in its model state, and one that is
-        not restored need not read them; the ``"quant"`` entry of an older one is read in their place."""
-        layout = trainer_state.get("quant_state")
-        model_state = (dcp_state or {}).get("model")
-        self._set_aside = {}
-        if model_state is not None and (layout != MODULE_STATE or not self.restore):
-            self._set_aside = {k: model_state.pop(k) for k in [k for k in model_state if k.endswith(EXTRA_STATE)]}
-        if layout == "dcp" and self.restore:
-            if dcp_state is None:
-                raise ValueError(
-                    "this checkpoint keeps its held FP4 references in a 'quant' DCP entry (written before they "
-                    "were module state), which a DeepSpeed run does not read; resume it with "
-                    "precision.restore_references=false, or with distributed.backend=fsdp or none"
-                )
-            dcp_state[_LEGACY_DCP_ENTRY] = {k.removesuffix(EXTRA_STATE): v for k, v in self._set_aside.items()}
 
-    def finish(self, trainer_state: Mapping[str, Any], rank_state: Mapping[str, Any],
-               dcp_state: dict[str, Any] | None) -> None:  # fmt: skip
-        """After DCP (and DeepSpeed) read: the references to hold go into the model state (this rank's
-        own, from its file, where there are such; none when not restored); without a model state in DCP
-        (DeepSpeed, which read its own) into the modules directly. The references restored are checked
-        against the checkpoint's step (``trainer_state['step']``, where it has one): one ValueError
-        naming the module and the key of the first bad value (:func:`held_state_problem`)."""
-        per_rank = rank_state.get("references") if self.restore else None  # possibly under wrapper names
-        held = None if per_rank is None else references_by_module(per_rank)
-        model_state = (dcp_state or {}).get("model")
-        restored: dict[str, Mapping[str, torch.Tensor]] = {}
-        if model_state is not None:
-            model_state.update(self._set_aside)
-            for key, state in model_state.items():
-                if key.endswith(EXTRA_STATE):
-                    _fill(state, None if held is None else held.pop(key.removesuffix(EXTRA_STATE), {}), self.restore)
-                    restored[key.removesuffix(EXTRA_STATE)] = state
-        else:
-            for fqn, module in quant_linears(self.model):
-                state = module.get_extra_state()
-                if held is not None or not self.restore:
-                    _fill(state, None if held is None else held.pop(fqn, {}), self.restore)
-                    module.set_extra_state(state)
-                restored[fqn] = state
-        if held:
-            raise ValueError(f"the checkpoint holds references of {sorted(held)[:3]}, which are not FP4 linears of "
-                             "this model; it was saved for a different model or precision recipe")  # fmt: skip
-        if self.restore:
-            _check_restored(restored, step=trainer_state.get("step"))
+def read_references(model: nn.Module, state: dict[str, Any] | None, read: ReadState, *,
+                    trainer_state: Mapping[str, Any], rank_state: Mapping[str, Any], restore: bool = True) -> None:  # fmt: skip
+    """Read a checkpoint of any layout through ``read`` into ``state`` (the DCP state dict of the current
+    layout, whose ``"model"`` entry is the model state as ``get_model_state_dict`` gives it; None when
+    DeepSpeed reads its own) and leave it in the current layout: each FP4 linear's extra state holds the
+    references to restore, this rank's own where its file has them (``rank_state['references']``), none
+    with ``restore=False`` (``precision.restore_references=false``; a model evaluated under another
+    recipe). Without a model state in ``state`` they go into the modules directly. The one converter of
+    the older layouts (``trainer_state['quant_state']``): their model state has no references, which
+    are read from the ``"quant"`` entry or from the rank files instead. The references restored are
+    checked against the checkpoint's step (``trainer_state['step']``, where it has one): one ValueError
+    naming the module and the key of the first bad value (:func:`held_state_problem`)."""
+    layout = trainer_state.get("quant_state")
+    problem = references_layout_problem(trainer_state, reads_model_state=state is not None, restore=restore)
+    if problem is not None:
+        raise ValueError(problem)
+    model_state = (state or {}).get("model")
+    set_aside: dict[str, dict[str, torch.Tensor]] = {}  # the model state's references, not read by DCP
+    if model_state is not None and (layout != MODULE_STATE or not restore):
+        set_aside = {k: model_state.pop(k) for k in [k for k in model_state if k.endswith(EXTRA_STATE)]}
+    legacy = layout == "dcp" and restore
+    if legacy:
+        state[_LEGACY_DCP_ENTRY] = {k.removesuffix(EXTRA_STATE): v for k, v in set_aside.items()}
+    read(state)
+    if legacy:
+        del state[_LEGACY_DCP_ENTRY]  # read in place into the set-aside extra states
+    per_rank = rank_state.get("references") if restore else None  # possibly under wrapper names
+    held = None if per_rank is None else references_by_module(per_rank)
+    restored: dict[str, Mapping[str, torch.Tensor]] = {}
+    if model_state is not None:
+        model_state.update(set_aside)
+        for key, extra in model_state.items():
+            if key.endswith(EXTRA_STATE):
+                _fill(extra, None if held is None else held.pop(key.removesuffix(EXTRA_STATE), {}), restore)
+                restored[key.removesuffix(EXTRA_STATE)] = extra
+    else:
+        for fqn, module in quant_linears(model):
+            extra = module.get_extra_state()
+            if held is not None or not restore:
+                _fill(extra, None if held is None else held.pop(fqn, {}), restore)
+                module.set_extra_state(extra)
+            restored[fqn] = extra
+    if held:
+        raise ValueError(f"the checkpoint holds references of {sorted(held)[:3]}, which are not FP4 linears of "
+                         "this model; it was saved for a different model or precision recipe")  # fmt: skip
+    if restore:
+        _check_restored(restored, step=trainer_state.get("step"))
 
 
 def _fill(state: dict[str, torch.Tensor], saved: Mapping[str, torch.Tensor] | None, restore: bool) -> None:

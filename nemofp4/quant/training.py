@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import MODULE_STATE, ReferenceLoad
+from .checkpoint import MODULE_STATE, ReadState, read_references, references_layout_problem
 from .state import (
     cached_weights,
     drop_nonfinite_references,
@@ -69,7 +69,6 @@ class QuantTraining:
     def __init__(self, model: nn.Module, config: QuantTrainingConfig) -> None:
         self.model = model
         self.config = config
-        self._load = ReferenceLoad(model, restore=config.restore_references)
         set_quant_backend(model, config.kernels)
         set_held_reference_reduce_group(model, config.held_reduce_group)
 
@@ -103,11 +102,15 @@ class QuantTraining:
         keeps one rank's)."""
         return {} if self.config.replicated else {"references": reference_state_dict(self.model)}
 
-    def select_for_load(self, trainer_state: Mapping[str, Any], dcp_state: dict[str, Any] | None) -> None:
-        """Before DCP reads a checkpoint (:meth:`ReferenceLoad.select`)."""
-        self._load.select(trainer_state, dcp_state)
+    def load_problem(self, trainer_state: Mapping[str, Any], *, reads_model_state: bool) -> str | None:
+        """Why a checkpoint's references cannot be read here, from its saved trainer state alone
+        (:func:`~nemofp4.quant.checkpoint.references_layout_problem`); None when they can."""
+        return references_layout_problem(trainer_state, reads_model_state=reads_model_state,
+                                         restore=self.config.restore_references)  # fmt: skip
 
-    def finish_load(self, trainer_state: Mapping[str, Any], rank_state: Mapping[str, Any],
-                    dcp_state: dict[str, Any] | None) -> None:  # fmt: skip
-        """After DCP (and DeepSpeed) read it, before its model state is set (:meth:`ReferenceLoad.finish`)."""
-        self._load.finish(trainer_state, rank_state, dcp_state)
+    def read_checkpoint(self, state: dict[str, Any] | None, read: ReadState, *, trainer_state: Mapping[str, Any],
+                        rank_state: Mapping[str, Any]) -> None:  # fmt: skip
+        """Read a checkpoint of any layout into ``state`` in the current layout, its references checked,
+        or emptied for ``precision.restore_references=false`` (:func:`~nemofp4.quant.checkpoint.read_references`)."""
+        read_references(self.model, state, read, trainer_state=trainer_state, rank_state=rank_state,
+                        restore=self.config.restore_references)  # fmt: skip

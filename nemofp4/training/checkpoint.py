@@ -761,10 +761,19 @@ class CheckpointManager:
         read_collective: Callable[[Path], None] | None = None,
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any], bool]:
-        """Verify `folder` and load DCP state in place (resharding as needed). Returns (trainer_state,
-        rank_state, own): this rank's saved rank state, or rank 0's when the checkpoint was written by
-        fewer ranks (own=False). `check(trainer_state)` runs before any tensor is loaded (the run-identity
-        check); its errors propagate as they are. Nothing is unpickled beyond tensors and plain values."""
+        """Verify `folder` and load DCP state in place (resharding as needed): :meth:`read_saved`, then
+        `check(trainer_state)` (its errors propagate as they are), then :meth:`read_tensors`. Returns
+        (trainer_state, rank_state, own)."""
+        trainer_state, rank_state, own = self.read_saved(folder)
+        if check is not None:
+            check(trainer_state)
+        self.read_tensors(folder, dcp_state, read_collective=read_collective)
+        return trainer_state, rank_state, own
+
+    def read_saved(self, folder: Path) -> tuple[dict[str, Any], dict[str, Any], bool]:
+        """Verify `folder` and read its small files, before any DCP tensor: (trainer_state, rank_state,
+        own), this rank's saved rank state, or rank 0's when the checkpoint was written by fewer ranks
+        (own=False). Nothing is unpickled beyond tensors and plain values."""
         folder = Path(folder)
         self.verify(folder)
         try:
@@ -778,8 +787,13 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {folder} could not be loaded: {err}") from err
         except (Exception, CheckpointException) as err:
             raise CheckpointError(f"checkpoint {folder} could not be loaded: {_first_line(err)}") from err
-        if check is not None:
-            check(trainer_state)
+        return trainer_state, rank_state, own
+
+    def read_tensors(self, folder: Path, dcp_state: dict[str, Any] | None, *,
+                     read_collective: Callable[[Path], None] | None = None) -> None:  # fmt: skip
+        """Load `folder`'s DCP state into `dcp_state` in place (resharding as needed; None: none), then
+        `read_collective(folder)` on every rank; a failure of either is one CheckpointError."""
+        folder = Path(folder)
         try:
             if dcp_state is not None:
                 reader = SafeFileSystemReader(str(folder))
@@ -792,7 +806,6 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {folder} could not be loaded: {err}") from err
         except (Exception, CheckpointException) as err:  # DCP raises several types for damaged data
             raise CheckpointError(f"checkpoint {folder} could not be loaded: {_first_line(err)}") from err
-        return trainer_state, rank_state, own
 
     def set_aside(self, folder: Path) -> Path | None:
         """Move a damaged checkpoint that `resume=auto` fell back from to `step-<N>.damaged` (rank 0; the

@@ -17,6 +17,11 @@ class NonFiniteError(RuntimeError):
     """Training produced a non-finite loss or gradient norm under policy 'stop'."""
 
 
+def finite_loss_and_norm(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    """Whether a step's mean loss and gradient norm are both finite: the step's one host read of each."""
+    return bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+
+
 def first_nonfinite_parameter(model: nn.Module) -> str | None:
     for name, param in model.named_parameters():
         local = param.to_local() if hasattr(param, "to_local") else param  # this rank's FSDP shard

@@ -2,9 +2,9 @@
 
 Build order (each arrow one call with a typed argument):
 data -> model on meta -> recipe swap -> parallelize + materialize (or init_from) -> quant state ->
-optimizer -> engine -> checkpoint load. Per step: tick the quantizers' reference schedule,
-forward/backward with gradient accumulation, clip, optimizer step (all through the engine,
-``training/engine.py``), metrics, periodic eval, periodic checkpoint, preemption check.
+optimizer -> engine -> checkpoint load. Per step: tick the quantizers' reference schedule, the engine's
+step (``training/engine.py``: begin, forward/backward per micro-batch with gradient accumulation and its
+sync toggle, then clip and update), metrics, periodic eval, periodic checkpoint, preemption check.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,11 @@ from nemofp4.training.nonfinite import (
     where_nonfinite_starts,
 )
 from nemofp4.training.optim import build_optimizer
-from nemofp4.training.parallel import parallelize_and_materialize, set_gradient_sync
+from nemofp4.training.parallel import parallelize_and_materialize
 from nemofp4.training.plots import plot_run
 from nemofp4.training.preemption import PreemptionHandler, flush_and_exit
-from nemofp4.training.resume import load_resume_checkpoint
-from nemofp4.training.rng import rng_state, seed_everything, set_rng_state
+from nemofp4.training.resume import ResumableState, load_resume_checkpoint
+from nemofp4.training.rng import seed_everything
 from nemofp4.training.run_dir import RUN_CONFIG, RunDirectory, describe_used
 from nemofp4.training.run_identity import check_resume_config, validate_accept_list
 from nemofp4.training.schedule import lr_multiplier
@@ -86,6 +87,29 @@ def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, 
         return validation_nll(model, batches, device=device, autocast=autocast, head_chunk_tokens=head_chunk_tokens)
     finally:
         model.train(was_training)
+
+
+class _Progress:
+    """The trainer's progress as a stateful object (entries of the trainer state): the step, the tokens
+    seen, the skipped steps, the wandb run and the source of the initial weights."""
+
+    def __init__(self, trainer: Trainer):
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self._trainer
+        return {
+            "step": t.step,
+            "tokens_seen": t.tokens_seen,
+            "skipped_steps": t.skipped_steps,
+            "wandb_id": t.metrics.wandb_id if t.metrics else t.wandb_id,
+            "init_from": t.init_record,  # the source of the initial weights and their hash (None: random init)
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        t = self._trainer
+        t.step, t.tokens_seen, t.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
+        t.wandb_id, t.init_record = state.get("wandb_id"), state.get("init_from")
 
 
 class Trainer:
@@ -181,7 +205,9 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0
         self.wandb_id: str | None = None
-        # the resume, then the run's records
+        # the resume (every piece of resumable state, one stateful object each), then the run's records
+        self.resumable = ResumableState(engine=self.engine, quant=self.quant, progress=_Progress(self),
+                                        loader=self.loader, rank=self.rank)  # fmt: skip
         self._maybe_resume()
         self.faults = Faults(cfg.debug, resumed=self.resumed_from is not None)  # the one seam of debug.*
         if self.rank == 0:
@@ -194,71 +220,39 @@ class Trainer:
             plan.join()  # logged before training starts; the build above normally outlasts it
 
     def _dcp_state(self) -> dict[str, Any] | None:
-        return self.engine.dcp_state() or None  # the model's state holds the held FP4 references
+        return self.resumable.dcp_state()
 
     def _maybe_resume(self) -> None:
-        self.resumed_from = load_resume_checkpoint(
-            self.ckpt, self.cfg.resume, run_dir=self.run_dir, rank=self.rank,
-            dcp_state=self._dcp_state, read_collective=self.engine.read_collective,
-            check=self._check_identity, apply=self._restore,
-        )  # fmt: skip
+        self.resumed_from = load_resume_checkpoint(self.ckpt, self.cfg.resume, run_dir=self.run_dir, rank=self.rank,
+                                                   state=self.resumable, refuse=self._refuse)  # fmt: skip
+        if self.resumed_from is not None and self.rank == 0:
+            log.info("resumed from %s at step %d (%d tokens seen)", self.resumed_from, self.step, self.tokens_seen)
         saved = self.run_dir / RUN_CONFIG
         if self.resumed_from is None and saved.is_file():  # an earlier start of this run that never wrote a checkpoint
             check_resume_config(saved.read_text(), self.cfg, step=0, saved_total=None,
                                 new_total=self.budget.total_steps, where=f"run_dir {self.run_dir}",
                                 log_notes=self.rank == 0)  # fmt: skip
 
-    def _check_identity(self, trainer_state: dict[str, Any], folder: Path, dcp_state: dict[str, Any] | None) -> None:
-        """Refuse a checkpoint trained with another configuration before any of its tensors is read;
-        an older checkpoint's held references are read where it kept them."""
+    def _refuse(self, trainer_state: Mapping[str, Any], folder: Path) -> None:
+        """Refuse a checkpoint trained with another configuration, from its saved trainer state alone."""
         if "config" not in trainer_state:
             raise CheckpointError(f"checkpoint {folder}: its trainer state has no config; it was not written by nemofp4")
         check_resume_config(trainer_state["config"], self.cfg, step=int(trainer_state["step"]),
                             saved_total=trainer_state.get("total_steps"), new_total=self.budget.total_steps,
                             where=f"checkpoint {folder}", log_notes=self.rank == 0)
-        if dcp_state is not None:
-            self.quant.select_for_load(trainer_state, dcp_state)
-
-    def _restore(self, folder: Path, dcp_state: dict[str, Any] | None, state: dict[str, Any],
-                 rank_state: dict[str, Any], own: bool) -> None:
-        try:  # the held references (checked against the checkpoint's step): before the model state is set
-            self.quant.finish_load(state, rank_state, dcp_state)
-        except ValueError as err:
-            raise ValueError(f"checkpoint {folder}: {err}; resume from another checkpoint (resume=<path>) or without "
-                             "its references (precision.restore_references=false)") from None
-        if dcp_state is not None:
-            self.engine.load_dcp_state(dcp_state)
-        self.step = state["step"]
-        self.tokens_seen = state["tokens_seen"]
-        self.skipped_steps = state["skipped_steps"]
-        self.wandb_id = state.get("wandb_id")
-        self.init_record = state.get("init_from")
-        self.loader.load_state_dict(state["loader"])
-        if own:
-            set_rng_state(rank_state["rng"])
-        else:
-            log.warning("rank %d is new to this run (checkpoint written by %d ranks): its generators keep the "
-                        "seed's state", self.rank, state["world_size"])
-        if self.rank == 0:
-            log.info("resumed from %s at step %d (%d tokens seen)", folder, self.step, self.tokens_seen)
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "skipped_steps": self.skipped_steps,
-            "loader": self.loader.state_dict(),
+            **self.resumable.trainer_state(),
+            # the run's metadata, which the resume check reads (:meth:`_refuse`)
             "schedule": asdict(self.cfg.schedule),
-            "wandb_id": self.metrics.wandb_id if self.metrics else self.wandb_id,
             "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
             "world_size": self.world,
             "total_steps": self.budget.total_steps,
-            **self.quant.trainer_entries(),
-            "init_from": self.init_record,  # the source of the initial weights and their hash (None: random init)
         }
 
     def _rank_state(self) -> dict[str, Any]:
-        return {"rng": rng_state(), **self.quant.rank_entries()}
+        return self.resumable.rank_state()
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded FP32 weights on CPU (collective under FSDP2 / ZeRO-3)."""
@@ -418,34 +412,30 @@ class Trainer:
         step = self.step
         self.faults.before_step(self.model, step)
         lr = cfg.optim.lr * lr_multiplier(cfg.schedule, step, self.budget.total_steps)
-        self.engine.set_lr(lr)
-        self.engine.zero_grad()
+        self.engine.begin_step(lr)
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         first_batch = None
         # the FP4 linears' step: references, SR seeds, statistics; each weight quantized once (the weights
-        # change only in the optimizer step below)
+        # change only in the engine's finish_step below)
         with self._sync_free(), self.quant.step(step):
             for micro in range(self.budget.grad_accum):
-                set_gradient_sync(self.model, cfg.distributed, micro_batch=micro, grad_accum=self.budget.grad_accum)
                 batch = next(data_iter)
                 input_ids = batch["input_ids"].to(self.device, non_blocking=True)
                 labels = batch["labels"].to(self.device, non_blocking=True)
                 first_batch = first_batch or (input_ids, labels)
-                with self.autocast():
-                    loss = lm_loss(self.engine.forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
-                                   head_precision=cfg.model.head_precision)
-                loss = self.faults.loss(step, loss)
-                self.engine.backward(loss)
-                loss_sum += loss.detach()
+
+                def loss_of(forward, input_ids=input_ids, labels=labels):
+                    with self.autocast():
+                        loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
+                                       head_precision=cfg.model.head_precision)
+                    return self.faults.loss(step, loss)
+
+                loss_sum += self.engine.forward_backward(loss_of, micro_batch=micro).detach()
             loss_avg = all_reduce_mean(loss_sum / self.budget.grad_accum)
-            grad_norm = self.engine.clip_grad_norm()
-        # the step's one host read of loss and gradient norm (the non-finite policy), outside the check
-        finite = bool(torch.isfinite(loss_avg)) and bool(torch.isfinite(grad_norm))
-        if finite:
-            with self._sync_free():
-                self.engine.step()
-        else:
+        # clipping, the step's one host read of loss and gradient norm, and the update the engine makes
+        grad_norm, finite = self.engine.finish_step(loss_avg, sync_free=self._sync_free)
+        if not finite:
             self._handle_nonfinite(loss_avg, grad_norm, first_batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize()

@@ -234,8 +234,11 @@ def test_copy_rows_after_keeps_the_abandoned_rows_and_truncate_leaves_the_live_b
 def _resume(mgr: CheckpointManager, resume: str, run_dir: Path) -> Path | None:
     from nemofp4.training.resume import load_resume_checkpoint
 
-    return load_resume_checkpoint(mgr, resume, run_dir=run_dir, rank=0, dcp_state=lambda: None, read_collective=None,
-                                  check=lambda *_: None, apply=lambda *_: None)  # fmt: skip
+    class Nothing:  # the choice of checkpoint alone: no state to load
+        def load(self, ckpt, folder, saved):
+            pass
+
+    return load_resume_checkpoint(mgr, resume, run_dir=run_dir, rank=0, state=Nothing(), refuse=lambda *_: None)
 
 
 def test_a_rollback_is_logged_and_the_metrics_follow_the_branch_that_resumed(tmp_path, caplog):

@@ -2,6 +2,8 @@
 autograd's, bit for bit; every backend has one engine kind, also for a saved config's raw value; a
 saved run's backend is read through the one reader of saved configs."""
 
+import contextlib
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -34,21 +36,35 @@ def test_the_torch_engine_steps_as_plain_autograd_clipping_and_adamw_bit_for_bit
     ref_opt.step()
 
     model, batches = _model_and_batches()
-    engine: TrainEngine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=0.5), grad_accum=2,
-                                      world_size=1, grad_clip=0.5)  # fmt: skip
-    engine.set_lr(1e-2)
-    engine.zero_grad()
-    for x, y in batches:
-        engine.backward(_loss(engine.forward, x, y))
-    norm = engine.clip_grad_norm()
-    engine.step()
+    engine: TrainEngine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=0.5),
+                                      distributed=DistributedConfig(), grad_accum=2, world_size=1, grad_clip=0.5)
+    engine.begin_step(1e-2)
+    losses = [engine.forward_backward(lambda forward, x=x, y=y: _loss(forward, x, y), micro_batch=micro)
+              for micro, (x, y) in enumerate(batches)]  # fmt: skip
+    norm, finite = engine.finish_step(sum(losses) / 2, sync_free=contextlib.nullcontext)
 
-    assert norm.item() > 0.5  # the clipping acted
+    assert finite and norm.item() > 0.5  # the clipping acted
     assert torch.equal(norm, ref_norm)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(got, want)
     assert engine.write_collective is None and engine.read_collective is None
     assert set(engine.dcp_state()) == {"model", "optim"}
+
+
+def test_the_torch_engine_leaves_the_weights_of_a_non_finite_step_and_the_next_step_starts_clean():
+    model, batches = _model_and_batches()
+    before = [p.detach().clone() for p in model.parameters()]
+    engine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), distributed=DistributedConfig(),
+                         grad_accum=1, world_size=1, grad_clip=1.0)  # fmt: skip
+    engine.begin_step(1e-2)
+    x, y = batches[0]
+    loss = engine.forward_backward(lambda forward: _loss(forward, x, y) * float("nan"), micro_batch=0)
+    norm, finite = engine.finish_step(loss, sync_free=contextlib.nullcontext)
+    assert not finite and not torch.isfinite(norm)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is not None for p in model.parameters())  # kept for the non-finite report
+    engine.begin_step(1e-2)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_every_backend_has_one_engine_kind_and_a_saved_raw_value_reads_the_same():

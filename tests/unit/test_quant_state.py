@@ -163,10 +163,12 @@ def _resume(folder: str, trainer_state: dict, rank_state: dict, *, restore: bool
     model, _ = _wrapped("ac+compile")
     quant = QuantTraining(model, QuantTrainingConfig(kernels="eager", restore_references=restore))
     state = {"model": get_model_state_dict(model)}
-    quant.select_for_load(trainer_state, state)
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.load(state, checkpoint_id=folder, no_dist=True)
-    quant.finish_load(trainer_state, rank_state, state)
+
+    def read(state):
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load(state, checkpoint_id=folder, no_dist=True)
+
+    quant.read_checkpoint(state, read, trainer_state=trainer_state, rank_state=rank_state)
     set_model_state_dict(model, state["model"])
     return model
 

@@ -1,4 +1,4 @@
-"""Held references are range-checked when a checkpoint is loaded (``ReferenceLoad.finish``): a refresh step
+"""Held references are range-checked when a checkpoint is loaded (``read_references``): a refresh step
 below 0 or beyond the checkpoint's step, a non-finite or negative amax, or an amax of 0 with a refresh step
 set is one ValueError naming the module and the key, through every layout (the model state, each rank's
 file, DeepSpeed's modules); a good state, empty references included, loads as before."""
@@ -41,8 +41,7 @@ def _trained():
 def _load(model, dcp_state, rank_state=None, *, step=STEP, restore=True):
     quant = QuantTraining(model, QuantTrainingConfig(kernels="eager", restore_references=restore))
     trainer_state = {**quant.trainer_entries(), "step": step}
-    quant.select_for_load(trainer_state, dcp_state)
-    quant.finish_load(trainer_state, rank_state or {}, dcp_state)
+    quant.read_checkpoint(dcp_state, lambda state: None, trainer_state=trainer_state, rank_state=rank_state or {})
 
 
 @pytest.mark.parametrize("key, value, message", BAD)
