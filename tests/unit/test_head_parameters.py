@@ -35,20 +35,36 @@ def _trainer_head_param_dtype(head_precision: str, recipe_name: str, monkeypatch
     apply_recipe(model, get_recipe(recipe_name), log=False)
     policies = {}
     monkeypatch.setattr(parallel, "data_parallel_mesh", lambda cfg, *, device_type: None)
-    monkeypatch.setattr(fsdp, "fully_shard", lambda module, *, mesh, mp_policy, **_: policies.setdefault(id(module), mp_policy))
+    monkeypatch.setattr(
+        fsdp,
+        "fully_shard",
+        lambda module, *, mesh, mp_policy, **_: policies.setdefault(id(module), mp_policy),
+    )
     monkeypatch.setattr(parallel, "sum_gradients", lambda model: None)
-    apply_fsdp(model, DistributedConfig(backend="fsdp", param_dtype="bfloat16"), device_type="cpu", mixed_precision=True)
+    apply_fsdp(
+        model,
+        DistributedConfig(backend="fsdp", param_dtype="bfloat16"),
+        device_type="cpu",
+        mixed_precision=True,
+    )
     assert isinstance(model.lm_head, FP32Linear) == FP32_PART[recipe_name]
     return policies[id(model.lm_head)].param_dtype
 
 
 @pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("head_precision", HEAD_PRECISIONS)
-def test_trainer_memory_plan_and_cost_model_agree_on_the_heads_parameter_dtype(head_precision, recipe_name, monkeypatch):
+def test_trainer_memory_plan_and_cost_model_agree_on_the_heads_parameter_dtype(
+    head_precision, recipe_name, monkeypatch
+):
     model_cfg, recipe = _model_config(head_precision), get_recipe(recipe_name)
-    expected = torch.float32 if FP32_PART[recipe_name] and head_precision in ("fp32", "tf32") else torch.bfloat16
+    expected = (
+        torch.float32 if FP32_PART[recipe_name] and head_precision in ("fp32", "tf32") else torch.bfloat16
+    )
     assert head_is_fp32_part(model_cfg, recipe) == FP32_PART[recipe_name]
-    assert head_parameter_dtype(head_precision, fp32_part=FP32_PART[recipe_name], compute_dtype=torch.bfloat16) == expected
+    assert (
+        head_parameter_dtype(head_precision, fp32_part=FP32_PART[recipe_name], compute_dtype=torch.bfloat16)
+        == expected
+    )
 
     assert _trainer_head_param_dtype(head_precision, recipe_name, monkeypatch) == expected
 
@@ -67,7 +83,10 @@ def test_a_bf16_body_in_fp32_keeps_every_head_fp32():
     """Where the body itself computes in FP32 (CPU runs), no head is narrower than it."""
     for precision in HEAD_PRECISIONS:
         for fp32_part in (False, True):
-            assert head_parameter_dtype(precision, fp32_part=fp32_part, compute_dtype=torch.float32) == torch.float32
+            assert (
+                head_parameter_dtype(precision, fp32_part=fp32_part, compute_dtype=torch.float32)
+                == torch.float32
+            )
 
 
 def test_the_rule_refuses_an_unknown_head_precision():
