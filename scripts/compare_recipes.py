@@ -132,9 +132,11 @@ def spike_start(args, warmup: int) -> int:
 
 def collect_run(args, recipe: str, seed: int) -> dict:
     path = run_dir(args, recipe, seed)
+    from nemofp4.evaluation.run_config import read_saved_config
     from nemofp4.training.config import job_config_from_yaml
+    from nemofp4.training.run_dir import RUN_CONFIG
 
-    job = job_config_from_yaml((path / "config.yaml").read_text())
+    job = job_config_from_yaml(read_saved_config(path / RUN_CONFIG))
     train = read_rows(path, "train")
     evals = read_rows(path, "eval")
     losses = [r["loss"] for r in train]

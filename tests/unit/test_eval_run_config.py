@@ -5,8 +5,10 @@ from omegaconf import OmegaConf
 
 from nemofp4.cli.train import compose_job_config
 from nemofp4.evaluation import run_config_from_yaml
+from nemofp4.evaluation.run_config import read_saved_config
 from nemofp4.recipes import get_recipe
 from nemofp4.training.config import job_config_from_yaml
+from nemofp4.training.job_plan import recorded_policy
 
 
 def test_the_view_matches_the_full_schema_on_a_composed_run():
@@ -23,3 +25,22 @@ def test_the_view_matches_the_full_schema_on_a_composed_run():
 def test_a_config_without_a_section_is_a_clear_error():
     with pytest.raises(ValueError, match="no 'model' section"):
         run_config_from_yaml("name: x\nrun_dir: runs/x\n")
+
+
+def test_a_run_directorys_saved_config_is_read_by_one_reader_that_names_the_file(tmp_path):
+    """read_saved_config gives the trainer's schema what the YAML text gives it, and a missing or
+    corrupt config.yaml is an error naming the file (not a bare YAML traceback)."""
+    job = compose_job_config(["experiment=tiny_ue5m3", "distributed.activation_checkpointing=mamba"])
+    path = tmp_path / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    assert job_config_from_yaml(read_saved_config(path)) == job
+    assert recorded_policy(tmp_path) == "mamba"
+
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'missing.yaml'}: no saved run config"):
+        read_saved_config(tmp_path / "missing.yaml")
+    for corrupt in ("model: [unclosed\n", "- a list\n- not a mapping\n", "name: ${missing.key}\n"):
+        path.write_text(corrupt)
+        with pytest.raises(ValueError, match=f"{path}: not a readable run config"):
+            read_saved_config(path)
+        with pytest.raises(ValueError, match=f"{path}: not a readable run config"):
+            recorded_policy(tmp_path)
