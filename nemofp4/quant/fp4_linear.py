@@ -531,7 +531,7 @@ class _EagerFP4Linear(torch.autograd.Function):
     """The FP4 linear in plain eager PyTorch: the ops' forward and backward programs, called as an
     ``autograd.Function`` without the dispatcher's custom-op layers (argument checks, output
     flattening, a second op for backward), whose fixed cost per call weighs on a CPU step's small
-    linears (``scripts/bench_recipes.py --linears`` times both paths). The same programs, saved operands and
+    linears (``scripts/bench/bench_recipes.py --linears`` times both paths). The same programs, saved operands and
     context as the ops, which stay the path wherever something must see them: ``torch.compile``,
     dispatch modes (fake tensors, FLOP counters, memory trackers), tensor subclasses."""
 

@@ -1,4 +1,4 @@
-"""docs/planning.md's table of published runs is what scripts/plan_against_published.py prints, and the
+"""docs/planning.md's table of published runs is what scripts/plan/plan_against_published.py prints, and the
 model's FP8-over-BF16 speed-up for TorchTitan's compiled runs is within 10% of the measured one."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("plan_against_published", ROOT / "scripts/plan_against_published.py")
+    spec = importlib.util.spec_from_file_location("plan_against_published", ROOT / "scripts/plan/plan_against_published.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

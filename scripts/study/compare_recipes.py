@@ -1,6 +1,6 @@
 """The recipe comparison study: the same model, data and budget under several recipes and seeds.
 
-    python scripts/compare_recipes.py --study tiny --steps 200 --seeds 1 2 3
+    python scripts/study/compare_recipes.py --study tiny --steps 200 --seeds 1 2 3
 
 For every (recipe, seed) it trains ``experiment=<preset>_<recipe>`` into
 ``<runs-root>/<study>/<recipe>/seed-<seed>`` (skipped when that run already reached the budget),
@@ -272,7 +272,7 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     folder.mkdir(parents=True, exist_ok=True)
     plots = plot(args, runs, folder)
     order = ordering(summary) if "current" in args.policies else []
-    command = "python scripts/compare_recipes.py " + shlex.join(argv)
+    command = "python scripts/study/compare_recipes.py " + shlex.join(argv)
     results = {"command": command, "args": {k: display_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "summary": summary, "runs": runs, "ordering_current": order, "paper_ordering": PAPER_ORDER}  # fmt: skip
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -2,7 +2,7 @@
 parallelism, sequence and batch planned with `nemofp4-plan`'s model, its prediction beside the measured
 throughput (nemofp4.planning.published lists the runs and their sources).
 
-    python scripts/plan_against_published.py
+    python scripts/plan/plan_against_published.py
 
 Arithmetic only: no GPU, a few seconds. The runs are the test of the model: no efficiency is fitted to them.
 """
