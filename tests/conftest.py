@@ -5,7 +5,7 @@ Triton: on a machine without CUDA the whole session runs Triton kernels in the C
 The interpreter is chosen when a kernel module is first imported, so it is set here, before any
 test module is collected; ``needs_triton_interpreter`` marks the tests that need it (skipped on a
 CUDA machine, where ``tests/gpu`` runs the kernels compiled, in a session of its own:
-``scripts/gpu_check.sh``).
+``scripts/gpu/gpu_check.sh``).
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def load_script(relative_path: str) -> ModuleType:
 
 
 def plot_script() -> ModuleType:
-    return load_script("scripts/plot_quant_stats.py")
+    return load_script("scripts/study/plot_quant_stats.py")
 
 
 def held_references(folder: Path) -> dict[str, torch.Tensor]:

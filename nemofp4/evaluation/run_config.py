@@ -3,7 +3,8 @@
 A checkpoint's ``trainer_state['config']`` (and ``<run_dir>/config.yaml``) holds the run's full
 resolved config. :func:`saved_config` parses it (every reader of a saved config goes through it:
 this view, the trainer's full schema ``nemofp4.training.config.job_config_from_yaml``, the resume
-check in ``training/run_identity.py``); :func:`read_step_config` reads it from a step folder.
+check in ``training/run_identity.py``); :func:`read_step_config` reads it from a step folder and
+:func:`read_saved_config` from a file (``config.yaml``), each naming the file when it cannot.
 Evaluation and ``train.init_from`` need only the model, the recipe, the data, the backend and a few
 train/eval settings; each is validated by its own dataclass, and those live below both packages
 (models, recipes, data), so evaluation never imports the trainer's schema.
@@ -11,6 +12,7 @@ train/eval settings; each is validated by its own dataclass, and those live belo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,8 @@ from nemofp4.data import DataConfig
 from nemofp4.models.nemotron_h.config import NemotronHConfig
 from nemofp4.recipes import precision_config
 
-__all__ = ["RunDistributedSettings", "RunEvalSettings", "RunTrainSettings", "TrainedRunConfig", "read_step_config",
-           "run_config_from_yaml", "saved_config"]
+__all__ = ["RunDistributedSettings", "RunEvalSettings", "RunTrainSettings", "TrainedRunConfig", "read_saved_config",
+           "read_step_config", "run_config_from_yaml", "saved_config"]
 
 
 @dataclass(kw_only=True)
@@ -74,12 +76,29 @@ class TrainedRunConfig:
         self.model = self.model.trained_on(self.train.seq_len)  # as the trainer records it (runs from before, too)
 
 
-def saved_config(text: str) -> dict[str, Any]:
-    """A run's saved (resolved) config as a plain mapping, before any schema validates it."""
-    container = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+def saved_config(saved: str | Mapping[str, Any]) -> dict[str, Any]:
+    """A run's saved (resolved) config, its YAML text or a mapping already read (:func:`read_saved_config`),
+    as a plain mapping, before any schema validates it."""
+    node = OmegaConf.create(saved if isinstance(saved, str) else dict(saved))
+    container = OmegaConf.to_container(node, resolve=True)
     if not isinstance(container, dict):
         raise ValueError("a run's config must be a YAML mapping")
     return container
+
+
+def read_saved_config(path: Path) -> dict[str, Any]:
+    """The saved config in the file ``path`` (a run directory's ``config.yaml``) as :func:`saved_config`
+    gives it: FileNotFoundError when there is none, ValueError naming the file when it does not parse."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no saved run config (the trainer writes it when a run starts)") from None
+    try:
+        return saved_config(text)
+    except Exception as err:  # YAML's and omegaconf's parse and interpolation errors are several types
+        raise ValueError(f"{path}: not a readable run config ({type(err).__name__}: {err}); the trainer wrote a "
+                         "YAML mapping there: restore it, or remove it to start the run directory over") from err
 
 
 def run_config_from_yaml(text: str) -> TrainedRunConfig:

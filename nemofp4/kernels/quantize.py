@@ -384,7 +384,7 @@ def _tile_config(block_size: int, two_d: bool, transposed: bool, interpret: bool
     elements (two 16-byte loads of bf16); ptxas (sm_90, sizes divisible by 16) reports 58
     registers for the row-wise kernel (64 with sr8), 48 for 16x16 tiles and 96 for the fused
     transposed kernel, without spills, so 5-10 blocks of 128 threads fit on an SM and keep
-    20-40 KB of loads in flight per SM. scripts/bench_gpu.py sweeps alternatives on a GPU."""
+    20-40 KB of loads in flight per SM. scripts/bench/bench_gpu.py sweeps alternatives on a GPU."""
     if interpret:  # the interpreter's cost is per program: few, large tiles (same results)
         return {"BM": max(64 if transposed else 32, block_size) if (two_d or transposed) else 128,
                 "BK": max(64 if transposed else 128, block_size)}  # fmt: skip

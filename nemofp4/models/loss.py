@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["HEAD_LOSS_METHOD", "HEAD_PRECISIONS", "check_head_precision", "chunked_cross_entropy",
-           "head_cross_entropy", "lm_loss"]
+           "head_cross_entropy", "head_gemms_in_fp32", "head_keeps_fp32_parameters", "head_parameter_dtype",
+           "lm_loss"]
 
 DEFAULT_CHUNK_TOKENS = 1024
 HEAD_PRECISIONS = ("fp32", "tf32", "bf16")
@@ -46,12 +47,32 @@ def check_head_precision(precision: str, *, what: str = "head_precision") -> str
     return precision
 
 
+def head_gemms_in_fp32(precision: str) -> bool:
+    """Whether the head's GEMMs take FP32 operands (``fp32``, ``tf32``); ``bf16`` rounds them to BF16."""
+    return check_head_precision(precision) != "bf16"
+
+
+def head_keeps_fp32_parameters(precision: str, *, fp32_part: bool) -> bool:
+    """Whether the LM head's parameters stay FP32 under mixed precision (FSDP2 gathers them in FP32
+    whatever the body's ``param_dtype``): when the recipe makes the head an FP32 part (an
+    ``FP32Linear``, ``fp32_part``) and its GEMMs take FP32 operands. A bf16 head rounds its operands
+    to BF16 anyway, so it is gathered in the body's dtype; a head the recipe leaves to the body (no
+    FP32 part) is the body's. The trainer's FSDP2 policy and the planner's memory and cost all ask this."""
+    return fp32_part and head_gemms_in_fp32(precision)
+
+
+def head_parameter_dtype(precision: str, *, fp32_part: bool, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the LM head's parameters are gathered in when the body's are ``compute_dtype``:
+    FP32 where :func:`head_keeps_fp32_parameters`, else ``compute_dtype``."""
+    return torch.float32 if head_keeps_fp32_parameters(precision, fp32_part=fp32_part) else compute_dtype
+
+
 @contextlib.contextmanager
 def _head_matmuls(device: torch.device, precision: str):
     """Autocast off (the head's arithmetic is ``precision``'s whatever the body runs in); CUDA's FP32
     matmuls in TF32 only for tf32, strict IEEE FP32 for fp32 whatever the process-wide setting."""
     previous = torch.backends.cuda.matmul.fp32_precision
-    if precision in ("fp32", "tf32"):
+    if head_gemms_in_fp32(precision):
         torch.backends.cuda.matmul.fp32_precision = "tf32" if precision == "tf32" else "ieee"
     try:
         with torch.autocast(device.type, enabled=False):
@@ -63,7 +84,7 @@ def _head_matmuls(device: torch.device, precision: str):
 def _operand(t: torch.Tensor, precision: str) -> torch.Tensor:
     """A GEMM operand in the head's arithmetic: FP32, or for bf16 the BF16-rounded values (BF16 on CUDA;
     on CPU, where BF16 matmul is slow, the same values held in FP32). A no-op where ``t`` already is one."""
-    if precision != "bf16":
+    if head_gemms_in_fp32(precision):
         return t.float()
     t = t.to(torch.bfloat16)
     return t if t.is_cuda else t.float()

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nemofp4.models import NemotronHConfig
-from nemofp4.models.loss import check_head_precision
+from nemofp4.models.loss import check_head_precision, head_keeps_fp32_parameters
 from nemofp4.quant import TE_RECIPES
 from nemofp4.recipes import Recipe, runs_in_transformer_engine
 from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
@@ -37,7 +37,7 @@ from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
 from .devices import Device
 from .efficiency import PEAK, Efficiency
 from .launches import count_block_launches
-from .layers import LinearSpec, linear_specs
+from .layers import LinearSpec, head_is_fp32_part, linear_specs
 from .te_linear import HADAMARD_FLOPS_PER_ELEMENT, te_quantizations
 
 __all__ = ["COMPONENTS", "BODY_COMPONENTS", "Projection", "QuantPass", "StepCost", "block_forward_flops", "step_cost"]
@@ -302,8 +302,8 @@ def _fsdp_groups(model: NemotronHConfig, recipe: Recipe, *, head_precision: str,
     for i, block in enumerate(meta.layers):
         groups.append((f"layers.{i}", sum(p.numel() for p in block.parameters()), param_bytes))
     if not model.tie_word_embeddings:
-        fp32_part = any(s.block_type == "head" and s.kind == "fp32" for s in linear_specs(model, recipe))
-        head_bytes = 4 if fp32_part and head_precision in ("fp32", "tf32") else param_bytes
+        keeps_fp32 = head_keeps_fp32_parameters(head_precision, fp32_part=head_is_fp32_part(model, recipe))
+        head_bytes = 4 if keeps_fp32 else param_bytes
         groups.append(("lm_head", meta.lm_head.weight.numel(), head_bytes))
     root = sum(p.numel() for p in meta.embeddings.parameters()) + sum(p.numel() for p in meta.norm_f.parameters())
     groups.append(("root", root, param_bytes))

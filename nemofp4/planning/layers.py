@@ -9,7 +9,7 @@ from nemofp4.quant import OperandQuant
 from nemofp4.recipes import Recipe
 from nemofp4.recipes.recipe import HighPrecision, Part, part_kind
 
-__all__ = ["LinearSpec", "linear_specs"]
+__all__ = ["LinearSpec", "head_is_fp32_part", "linear_specs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +49,12 @@ def linear_specs(model: NemotronHConfig, recipe: Recipe) -> tuple[LinearSpec, ..
                                 out_features=linear.out_features, part_name=part_name, part=part,
                                 kind=part_kind(part)))  # fmt: skip
     return tuple(specs)
+
+
+def head_is_fp32_part(model: NemotronHConfig, recipe: Recipe) -> bool:
+    """Whether ``recipe`` makes ``model``'s LM head an FP32 part (an ``FP32Linear`` in training): the
+    ``fp32_part`` of :func:`nemofp4.models.loss.head_keeps_fp32_parameters`."""
+    return any(s.block_type == "head" and s.kind == "fp32" for s in linear_specs(model, recipe))
 
 
 def _packed_bytes(op: OperandQuant, rows: int, cols: int) -> int:

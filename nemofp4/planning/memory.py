@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nemofp4.models import NemotronHConfig
-from nemofp4.models.loss import DEFAULT_CHUNK_TOKENS
+from nemofp4.models.loss import DEFAULT_CHUNK_TOKENS, head_parameter_dtype
 from nemofp4.recipes import Recipe, runs_in_transformer_engine
 from nemofp4.training.parallel import AC_BLOCK_TYPES, DistributedConfig, ac_policy, checkpointed_blocks
 
@@ -188,15 +188,14 @@ def measure(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micro_batch
             quantizer: str = "triton", fsdp: bool = True) -> Measured:  # fmt: skip
     """The measurements :func:`plan_memory` adds up (see the module docstring); ``fsdp``: under FSDP2,
     whose mixed-precision policies cast each group's inputs."""
+    from .layers import head_is_fp32_part
     from .measure import warm_format_tables
 
     if compute_dtype not in _DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype!r}; valid: {tuple(_DTYPES)}")
     dtype = _DTYPES[compute_dtype]
-    fp32_part = _head_is_fp32(model, recipe)
-    # the head's gathered dtype: FP32 for an FP32 part (its own FSDP policy) unless the head computes in BF16
-    fp32_head = fp32_part and head_precision in ("fp32", "tf32")
-    head_dtype = torch.float32 if fp32_head or dtype == torch.float32 else dtype
+    fp32_part = head_is_fp32_part(model, recipe)
+    head_dtype = head_parameter_dtype(head_precision, fp32_part=fp32_part, compute_dtype=dtype)  # its gathered dtype
     warm_format_tables(recipe)
     blocks = measure_blocks(model, recipe, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, quantizer=quantizer,
                             mamba_ssm=mamba_scan_path(mamba_scan) == "mamba_ssm")  # fmt: skip
@@ -296,13 +295,6 @@ def _with_weight_cache(m: Moment, made_in_forward: list[int], made_in_backward: 
     items["activations"] += w
     items["temporaries"] += wt
     return replace(m, items=items)
-
-
-def _head_is_fp32(model: NemotronHConfig, recipe: Recipe) -> bool:
-    """Whether the head keeps FP32 parameters under FSDP2 (an FP32 head part: its own FP32 policy)."""
-    from .layers import linear_specs
-
-    return any(s.block_type == "head" and s.kind == "fp32" for s in linear_specs(model, recipe))
 
 
 def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_accum, tokens,

@@ -224,7 +224,7 @@ class _EagerFP4Linear(torch.autograd.Function):
     """The FP4 linear in plain eager PyTorch: the ops' forward and backward programs, called as an
     ``autograd.Function`` without the dispatcher's custom-op layers (argument checks, output
     flattening, a second op for backward), whose fixed cost per call weighs on a CPU step's small
-    linears (``scripts/bench_recipes.py --linears`` times both paths). The same programs, saved operands and
+    linears (``scripts/bench/bench_recipes.py --linears`` times both paths). The same programs, saved operands and
     context as the ops, which stay the path wherever something must see them: ``torch.compile``,
     dispatch modes (fake tensors, FLOP counters, memory trackers), tensor subclasses."""
 
@@ -261,7 +261,7 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # (the 2-core VM, 2026-12-06): at 16 tokens 1.53 ms through the autograd.Function against 1.74 ms
     # through the custom ops (best of each; medians 5.87 / 6.34 ms under load), +0.2-0.5 ms a call,
     # and 1062 against 1575 Python calls per forward + backward; at 256 tokens +0.6-0.7 ms. A CPU
-    # step's small linears pay that on every call; scripts/bench_recipes.py --linears times both.
+    # step's small linears pay that on every call; scripts/bench/bench_recipes.py --linears times both.
     if _plain_eager(x, weight, bias):
         return _EagerFP4Linear.apply(*args)[0]
     return register_ops().forward(*args)[0]

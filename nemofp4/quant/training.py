@@ -1,10 +1,12 @@
-"""The trainer's one handle on a model's FP4 linears: converted once at build, entered once per step.
+"""The trainer's one handle on a model's quantized linears: set up once at build, entered once per step.
 
-As TorchTitan's model converters and torchao's ``convert_to_float8_training``, :class:`QuantTraining`
-is made once, after the model is built, parallelized and initialized (it sets the kernels and the
-data-parallel reduction of held references), and :meth:`QuantTraining.step` is the per-step call
-(the step and its SR seeds, statistics on logging steps, the step's weight cache). Every knob of the
-quantizers the trainer has is read here, once (:class:`QuantTrainingConfig`).
+It converts no module. The swap of each selected ``nn.Linear`` for a ``QuantLinear`` (or
+``FP32Linear``, ``TELinear``) is :func:`nemofp4.recipes.apply_recipe`, which the trainer calls on the
+meta-device model before parallelization. :class:`QuantTraining` takes the model after that swap,
+after parallelization and initialization, and sets what the swapped modules read at run time (their
+kernels and the data-parallel reduction of held references); :meth:`QuantTraining.step` is the
+per-step call (the step and its SR seeds, statistics on logging steps, the step's weight cache).
+Every knob of the quantizers the trainer has is read here, once (:class:`QuantTrainingConfig`).
 
 Held references are module state (each QuantLinear's extra state), so the model's state dict carries
 them into and out of checkpoints with the weights. The checkpoint hooks here are what that cannot
@@ -64,7 +66,8 @@ class QuantTrainingConfig:
 
 
 class QuantTraining:
-    """The FP4 linears of ``model`` as the trainer drives them (see the module docstring)."""
+    """The quantized linears of ``model``, already swapped in by :func:`nemofp4.recipes.apply_recipe`,
+    as the trainer drives them (see the module docstring); a model without any is left as it is."""
 
     def __init__(self, model: nn.Module, config: QuantTrainingConfig) -> None:
         self.model = model

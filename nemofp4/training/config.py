@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,10 +287,10 @@ class JobConfig:
         return recipe_from_config(self.precision)
 
 
-def job_config_from_yaml(text: str) -> JobConfig:
-    """The typed JobConfig of a run from its resolved YAML (``trainer_state['config']`` or
-    ``<run_dir>/config.yaml``, read by :func:`~nemofp4.evaluation.run_config.saved_config`); validation
-    runs as at training time."""
+def job_config_from_yaml(saved: str | Mapping[str, Any]) -> JobConfig:
+    """The typed JobConfig of a run from its resolved YAML (``trainer_state['config']``) or the mapping
+    :func:`~nemofp4.evaluation.run_config.read_saved_config` read from ``<run_dir>/config.yaml`` (both
+    parsed by :func:`~nemofp4.evaluation.run_config.saved_config`); validation runs as at training time."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), saved_config(text)))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), saved_config(saved)))

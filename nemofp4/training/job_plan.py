@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
+from nemofp4.evaluation.run_config import read_saved_config
 from nemofp4.training.config import JobConfig
 from nemofp4.training.parallel import AC_AUTO
 from nemofp4.training.run_dir import RUN_CONFIG
@@ -54,7 +54,7 @@ def recorded_policy(run_dir: Path) -> str | None:
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
         return None
-    policy = OmegaConf.select(OmegaConf.load(path), "distributed.activation_checkpointing")
+    policy = (read_saved_config(path).get("distributed") or {}).get("activation_checkpointing")
     return None if policy in (None, AC_AUTO) else str(policy)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nemofp4.models.loss import head_keeps_fp32_parameters
 from nemofp4.quant import FP32Linear
 from nemofp4.training.dist_env import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S
 
@@ -231,7 +232,7 @@ def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str, mi
         # FP32 head keeps FP32 parameters instead of being cast to BF16 (a bf16 head takes the body's)
         head_mp = mp
         head_precision = getattr(model.config, "head_precision", "fp32")
-        if isinstance(model.lm_head, FP32Linear) and head_precision != "bf16":
+        if head_keeps_fp32_parameters(head_precision, fp32_part=isinstance(model.lm_head, FP32Linear)):
             head_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         reshard = False if cfg.keep_head_gathered else cfg.reshard_after_forward
         fully_shard(model.lm_head, mesh=mesh, mp_policy=head_mp, reshard_after_forward=reshard)

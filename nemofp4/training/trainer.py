@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from nemofp4 import kernels
 from nemofp4.data import build_train_loader, build_validation_batches, check_model_vocab
 from nemofp4.evaluation.nll import validation_nll
+from nemofp4.evaluation.run_config import read_saved_config
 from nemofp4.models import build_model, lm_loss, param_groups
 from nemofp4.quant import QuantTraining, QuantTrainingConfig
 from nemofp4.recipes import apply_recipe
@@ -229,7 +230,7 @@ class Trainer:
             log.info("resumed from %s at step %d (%d tokens seen)", self.resumed_from, self.step, self.tokens_seen)
         saved = self.run_dir / RUN_CONFIG
         if self.resumed_from is None and saved.is_file():  # an earlier start of this run that never wrote a checkpoint
-            check_resume_config(saved.read_text(), self.cfg, step=0, saved_total=None,
+            check_resume_config(read_saved_config(saved), self.cfg, step=0, saved_total=None,
                                 new_total=self.budget.total_steps, where=f"run_dir {self.run_dir}",
                                 log_notes=self.rank == 0)  # fmt: skip
 

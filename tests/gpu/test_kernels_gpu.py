@@ -3,7 +3,7 @@ same device (quantization, amax, the hardware GEMM model), stochastic rounding's
 statistics, the quant-operand adapter, and that the dispatchers pick Triton on CUDA.
 
 They need the kernels compiled, so they skip in a process with TRITON_INTERPRET set (tests/conftest.py
-sets it only where there is no CUDA device; ``scripts/gpu_check.sh`` unsets it).
+sets it only where there is no CUDA device; ``scripts/gpu/gpu_check.sh`` unsets it).
 """
 
 from __future__ import annotations

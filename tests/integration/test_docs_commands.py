@@ -205,7 +205,7 @@ def test_the_parser_and_the_override_rewriting():
         "",
         "ls runs/#x",
     ]
-    assert not is_nemofp4_command("python scripts/compare_recipes.py --steps 2")
+    assert not is_nemofp4_command("python scripts/study/compare_recipes.py --steps 2")
     assert is_nemofp4_command("nemofp4-eval checkpoint=runs/demo") and not is_train_command("nemofp4-eval checkpoint=x")
 
 

@@ -1,4 +1,4 @@
-"""scripts/compare_recipes.py on a very short budget (4 steps, 2 recipes, 1 seed): trains, evaluates every policy, writes the
+"""scripts/study/compare_recipes.py on a very short budget (4 steps, 2 recipes, 1 seed): trains, evaluates every policy, writes the
 table, results and plots; a second invocation collects the finished runs without retraining."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ SMALL = ["train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "eva
 
 
 def _script():
-    return load_script("scripts/compare_recipes.py")
+    return load_script("scripts/study/compare_recipes.py")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_study_writes_table_results_and_plots(study):
     bf = [r for r in results["runs"] if r["recipe"] == "bf16"][0]
     assert table["ue5m3"]["gap_to_bf16"][0] == pytest.approx((ue["nll"]["current"] - bf["nll"]["current"]) / bf["nll"]["current"])
     readme = (folder / "README.md").read_text()
-    assert "python scripts/compare_recipes.py --study smoke" in readme and "| `ue5m3` |" in readme
+    assert "python scripts/study/compare_recipes.py --study smoke" in readme and "| `ue5m3` |" in readme
     for png in ("training_loss.png", "validation_nll.png"):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

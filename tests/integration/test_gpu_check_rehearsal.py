@@ -1,6 +1,6 @@
-"""``scripts/gpu_check.sh --rehearse``: the whole GPU check on the CPU, so the one GPU call works first time.
+"""``scripts/gpu/gpu_check.sh --rehearse``: the whole GPU check on the CPU, so the one GPU call works first time.
 
-The wheelhouse is the checkout's ``.wheelhouse`` when built (scripts/gpu_wheelhouse.sh), else built here
+The wheelhouse is the checkout's ``.wheelhouse`` when built (scripts/gpu/gpu_wheelhouse.sh), else built here
 (skipped without access to the package index).
 """
 
@@ -21,15 +21,15 @@ def test_the_rehearsal_runs_every_stage_and_prints_one_table(tmp_path):
     wheels = ROOT / ".wheelhouse"
     if not list(wheels.glob("*.whl")):
         wheels = tmp_path / "wheelhouse"
-        built = subprocess.run(["bash", "scripts/gpu_wheelhouse.sh", str(wheels)], cwd=ROOT, capture_output=True,
+        built = subprocess.run(["bash", "scripts/gpu/gpu_wheelhouse.sh", str(wheels)], cwd=ROOT, capture_output=True,
                                text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=300)  # fmt: skip
         if built.returncode:
-            pytest.skip(f"no wheelhouse (scripts/gpu_wheelhouse.sh needs the package index): {built.stderr[-300:]}")
+            pytest.skip(f"no wheelhouse (scripts/gpu/gpu_wheelhouse.sh needs the package index): {built.stderr[-300:]}")
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PYTHON": sys.executable, "WHEELHOUSE": str(wheels), "OUT": str(out)}
     env.pop("PYTHONPATH", None)  # the check puts the checkout and the wheelhouse there itself
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--rehearse"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run(["bash", "scripts/gpu/gpu_check.sh", "--rehearse"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("| check "):]

@@ -1,4 +1,4 @@
-"""scripts/lr_sweep.py on a very short budget (2 recipes x 2 LRs x 1 seed, 3 steps, two workers): trains,
+"""scripts/study/lr_sweep.py on a very short budget (2 recipes x 2 LRs x 1 seed, 3 steps, two workers): trains,
 writes a results JSON, table and plots that agree with the runs' own metrics; a rerun trains nothing."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ SMALL = ["train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "eva
 
 
 def _script():
-    return load_script("scripts/lr_sweep.py")
+    return load_script("scripts/study/lr_sweep.py")
 
 
 def _argv(base, study, *extra):
@@ -60,7 +60,7 @@ def test_sweep_writes_results_table_and_plots_consistent_with_the_runs(sweep):
         nll = {r["lr"]: r["final_nll"] for r in results["runs"] if r["recipe"] == recipe}
         assert row["sensitivity"][0] == pytest.approx(sum(nll.values()) / 2 - min(nll.values()))
     readme = (folder / "README.md").read_text()
-    assert "python scripts/lr_sweep.py --study smoke" in readme and "| `ue5m3` |" in readme
+    assert "python scripts/study/lr_sweep.py --study smoke" in readme and "| `ue5m3` |" in readme
     assert "| `ue5m3` | x | " in readme  # the staleness table of the delayed comparison
     for png in ("nll_vs_lr.png", "lr_sensitivity.png", "staleness.png"):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

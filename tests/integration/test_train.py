@@ -121,7 +121,7 @@ def test_a_rollback_killed_before_its_first_save_is_continued_by_resume_auto(tmp
     assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3]
     from tests.conftest import load_script
 
-    study = load_script("scripts/study_common.py")
+    study = load_script("scripts/study/study_common.py")
     assert [r["step"] for r in study.read_rows(tmp_path, "train")] == [1, 2, 3]
 
     requeued = run_train(tmp_path, *common)  # resume=auto, as a requeued job

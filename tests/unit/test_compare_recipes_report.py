@@ -6,7 +6,7 @@ from tests.conftest import load_script
 
 
 def _script():
-    return load_script("scripts/compare_recipes.py")
+    return load_script("scripts/study/compare_recipes.py")
 
 
 def _runs(steps: int, warmup: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""scripts/plot_quant_stats.py: block fractions from logged quant rows (the plots of a trained
+"""scripts/study/plot_quant_stats.py: block fractions from logged quant rows (the plots of a trained
 run are checked in tests/integration/test_eval_cli.py)."""
 
 from __future__ import annotations

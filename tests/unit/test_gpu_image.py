@@ -1,4 +1,4 @@
-"""scripts/gpu_image.py: the wheelhouse the GPU check carries covers what the trainer and evaluation CLIs
+"""scripts/gpu/gpu_image.py: the wheelhouse the GPU check carries covers what the trainer and evaluation CLIs
 import that the GPU image lacks (checked by importing them as the image would, the rest hidden)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ IMPORTS = (
 
 
 def _import_as_the_image(tmp_path, keep) -> subprocess.CompletedProcess:
-    image = load_script("scripts/gpu_image.py")
+    image = load_script("scripts/gpu/gpu_image.py")
     image.write_sitecustomize(tmp_path / "image", [], keep)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "image"), str(ROOT)])}
     return subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -26,7 +26,7 @@ def _import_as_the_image(tmp_path, keep) -> subprocess.CompletedProcess:
 
 
 def test_the_wheelhouse_covers_the_cli_imports_the_image_lacks(tmp_path):
-    image = load_script("scripts/gpu_image.py")
+    image = load_script("scripts/gpu/gpu_image.py")
     assert [spec.split("==")[0] for spec in image.pinned()] == list(image.WHEELHOUSE)  # each pinned by the lock
     proc = _import_as_the_image(tmp_path, image.WHEELHOUSE)
     assert proc.returncode == 0 and proc.stdout.strip() == "error", proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""scripts/lr_sweep.py's numbers on synthetic runs: the LR sensitivity against a hand computation,
+"""scripts/study/lr_sweep.py's numbers on synthetic runs: the LR sensitivity against a hand computation,
 divergence capped at the initial NLL, and the staleness figure and table of the delayed comparison."""
 
 import json
@@ -9,7 +9,7 @@ from tests.conftest import load_script
 
 
 def _sweep():
-    return load_script("scripts/lr_sweep.py")
+    return load_script("scripts/study/lr_sweep.py")
 
 
 def _run(recipe, lr, seed, final, init=9.0):

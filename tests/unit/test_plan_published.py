@@ -1,5 +1,5 @@
 """docs/planning.md's tables of published runs and of the kernel-level measurements are what
-scripts/plan_against_published.py prints, the model's FP8-over-BF16 speed-up for TorchTitan's compiled runs is
+scripts/plan/plan_against_published.py prints, the model's FP8-over-BF16 speed-up for TorchTitan's compiled runs is
 within 10% of the measured one, and each run is planned on the hardware and settings its source states."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("plan_against_published", ROOT / "scripts/plan_against_published.py")
+    spec = importlib.util.spec_from_file_location("plan_against_published", ROOT / "scripts/plan/plan_against_published.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

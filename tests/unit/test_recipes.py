@@ -278,7 +278,7 @@ def test_compare_recipes_passes_a_precision_knob_only_to_recipes_that_have_it():
 
     from tests.conftest import load_script
 
-    script = load_script("scripts/compare_recipes.py")
+    script = load_script("scripts/study/compare_recipes.py")
     args = SimpleNamespace(preset="tiny", steps=3, train_override=[
         "precision.num_bf16_last_layers=1", "precision.restore_references=false", "optim.lr=1e-3"])  # fmt: skip
     for recipe, kept in (("nvfp4", True), ("ue5m3", False), ("bf16", False)):

@@ -1,6 +1,6 @@
 """``train.sync_debug``: where the trainer puts ``torch.cuda.set_sync_debug_mode`` in a step.
 
-On a GPU, scripts/gpu_check.sh trains with ``train.sync_debug=error``; here, on the CPU, the knob must
+On a GPU, scripts/gpu/gpu_check.sh trains with ``train.sync_debug=error``; here, on the CPU, the knob must
 be a no-op, and with CUDA's mode switch stood in for, the scope must hold forward, backward, clipping
 and the optimizer step of every step but the process's first, and none of the step's host reads.
 """

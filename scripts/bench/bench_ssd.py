@@ -6,8 +6,8 @@ elementwise steps (exactly what ``Mamba2Mixer`` runs on CPU); theirs is the torc
 ``mamba_chunk_scan_combined`` in ``transformers.models.nemotron_h``. Calls are interleaved and
 the median is reported, because the machine is shared.
 
-    python scripts/bench_ssd.py                       # small width, seq 2048, batch 2
-    python scripts/bench_ssd.py --preset nemotron_h_8b --seq-len 1024 --batch 1
+    python scripts/bench/bench_ssd.py                       # small width, seq 2048, batch 2
+    python scripts/bench/bench_ssd.py --preset nemotron_h_8b --seq-len 1024 --batch 1
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ during the load (``VmHWM``, reset with ``/proc/self/clear_refs`` just before; fi
 safetensors count while mapped) and the wall time, and a hash of its local shards: every approach
 must give every rank the same bytes (checked).
 
-    python scripts/bench_init_from.py                  # 2 ranks, ~106M parameters
-    python scripts/bench_init_from.py --ranks 2 --pattern M-M-M*-M-   # a quicker smaller model
+    python scripts/bench/bench_init_from.py                  # 2 ranks, ~106M parameters
+    python scripts/bench/bench_init_from.py --ranks 2 --pattern M-M-M*-M-   # a quicker smaller model
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APPROACHES = ("sharded", "full_per_rank", "rank0_broadcast")
 DEFAULT_PATTERN = "M-M-M*-M-M-M-M*-M-"
 

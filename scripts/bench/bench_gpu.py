@@ -1,6 +1,6 @@
 """GPU benchmark: ceilings, FP4 quantization kernel throughput, and training-step throughput.
 
-    python scripts/bench_gpu.py [--json results.json] [--budget-s 300] [--quick]
+    python scripts/bench/bench_gpu.py [--json results.json] [--budget-s 300] [--quick]
 
 1. Ceilings, measured here: device-to-device copy bandwidth (bytes read + written) and the
    BF16 matmul rate (8192^3, random operands).
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 ROWS: list[tuple[str, str, str]] = []  # (measurement, value, comparison) for the final table
 RESULTS: dict = {"quantize": {}, "sweep": {}, "step": {}}

@@ -3,7 +3,7 @@ parallelism, sequence and batch planned with `nemofp4-plan`'s model, its predict
 throughput, the FP8-over-BF16 speed-up measured and predicted, and the kernel-level measurements the
 prediction rests on (nemofp4.planning.published lists the runs, nemofp4.planning.efficiency the measurements).
 
-    python scripts/plan_against_published.py
+    python scripts/plan/plan_against_published.py
 
 Arithmetic only: no GPU, a few seconds. The runs are the test of the model: no efficiency is fitted to them.
 """

@@ -1,8 +1,8 @@
 """Quantization diagnostics of FP4 runs: saturated / underflowed blocks over training, and
 per-layer histograms of block-scale exponents under UE5M3 and E4M3.
 
-    python scripts/plot_quant_stats.py runs/tiny-ue5m3 runs/tiny-nvfp4 --out docs/results/quant
-    python scripts/plot_quant_stats.py runs/tiny-ue5m3 --checkpoint runs/tiny-ue5m3 --out docs/results/quant
+    python scripts/study/plot_quant_stats.py runs/tiny-ue5m3 runs/tiny-nvfp4 --out docs/results/quant
+    python scripts/study/plot_quant_stats.py runs/tiny-ue5m3 --checkpoint runs/tiny-ue5m3 --out docs/results/quant
 
 From each run's ``metrics.jsonl`` quant rows (``logging.quant_stats_interval`` > 0), one figure
 ``<run>_blocks.png``: the fraction of saturated and of underflowed blocks (non-zero blocks whose
@@ -30,7 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 ROLES = ("x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad")

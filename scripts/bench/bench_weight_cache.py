@@ -1,7 +1,7 @@
 """CPU step time with each FP4 weight quantized once per optimizer step (``train.weight_cache=true``)
 against once per micro-batch (false), for the tiny and small presets at ``grad_accum`` 4.
 
-    python scripts/bench_weight_cache.py [--presets tiny small] [--recipe ue5m3] [--repeats 5]
+    python scripts/bench/bench_weight_cache.py [--presets tiny small] [--recipe ue5m3] [--repeats 5]
 
 One step: ``set_step``, ``--grad-accum`` micro-batches of ``--micro-batch`` x ``--seq-len`` tokens
 (forward, LM loss, backward) inside :func:`nemofp4.quant.cached_weights` or not, and AdamW. Float32

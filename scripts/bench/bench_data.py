@@ -18,9 +18,9 @@
    with the shipped tokenizer, workers=1 and 2 interleaved: tokens/s in total and per worker
    (median), including reading the jsonl and writing the shards.
 
-    python scripts/bench_data.py                        # everything (~4 GB of .idx files in --workdir)
-    python scripts/bench_data.py --tokens 2e9           # a quick smaller run
-    python scripts/bench_data.py --skip index loader tokenize --ranks 2 --tokens 2e10   # start-up per rank only
+    python scripts/bench/bench_data.py                        # everything (~4 GB of .idx files in --workdir)
+    python scripts/bench/bench_data.py --tokens 2e9           # a quick smaller run
+    python scripts/bench/bench_data.py --skip index loader tokenize --ranks 2 --tokens 2e10   # start-up per rank only
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, GLOBAL_BATCH, SEQ_LEN = 30_000, 768, 8192
 
 

@@ -1,6 +1,6 @@
 """The trainer's part of the GPU check: ``nemofp4-train``, an exact resume and ``nemofp4-eval``.
 
-    python scripts/gpu_check_train.py WORK [--json FILE] [--rehearse] [--budget-s 170]
+    python scripts/gpu/gpu_check_train.py WORK [--json FILE] [--rehearse] [--budget-s 170]
 
 In WORK, each as its own process (``python -m``, as on a machine where nothing is installed):
 
@@ -13,7 +13,7 @@ In WORK, each as its own process (``python -m``, as on a machine where nothing i
 3. ``nemofp4-eval`` of the first run's last checkpoint: held-out NLL and a multiple-choice task.
 
 Prints a table (check | result | detail) and writes the rows and figures as JSON. ``--rehearse`` runs
-the same on the CPU with smaller batches (scripts/gpu_check.sh --rehearse).
+the same on the CPU with smaller batches (scripts/gpu/gpu_check.sh --rehearse).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, KILL_AT = 30, 20
 TRAIN = ["experiment=tiny_ue5m3", f"train.max_steps={STEPS}", "checkpoint.interval=10", "eval.interval=0",
          "logging.wandb=false", "logging.plots=false", "logging.log_interval=10", "train.sync_debug=error"]  # fmt: skip

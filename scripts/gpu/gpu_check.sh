@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
 # One GPU check, bounded to about 8.5 minutes:
-#   1. the wheelhouse (scripts/gpu_wheelhouse.sh: hydra-core, omegaconf, antlr4) installed with --no-deps
+#   1. the wheelhouse (scripts/gpu/gpu_wheelhouse.sh: hydra-core, omegaconf, antlr4) installed with --no-deps
 #      into a throwaway folder put on PYTHONPATH; nothing else is installed;
 #   2. the GPU tests (tests/gpu, and the gpu-marked tests of tests/unit);
-#   3. scripts/bench_gpu.py: copy-bandwidth and BF16-matmul ceilings, quantize throughput of each
+#   3. scripts/bench/bench_gpu.py: copy-bandwidth and BF16-matmul ceilings, quantize throughput of each
 #      Triton kernel against the copy bandwidth, training-step throughput of a 4-layer nemotron_h_8b
 #      slice (seq 8192) under bf16 / nvfp4 / ue5m3; its own table;
-#   4. scripts/gpu_check_train.py: nemofp4-train experiment=tiny_ue5m3 for 30 steps with
+#   4. scripts/gpu/gpu_check_train.py: nemofp4-train experiment=tiny_ue5m3 for 30 steps with
 #      train.sync_debug=error, a kill after step 20 and an exact resume to 30, and nemofp4-eval;
 #   then one table of every stage. Needs python3 with torch (CUDA), triton, pytest, numpy and pip; the
 #   project itself is imported from this checkout (PYTHONPATH). With OUT set, logs and JSON go there.
 #
-#   bash scripts/gpu_check.sh              # PYTHON=... picks the interpreter; WHEELHOUSE=dir (.wheelhouse)
-#   bash scripts/gpu_check.sh --rehearse   # every stage on the CPU (or NEMOFP4_GPU_CHECK_REHEARSE=1)
+#   bash scripts/gpu/gpu_check.sh              # PYTHON=... picks the interpreter; WHEELHOUSE=dir (.wheelhouse)
+#   bash scripts/gpu/gpu_check.sh --rehearse   # every stage on the CPU (or NEMOFP4_GPU_CHECK_REHEARSE=1)
 #
 # The rehearsal runs the same stages on the CPU: the wheelhouse installed the same way, with the Python
-# packages the GPU image lacks hidden (scripts/gpu_image.py), Triton in its interpreter, the trainer
+# packages the GPU image lacks hidden (scripts/gpu/gpu_image.py), Triton in its interpreter, the trainer
 # and the evaluation on the CPU with smaller steps; the benchmark (CUDA events) is skipped. A few minutes.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REHEARSE=${NEMOFP4_GPU_CHECK_REHEARSE:-0}
 [[ "${1:-}" == "--rehearse" ]] && REHEARSE=1
 PY=${PYTHON:-python3}
@@ -51,14 +51,14 @@ echo "== wheelhouse: $WHEELS -> a throwaway --target folder"
 shopt -s nullglob
 wheels=("$WHEELS"/*.whl)
 if [[ ${#wheels[@]} -eq 0 ]]; then
-    echo "no wheels in $WHEELS: run bash scripts/gpu_wheelhouse.sh on the CPU machine and carry $WHEELS" >&2
+    echo "no wheels in $WHEELS: run bash scripts/gpu/gpu_wheelhouse.sh on the CPU machine and carry $WHEELS" >&2
     exit 1
 fi
 "$PY" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --target "$SCRATCH/site" "${wheels[@]}" 2>&1
 wheel_rc=${PIPESTATUS[0]}
 export PYTHONPATH="$SCRATCH/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "$REHEARSE" == 1 ]]; then  # this Python as the GPU image: what it lacks imports from the wheelhouse only
-    "$PY" scripts/gpu_image.py hide "$SCRATCH/image" "$SCRATCH/site" && export PYTHONPATH="$SCRATCH/image:$PYTHONPATH"
+    "$PY" scripts/gpu/gpu_image.py hide "$SCRATCH/image" "$SCRATCH/site" && export PYTHONPATH="$SCRATCH/image:$PYTHONPATH"
 fi
 stage wheelhouse "$(verdict "$wheel_rc")" "$(basename -a "${wheels[@]}" | tr '\n' ' ')"
 [[ "$wheel_rc" == 0 ]] || exit 1
@@ -79,7 +79,7 @@ if [[ "$REHEARSE" == 1 ]]; then
 else
     json=()
     [[ -n "$OUT_DIR" ]] && json=(--json "$OUT_DIR/bench_gpu.json")
-    timeout 170 "$PY" scripts/bench_gpu.py --budget-s 120 ${json[@]+"${json[@]}"} 2>&1 | log bench_gpu.log
+    timeout 170 "$PY" scripts/bench/bench_gpu.py --budget-s 120 ${json[@]+"${json[@]}"} 2>&1 | log bench_gpu.log
     bench_rc=${PIPESTATUS[0]}
     stage benchmark "$(verdict "$bench_rc")" "its table above"
 fi
@@ -88,7 +88,7 @@ echo "benchmark exit code: $bench_rc ($((SECONDS - start)) s so far)"
 echo "== trainer: train, kill + exact resume, evaluate"
 rehearse=() train_budget=180
 [[ "$REHEARSE" == 1 ]] && rehearse=(--rehearse) train_budget=480  # a shared CPU can be 6x slower than an idle one
-timeout $((train_budget + 10)) "$PY" scripts/gpu_check_train.py "$SCRATCH/train" --json "$SCRATCH/train.json" --budget-s $train_budget \
+timeout $((train_budget + 10)) "$PY" scripts/gpu/gpu_check_train.py "$SCRATCH/train" --json "$SCRATCH/train.json" --budget-s $train_budget \
     ${rehearse[@]+"${rehearse[@]}"} 2>&1 | log train.log
 train_rc=${PIPESTATUS[0]}
 if [[ -n "$OUT_DIR" ]]; then

@@ -2,10 +2,10 @@
 
 The device image (see docs/gpu.md) has torch, Triton and most of the scientific stack, but not the
 configuration layer of ``nemofp4-train`` and ``nemofp4-eval``: :data:`WHEELHOUSE` lists the pure-Python
-distributions scripts/gpu_wheelhouse.sh downloads for it, at the versions of requirements/dev.txt.
+distributions scripts/gpu/gpu_wheelhouse.sh downloads for it, at the versions of requirements/dev.txt.
 
-    python scripts/gpu_image.py wheelhouse          # name==version of each wheel to carry
-    python scripts/gpu_image.py hide DIR [SITE ...] # DIR/sitecustomize.py: this Python as the image sees it
+    python scripts/gpu/gpu_image.py wheelhouse          # name==version of each wheel to carry
+    python scripts/gpu/gpu_image.py hide DIR [SITE ...] # DIR/sitecustomize.py: this Python as the image sees it
 
 ``hide`` is the CPU rehearsal's stand-in for the image: with DIR first on PYTHONPATH, a top-level
 module of an installed distribution the image lacks imports only from the SITE folders (where the
@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 IMAGE = frozenset("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi

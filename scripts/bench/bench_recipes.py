@@ -1,10 +1,10 @@
 """Training-step time and saved-activation memory of every emulated precision recipe vs bf16.
 
-    python scripts/bench_recipes.py [--repeats 7] [--batch 4] [--seq-len 256] [--threads 1]
+    python scripts/bench/bench_recipes.py [--repeats 7] [--batch 4] [--seq-len 256] [--threads 1]
                                     [--kernels auto|compiled|eager]
-    python scripts/bench_recipes.py --run-steps 120 [--recipe ue5m3] [--stats-interval 50]
-    python scripts/bench_recipes.py --profile --recipe nvfp4 [--profile-rows 25]
-    python scripts/bench_recipes.py --linears [--repeats 15]
+    python scripts/bench/bench_recipes.py --run-steps 120 [--recipe ue5m3] [--stats-interval 50]
+    python scripts/bench/bench_recipes.py --profile --recipe nvfp4 [--profile-rows 25]
+    python scripts/bench/bench_recipes.py --linears [--repeats 15]
 
 Two workloads, all recipes side by side in one run:
 
@@ -20,7 +20,7 @@ kernels backend's quantizers (:func:`timing_quantizers`). ``--kernels eager`` ti
 eagerly instead of compiled, as ``train.kernels=eager`` does. Threads
 default to 1: the CI machine's 2 cores are shared, and with 2 intra-op threads many small ops
 mostly wait on each other. The header says whether ``THP_MEM_ALLOC_ENABLE=1`` was set (see
-``scripts/bench_quant.py``).
+``scripts/bench/bench_quant.py``).
 
 ``--run-steps N`` instead times every step of one N-step run of the tiny model under ``--recipe``
 (held-reference refreshes and quantization statistics every ``--stats-interval`` steps, as the

@@ -2,7 +2,7 @@
 ``--simulate``, the training step simulated on fake tensors over a fake process group (FSDP2,
 FSDPMemTracker), side by side; then the step-cost model's projected step time and MFU on each device.
 
-    python scripts/bench_plan.py --simulate --world-size 64 --devices h200 gb200
+    python scripts/bench/bench_plan.py --simulate --world-size 64 --devices h200 gb200
 
 Figures for the 8B are simulated at the real widths (the trainer's own build and step on fake
 tensors) or a formula (the projection, at achieved efficiency: nemofp4/planning/efficiency.py;

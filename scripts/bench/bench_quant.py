@@ -1,6 +1,6 @@
 """CPU FP4 quantize -> dequantize on the training step's path, against the copy floor and torchao.
 
-    python scripts/bench_quant.py [--size 4096] [--repeats 7] [--threads 1 2] [--dtype bfloat16]
+    python scripts/bench/bench_quant.py [--size 4096] [--repeats 7] [--threads 1 2] [--dtype bfloat16]
                                   [--kernels auto]
 
 Each case quantizes a bf16 (``--dtype``) [size, size] Gaussian tensor with the quantizer a training
@@ -24,7 +24,7 @@ one thread on the 2-core VM, from one process to the next), so each case is also
 held copy ("x held copy"), the steadier of the two.
 
 Fresh large tensors are a large part of every case's time on a VM: each first touch of a 4 KiB page
-faults. ``THP_MEM_ALLOC_ENABLE=1 python scripts/bench_quant.py`` measures with PyTorch's CPU
+faults. ``THP_MEM_ALLOC_ENABLE=1 python scripts/bench/bench_quant.py`` measures with PyTorch's CPU
 allocator asking for transparent huge pages (``madvise``) for allocations of 2 MiB and more, which
 it reads from the environment once, at its first allocation; the header says which.
 """

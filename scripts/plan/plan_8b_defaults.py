@@ -4,7 +4,7 @@ preset and device at a world size, its recompute share, the bytes of the step's 
 fixed policy ``full``, each weight quantized in every micro-batch) and after (auto's policy, each
 weight quantized once per step), with the tokens/s per GPU of the latter.
 
-    python scripts/plan_8b_defaults.py --world-size 64 --devices h100 h200
+    python scripts/plan/plan_8b_defaults.py --world-size 64 --devices h100 h200
 
 Every figure is the analytical plan (one block of each kind measured at the real widths on fake
 tensors) and the step-cost model at achieved efficiency (nemofp4/planning/efficiency.py; --efficiency

@@ -1,7 +1,7 @@
 """The NVFP4 recipe's ablation projected by the step-cost model: the recipe, without the RHT, with all
 eligible linears in FP4, and both, as the model body's throughput per GPU on each device.
 
-    python scripts/plan_recipe_ablation.py --experiment nemotron_h_8b_nvfp4 --world-size 64 --devices gb200 b200 h200
+    python scripts/plan/plan_recipe_ablation.py --experiment nemotron_h_8b_nvfp4 --world-size 64 --devices gb200 b200 h200
 
 A formula (the step-cost model of nemofp4/planning/cost.py at each kernel class's achieved fraction of
 the devices' peak numbers, nemofp4/planning/efficiency.py; --efficiency peak: the roofline), not a measurement:

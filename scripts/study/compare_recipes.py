@@ -1,6 +1,6 @@
 """The recipe comparison study: the same model, data and budget under several recipes and seeds.
 
-    python scripts/compare_recipes.py --study tiny --steps 200 --seeds 1 2 3
+    python scripts/study/compare_recipes.py --study tiny --steps 200 --seeds 1 2 3
 
 For every (recipe, seed) it trains ``experiment=<preset>_<recipe>`` into
 ``<runs-root>/<study>/<recipe>/seed-<seed>`` (skipped when that run already reached the budget),
@@ -132,9 +132,11 @@ def spike_start(args, warmup: int) -> int:
 
 def collect_run(args, recipe: str, seed: int) -> dict:
     path = run_dir(args, recipe, seed)
+    from nemofp4.evaluation.run_config import read_saved_config
     from nemofp4.training.config import job_config_from_yaml
+    from nemofp4.training.run_dir import RUN_CONFIG
 
-    job = job_config_from_yaml((path / "config.yaml").read_text())
+    job = job_config_from_yaml(read_saved_config(path / RUN_CONFIG))
     train = read_rows(path, "train")
     evals = read_rows(path, "eval")
     losses = [r["loss"] for r in train]
@@ -270,7 +272,7 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     folder.mkdir(parents=True, exist_ok=True)
     plots = plot(args, runs, folder)
     order = ordering(summary) if "current" in args.policies else []
-    command = "python scripts/compare_recipes.py " + shlex.join(argv)
+    command = "python scripts/study/compare_recipes.py " + shlex.join(argv)
     results = {"command": command, "args": {k: display_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "summary": summary, "runs": runs, "ordering_current": order, "paper_ordering": PAPER_ORDER}  # fmt: skip
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")

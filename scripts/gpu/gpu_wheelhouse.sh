@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The wheels scripts/gpu_check.sh installs on the GPU machine, whose Python lacks nemofp4-train's
-# configuration layer: the distributions of scripts/gpu_image.py's WHEELHOUSE at the versions of
+# The wheels scripts/gpu/gpu_check.sh installs on the GPU machine, whose Python lacks nemofp4-train's
+# configuration layer: the distributions of scripts/gpu/gpu_image.py's WHEELHOUSE at the versions of
 # requirements/dev.txt, pure Python only (py3-none-any), into a git-ignored folder (default .wheelhouse,
 # about 0.4 MB). Needs network access to the package index; run it once on the CPU machine.
 #
-#   bash scripts/gpu_wheelhouse.sh [DIR]
+#   bash scripts/gpu/gpu_wheelhouse.sh [DIR]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 dest=${1:-.wheelhouse}
-mapfile -t specs < <("$PY" scripts/gpu_image.py wheelhouse)
+mapfile -t specs < <("$PY" scripts/gpu/gpu_image.py wheelhouse)
 rm -rf "$dest" && mkdir -p "$dest"
 for spec in "${specs[@]}"; do
     # a pure-Python wheel from the index; for a release published as source only (antlr4-python3-runtime

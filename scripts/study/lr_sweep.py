@@ -1,9 +1,9 @@
 """Learning-rate sensitivity per recipe: recipes x learning rates x seeds on one preset.
 
-    python scripts/lr_sweep.py --study lr_sweep --recipes bf16 ue5m3 --lrs 3e-3 1e-2 3e-2 --seeds 1 2 --steps 150
+    python scripts/study/lr_sweep.py --study lr_sweep --recipes bf16 ue5m3 --lrs 3e-3 1e-2 3e-2 --seeds 1 2 --steps 150
 
 For every (recipe, LR, seed) it trains ``experiment=<preset>_<recipe> optim.lr=<LR>`` into
-``<runs-root>/<study>/<recipe>/lr-<LR>/seed-<seed>`` (the overrides of scripts/compare_recipes.py
+``<runs-root>/<study>/<recipe>/lr-<LR>/seed-<seed>`` (the overrides of scripts/study/compare_recipes.py
 plus the LR; a run that reached the budget, or diverged, is not trained again, so an interrupted
 sweep continues where it stopped), with ``--workers`` runs at a time here (``--launcher local``) or
 submitted through SLURM (``--launcher slurm``; collect with ``--launcher none`` when done; there the
@@ -295,7 +295,7 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     folder = args.out / args.study
     folder.mkdir(parents=True, exist_ok=True)
     plots = plot(args, runs, summary, folder)
-    command = "python scripts/lr_sweep.py " + shlex.join(argv)
+    command = "python scripts/study/lr_sweep.py " + shlex.join(argv)
     saved_args = {k: display_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     results = {"command": command, "args": saved_args, "summary": summary, "runs": runs}
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -9,7 +9,7 @@ the publication (marker, renames, retention with ``keep_last_k=1``, so every sav
 deletes one). Sync and async saves alternate, ``--rounds`` of each, and the table reports medians.
 The step workload's own time is reported too, since the background write competes with it for the CPU.
 
-    torchrun --nproc_per_node=2 scripts/bench_checkpoint.py --root /tmp/bench-ckpt
+    torchrun --nproc_per_node=2 scripts/bench/bench_checkpoint.py --root /tmp/bench-ckpt
 
 It uses only the manager's long-standing interface, so the same command measures an older commit's
 package: ``git archive <commit> nemofp4 | tar -x -C <dir>`` and pass ``--source <dir>`` (imported

@@ -1,13 +1,13 @@
 """The tiny training step of ``bench_recipes.py`` in two checkouts, timed in one run: did a change
 make a recipe slower?
 
-One worker process per checkout imports that checkout's ``nemofp4`` and ``scripts/bench_recipes.py``
+One worker process per checkout imports that checkout's ``nemofp4`` and ``scripts/bench/bench_recipes.py``
 (``build_tiny`` and ``_tiny_step``) and holds every recipe's tiny model (4x256 tokens, one thread,
 ``kernels=auto``, statistics off, 1 BF16 layer where a recipe has a tail). The driver alternates the
 workers' rounds (before then after, then after then before), so that the machine's drift falls on
 both, and prints the medians after a warm-up round as a Markdown table.
 
-    python scripts/bench_recipes_against.py --before ../checkout-at-the-parent [--after .] [--rounds 9]
+    python scripts/bench/bench_recipes_against.py --before ../checkout-at-the-parent [--after .] [--rounds 9]
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ def worker(root: Path, recipes: list[str]) -> None:
     import torch
 
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("bench_recipes", root / "scripts" / "bench_recipes.py")
+    script = root / "scripts" / "bench" / "bench_recipes.py"
+    if not script.is_file():  # a checkout from before scripts/ was grouped
+        script = root / "scripts" / "bench_recipes.py"
+    spec = importlib.util.spec_from_file_location("bench_recipes", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from nemofp4.models import get_model_config

@@ -7,7 +7,7 @@ weight's and the hidden states' gradients included) and the wall time. On CUDA t
 starting point; on CPU it is counted by a dispatch mode that tracks every tensor storage an
 operator creates until it is freed.
 
-    python scripts/bench_lm_head.py --tokens 1024 --width 1024 --vocab 32768
+    python scripts/bench/bench_lm_head.py --tokens 1024 --width 1024 --vocab 32768
 
 ``--tiny-step`` instead measures the head's share of the tiny model's training step for each head
 precision (``model.head_precision``, and the tiny preset's unchunked FP32 head): each step (forward,
@@ -20,7 +20,7 @@ FP32 head), and bf16 runs as FP32 GEMMs of BF16-rounded operands (CPU BF16 matmu
 It also prints the head's share of the step's FLOPs at the tiny and 8B shapes (formula:
 ``NemotronHConfig.flops_per_token`` plus the chunked loss's recomputed logits).
 
-    python scripts/bench_lm_head.py --tiny-step --repeats 9
+    python scripts/bench/bench_lm_head.py --tiny-step --repeats 9
 """
 
 from __future__ import annotations
