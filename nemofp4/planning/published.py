@@ -27,9 +27,10 @@ TORCHTITAN_OP_SAC = (("k_proj", 1.0), ("o_proj", 1.0), ("gate_up_proj", 0.5))
 flash attention) except every second matmul, and recomputes the rest. Its block's matmuls in forward order are
 wq, wk, wv, wo, w1, w3, w2: wk, wo and w3 are recomputed, w3 being half of our fused gate_up_proj."""
 MEGATRON_H100_RECOMPUTED_LAYERS = 5
-"""Megatron-Bridge's H100 FP8-CS Llama 3 8B recipe (scripts/performance/configs/llama/
+"""Megatron-Bridge's H100 FP8-CS Llama 3 8B recipe (Megatron-Bridge/scripts/performance/configs/llama/
 llama3_workload_base_configs.py at the commit above): ``recompute_num_layers=5`` with full granularity and the
-block method (scripts/performance/utils/overrides.py): the first 5 of its 32 layers recompute in backward."""
+block method (Megatron-Bridge/scripts/performance/utils/overrides.py): the first 5 of its 32 layers recompute in
+backward."""
 
 
 def llama3_8b() -> NemotronHConfig:
