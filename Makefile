@@ -1,4 +1,4 @@
-# Two entry points: `make train` (the main job) and `make test` (lint + tests).
+# Two entry points: `make train` (the main job) and `make test` (lint, format check, tests).
 # Both create or reuse a virtual environment in $(VENV) and install into it the committed lock
 # requirements/$(LOCK).txt (hash-checked, nothing resolved) and then the project itself:
 # `dev` (CPU PyTorch) on a machine without an NVIDIA GPU, `gpu` (PyPI's CUDA PyTorch and the gpu
@@ -39,9 +39,11 @@ train: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)  # exit 5, no tests collected, fails too
 
 test-all: setup

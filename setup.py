@@ -9,14 +9,24 @@ SHARED = {"nemofp4.share.configs": "configs", "nemofp4.share.slurm": "slurm", "n
 SHARED_FILES = {
     "nemofp4.share.configs": ["**/*.yaml"],
     "nemofp4.share.slurm": ["*.tmpl", "*.sh"],
-    "nemofp4.share.data": ["README.md", "tokenizer/*.json", "tokens/*.bin", "tokens/*.idx", "tokens/*.json",
-                           "tasks/*.jsonl", "tasks/README.md"],
+    "nemofp4.share.data": [
+        "README.md",
+        "tokenizer/*.json",
+        "tokens/*.bin",
+        "tokens/*.idx",
+        "tokens/*.json",
+        "tasks/*.jsonl",
+        "tasks/README.md",
+    ],
 }
 
 setup(
     packages=[*find_packages(include=["nemofp4", "nemofp4.*"]), *SHARED],
     package_dir=SHARED,
-    package_data={"nemofp4.evaluation": ["lm_eval_tasks/*.yaml", "lm_eval_tasks/*.py"],
-                  "nemofp4.kernels": ["cpu_quantize.cpp"], **SHARED_FILES},  # fmt: skip
+    package_data={
+        "nemofp4.evaluation": ["lm_eval_tasks/*.yaml", "lm_eval_tasks/*.py"],
+        "nemofp4.kernels": ["cpu_quantize.cpp"],
+        **SHARED_FILES,
+    },
     exclude_package_data={"nemofp4.share.data": ["cache/**"]},
 )

@@ -254,9 +254,7 @@ def main() -> None:
     from nemofp4.data.tokenizer import train_bpe_tokenizer
 
     tokenizer_dir = args.out / "tokenizer"
-    train_bpe_tokenizer(
-        [args.out / "corpus" / "austen_train.jsonl.gz"], vocab_size=8192, output_dir=tokenizer_dir
-    )
+    train_bpe_tokenizer([args.out / "corpus" / "austen_train.jsonl.gz"], vocab_size=8192, output_dir=tokenizer_dir)
     for split in splits:
         preprocess(
             PreprocessConfig(

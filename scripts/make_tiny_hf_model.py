@@ -27,8 +27,16 @@ SHIPPED_TOKENIZER = ROOT / "data" / "tokenizer"
 EOD = "<|endoftext|>"
 
 
-def make_tiny_hf_model(out: str | Path, *, preset: str = "tiny", dtype: str = "bfloat16", seed: int = 0,
-                       max_shard_size: str | None = None, perturbation: float = 0.05, **overrides) -> Path:
+def make_tiny_hf_model(
+    out: str | Path,
+    *,
+    preset: str = "tiny",
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    perturbation: float = 0.05,
+    **overrides,
+) -> Path:
     """Write the folder ``out``; ``overrides`` change fields of the nemofp4 preset the architecture comes from."""
     import transformers
 
@@ -37,8 +45,9 @@ def make_tiny_hf_model(out: str | Path, *, preset: str = "tiny", dtype: str = "b
 
     out = Path(out)
     config = get_model_config(preset, **overrides)
-    hf_config = transformers.NemotronHConfig(**{**to_hf_config(config), "bos_token_id": 0, "eos_token_id": 0,
-                                                "pad_token_id": 0})
+    hf_config = transformers.NemotronHConfig(
+        **{**to_hf_config(config), "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    )
     torch.manual_seed(seed)
     model = transformers.NemotronHForCausalLM(hf_config)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -68,8 +77,9 @@ def main() -> None:
     parser.add_argument("--pattern", default=None, help="override the preset's hybrid_layer_pattern")
     args = parser.parse_args()
     overrides = {"hybrid_layer_pattern": args.pattern} if args.pattern else {}
-    out = make_tiny_hf_model(args.out, preset=args.preset, dtype=args.dtype, seed=args.seed,
-                             max_shard_size=args.max_shard_size, **overrides)
+    out = make_tiny_hf_model(
+        args.out, preset=args.preset, dtype=args.dtype, seed=args.seed, max_shard_size=args.max_shard_size, **overrides
+    )
     print(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
 
 

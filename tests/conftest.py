@@ -34,7 +34,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and bool(importlib.util.find_spec("triton"))
+TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and bool(
+    importlib.util.find_spec("triton")
+)
 """Triton is importable and this session runs its kernels in the CPU interpreter."""
 needs_triton_interpreter = pytest.mark.skipif(
     not TRITON_INTERPRETER,
@@ -226,9 +228,15 @@ def quant_inputs():
 
 QUANT_CASES = [
     (fmt, 32 if fmt == "ue8m0" else 16, two_d, rounding, 448.0)
-    for fmt in ["e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"] for two_d in [False, True] for rounding in ["rne", "sr8", "sr"]
-] + [("ue5m3", 16, False, "sr8", 2048.0), ("ue5m3", 32, True, "rne", 2048.0), ("e4m3", 32, False, "rne", 448.0),
-      ("e4m3", 16, False, "sr_exact", 448.0)]  # fmt: skip
+    for fmt in ["e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"]
+    for two_d in [False, True]
+    for rounding in ["rne", "sr8", "sr"]
+] + [
+    ("ue5m3", 16, False, "sr8", 2048.0),
+    ("ue5m3", 32, True, "rne", 2048.0),
+    ("e4m3", 32, False, "rne", 448.0),
+    ("e4m3", 16, False, "sr_exact", 448.0),
+]
 """(scale format, block, 2-D tiles, rounding, scale target) of the bitwise quantizer tests."""
 
 
@@ -276,8 +284,11 @@ def held_references(folder: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-             if k.startswith("model.") and "._extra_state." in k}  # fmt: skip
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.items()
+        if k.startswith("model.") and "._extra_state." in k
+    }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
@@ -286,15 +297,36 @@ def held_references(folder: Path) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------ training runs
 SMALL = [
-    "model=tiny", "data=tiny", "train.seq_len=64", "train.global_batch=4", "eval.num_sequences=8",
-    "eval.batch_size=4", "eval.interval=0", "logging.wandb=false", "logging.console=false", "logging.plots=false", "optim.lr=3e-3",
-]  # fmt: skip
+    "model=tiny",
+    "data=tiny",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "eval.num_sequences=8",
+    "eval.batch_size=4",
+    "eval.interval=0",
+    "logging.wandb=false",
+    "logging.console=false",
+    "logging.plots=false",
+    "optim.lr=3e-3",
+]
 """Overrides of a small multi-process run of the tiny model (:func:`launch`)."""
 FAST_IN_PROCESS = [
-    "model=tiny", "data=tiny", "train.seq_len=32", "train.global_batch=2", "train.micro_batch=2",
-    "eval.num_sequences=4", "eval.batch_size=4", "eval.interval=0", "eval.at_start=false", "logging.wandb=false",
-    "logging.console=false", "logging.plots=false", "optim.lr=3e-3", "precision=bf16", "train.kernels=reference",
-]  # fmt: skip
+    "model=tiny",
+    "data=tiny",
+    "train.seq_len=32",
+    "train.global_batch=2",
+    "train.micro_batch=2",
+    "eval.num_sequences=4",
+    "eval.batch_size=4",
+    "eval.interval=0",
+    "eval.at_start=false",
+    "logging.wandb=false",
+    "logging.console=false",
+    "logging.plots=false",
+    "optim.lr=3e-3",
+    "precision=bf16",
+    "train.kernels=reference",
+]
 """Overrides of a tiny run trained in the test process (:func:`train_here`)."""
 
 
@@ -317,12 +349,20 @@ def launch(nproc: int, run_dir: Path, *overrides: str, expect_rc: int = 0) -> No
     if nproc == 1:
         cmd = [sys.executable, "-m", "nemofp4.train"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "-m", "nemofp4.train"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+            "-m",
+            "nemofp4.train",
+        ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([*cmd, *SMALL, f"run_dir={run_dir}", *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [*cmd, *SMALL, f"run_dir={run_dir}", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     if proc.returncode != expect_rc:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 

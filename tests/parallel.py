@@ -63,4 +63,3 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-

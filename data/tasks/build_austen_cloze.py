@@ -39,7 +39,7 @@ def sentences(text: str) -> list[str]:
 def usable(sentence: str) -> bool:
     words = sentence.split()
     # Long enough to carry context, plain prose (no dialogue quotes or italics markers, which would cue the ending).
-    return 12 <= len(words) <= 40 and not any(c in sentence for c in "\"_") and sentence[-1] in ".!?"
+    return 12 <= len(words) <= 40 and not any(c in sentence for c in '"_') and sentence[-1] in ".!?"
 
 
 def build(seed: int = SEED, num_items: int = NUM_ITEMS) -> list[dict]:
@@ -57,18 +57,22 @@ def build(seed: int = SEED, num_items: int = NUM_ITEMS) -> list[dict]:
         sents = per_chapter[c]
         words = sents[i].split()
         ending = " ".join(words[-ENDING_WORDS:])
-        pool = sorted({" ".join(s.split()[-ENDING_WORDS:]) for j, s in enumerate(sents) if j != i and usable(s)} - {ending})
+        pool = sorted(
+            {" ".join(s.split()[-ENDING_WORDS:]) for j, s in enumerate(sents) if j != i and usable(s)} - {ending}
+        )
         if len(pool) < NUM_CHOICES - 1:
             continue
         choices = rng.sample(pool, NUM_CHOICES - 1) + [ending]
         rng.shuffle(choices)
         context = sents[i - 1] + " " + " ".join(words[:-ENDING_WORDS])
-        items.append({
-            "context": context,
-            "choices": choices,
-            "label": choices.index(ending),
-            "source": f"{chapters[c]['title']}, chapter {chapters[c]['chapter']}",
-        })  # fmt: skip
+        items.append(
+            {
+                "context": context,
+                "choices": choices,
+                "label": choices.index(ending),
+                "source": f"{chapters[c]['title']}, chapter {chapters[c]['chapter']}",
+            }
+        )
         if len(items) == num_items:
             break
     return items

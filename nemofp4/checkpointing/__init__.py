@@ -154,8 +154,9 @@ def latest_checkpoint(root: Path) -> Path | None:
         return None
     target = _pointer_target(Path(root))
     if target is not None and target != complete[-1] and is_complete(target):
-        log.info("%s names %s but %s is newer; taking the newer one", Path(root) / LATEST, target.name,
-                 complete[-1].name)
+        log.info(
+            "%s names %s but %s is newer; taking the newer one", Path(root) / LATEST, target.name, complete[-1].name
+        )
     return complete[-1]
 
 
@@ -211,8 +212,12 @@ def _numpy_array_globals() -> list[Any]:
     import numpy as np
 
     core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *(
-        getattr(np.dtypes, n) for n in ("UInt32DType", "Int64DType", "Float64DType") if hasattr(np, "dtypes"))]
+    return [
+        core.multiarray._reconstruct,
+        np.ndarray,
+        np.dtype,
+        *(getattr(np.dtypes, n) for n in ("UInt32DType", "Int64DType", "Float64DType") if hasattr(np, "dtypes")),
+    ]
 
 
 def load_tensors(path: Path) -> Any:
@@ -258,8 +263,13 @@ def _allowed_global(module: str, name: str) -> Any | None:
 def _enum_member(cls: Any, name: str) -> Any:
     """`getattr` as some Python 3.11 releases (3.11.2) pickle an enum member, `getattr(cls, name)`: only a
     member of an enum the metadata may hold, never another attribute."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__.startswith(
-            "torch.distributed.checkpoint.") and isinstance(name, str) and name in cls.__members__:
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and cls.__module__.startswith("torch.distributed.checkpoint.")
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
         return cls[name]
     raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not allowed in DCP metadata (only enum members)")
 

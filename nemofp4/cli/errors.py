@@ -37,8 +37,7 @@ import yaml
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["USER_ERRORS", "HydraApp", "quiet_third_party_noise", "run_cli", "unknown_key_message",
-           "user_error_message"]
+__all__ = ["USER_ERRORS", "HydraApp", "quiet_third_party_noise", "run_cli", "unknown_key_message", "user_error_message"]
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,  # bad values: our configs' validation, CorruptDataError, OmegaConf's ValidationError
@@ -128,12 +127,14 @@ def _compose_without(app: HydraApp, key: str) -> Any:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(
-        [o for o in _command_line_overrides() if _override_key(o) != key])
+    parsed = OverridesParser.create().parse_overrides([o for o in _command_line_overrides() if _override_key(o) != key])
     kept = [o.input_line for o in parsed if not o.is_sweep_override() and not o.is_hydra_override()]
     GlobalHydra.instance().clear()
-    init = (initialize_config_dir(config_dir=app.config_dir, version_base=None) if app.config_dir
-            else initialize(config_path=None, version_base=None))
+    init = (
+        initialize_config_dir(config_dir=app.config_dir, version_base=None)
+        if app.config_dir
+        else initialize(config_path=None, version_base=None)
+    )
     try:
         with init:
             return compose(config_name=app.config_name, overrides=kept)

@@ -77,8 +77,12 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
         "tokenizer_files": copied,
     }
     (out / "nemofp4_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    log.info("exported step %s of %s (trained with recipe %s): its master weights, which transformers runs "
-             "unquantized", state.get("step"), folder, job.precision.name)
+    log.info(
+        "exported step %s of %s (trained with recipe %s): its master weights, which transformers runs unquantized",
+        state.get("step"),
+        folder,
+        job.precision.name,
+    )
     return out
 
 
@@ -87,8 +91,10 @@ def _prepare_out(out: Path) -> None:
     blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         what = "is an existing file" if blocker == out else f"is inside {str(blocker)!r}, an existing file"
-        raise FileExistsError(f"out={str(out)!r} {what}; the export writes a folder (config.json, "
-                              "model.safetensors, tokenizer files): pass a new folder or an existing one")
+        raise FileExistsError(
+            f"out={str(out)!r} {what}; the export writes a folder (config.json, "
+            "model.safetensors, tokenizer files): pass a new folder or an existing one"
+        )
     out.mkdir(parents=True, exist_ok=True)
 
 

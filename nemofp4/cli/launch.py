@@ -62,9 +62,23 @@ if TYPE_CHECKING:
     from nemofp4.training.config import JobConfig
 
 # the launcher's config and its parsing are re-exported: nemofp4.cli.launch is the command's one module to import
-__all__ = ["CONFIG_DIR", "PRIMARY_CONFIG_NAME", "LaunchConfig", "LaunchMode", "SlurmConfig", "check_train_config",
-           "launch", "main", "parse_signal_spec", "parse_slurm_time", "register_configs", "render_sbatch_script",
-           "submit", "validate", "with_hsdp_default"]
+__all__ = [
+    "CONFIG_DIR",
+    "PRIMARY_CONFIG_NAME",
+    "LaunchConfig",
+    "LaunchMode",
+    "SlurmConfig",
+    "check_train_config",
+    "launch",
+    "main",
+    "parse_signal_spec",
+    "parse_slurm_time",
+    "register_configs",
+    "render_sbatch_script",
+    "submit",
+    "validate",
+    "with_hsdp_default",
+]
 
 logger = logging.getLogger("nemofp4.launch")
 
@@ -163,8 +177,10 @@ def check_job_shape(config: LaunchConfig, job: JobConfig) -> None:
         )
     replicate = job.distributed.replicate_degree
     if replicate > 1 and world % replicate:
-        raise ValueError(f"{shape}: distributed.replicate_degree={replicate} does not divide the {world} ranks; "
-                         f"use a divisor such as the node count {config.slurm.nodes}")
+        raise ValueError(
+            f"{shape}: distributed.replicate_degree={replicate} does not divide the {world} ranks; "
+            f"use a divisor such as the node count {config.slurm.nodes}"
+        )
     if config.slurm.gpus_per_node == 0 and job.distributed.engine == "deepspeed":
         raise ValueError(f"distributed.backend={job.distributed.backend} needs GPUs; CPU nodes train with fsdp or none")
     workdir = _workdir(config)
@@ -266,8 +282,11 @@ def _sbatch_directives(config: LaunchConfig, workdir: Path) -> list[str]:
         f"--cpus-per-task={_cpus_per_task(slurm)}",
         f"--time={slurm.time}",
     ]
-    options += [f"--{name}={value}" for name, value in
-                (("partition", slurm.partition), ("account", slurm.account), ("qos", slurm.qos)) if value]  # fmt: skip
+    options += [
+        f"--{name}={value}"
+        for name, value in (("partition", slurm.partition), ("account", slurm.account), ("qos", slurm.qos))
+        if value
+    ]
     if slurm.exclusive:
         options.append("--exclusive")
     options += [
@@ -357,7 +376,7 @@ def _launch_block(config: LaunchConfig, workdir: Path) -> str:
         *train_args,
     ]
     ignored = " ".join(dict.fromkeys([*_forwarded_signals(slurm), "TERM"]))
-    agent_wrapper = f"bash -c 'trap \"\" {ignored}; exec \"$@\"' torchrun-agent"
+    agent_wrapper = f'bash -c \'trap "" {ignored}; exec "$@"\' torchrun-agent'
     return "\n".join(
         [
             *([] if slurm.container_image else [RENDEZVOUS_STORE_BLOCK.rstrip()]),
@@ -406,9 +425,10 @@ def render_sbatch_script(config: LaunchConfig) -> str:
         "environment_setup": "\n".join(_environment_setup(config)),
         "run_dir": run_dir_expression(config),
         "master_port_expression": (
-            str(master_port) if master_port is not None
+            str(master_port)
+            if master_port is not None
             else f"$(({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))"
-        ),  # fmt: skip
+        ),
         "launch_block": _launch_block(config, workdir),
         "signal_comment": signal_comment,
         "signal_traps": signal_traps,
@@ -416,7 +436,9 @@ def render_sbatch_script(config: LaunchConfig) -> str:
     try:
         return _SbatchTemplate(template_path.read_text()).substitute(values)
     except KeyError as error:
-        raise ValueError(f"template {template_path} uses unknown placeholder {error}; known: {sorted(values)}") from None
+        raise ValueError(
+            f"template {template_path} uses unknown placeholder {error}; known: {sorted(values)}"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -464,13 +486,22 @@ def with_hsdp_default(config: LaunchConfig, job: JobConfig) -> tuple[LaunchConfi
     and only one all-reduce of each rank's gradient shard per step crosses the network. Returns the
     config with the override added and the trainer's config as the job will compose it."""
     nodes = config.slurm.nodes
-    if (nodes == 1 or job.distributed.backend != "fsdp" or job.distributed.replicate_degree != 1
-            or _sets_replicate_degree(config.train_overrides)):
+    if (
+        nodes == 1
+        or job.distributed.backend != "fsdp"
+        or job.distributed.replicate_degree != 1
+        or _sets_replicate_degree(config.train_overrides)
+    ):
         return config, job
     override = f"{REPLICATE_DEGREE_KEY}={nodes}"
-    logger.info("HSDP across nodes: %s (parameters sharded over each node's %d process(es), gradients all-reduced "
-                "across the %d nodes); set %s in train_overrides to choose another layout", override,
-                procs_per_node(config.slurm), nodes, REPLICATE_DEGREE_KEY)  # fmt: skip
+    logger.info(
+        "HSDP across nodes: %s (parameters sharded over each node's %d process(es), gradients all-reduced "
+        "across the %d nodes); set %s in train_overrides to choose another layout",
+        override,
+        procs_per_node(config.slurm),
+        nodes,
+        REPLICATE_DEGREE_KEY,
+    )
     config = dataclasses.replace(config, train_overrides=[*config.train_overrides, override])
     job = dataclasses.replace(job, distributed=dataclasses.replace(job.distributed, replicate_degree=nodes))
     return config, job
@@ -484,10 +515,15 @@ def launch(config: LaunchConfig) -> list[str]:
         job = check_train_config(config, run_dir_expression(config))
         config, job = with_hsdp_default(config, job)
     elif config.slurm.nodes > 1 and not _sets_replicate_degree(config.train_overrides):
-        logger.warning("check_train_config=false: the launcher cannot tell the backend, so it leaves %s as the "
-                       "config has it (1: FSDP over all %d ranks); add %s=%d to train_overrides for HSDP across "
-                       "nodes", REPLICATE_DEGREE_KEY, world_size(config.slurm), REPLICATE_DEGREE_KEY,
-                       config.slurm.nodes)  # fmt: skip
+        logger.warning(
+            "check_train_config=false: the launcher cannot tell the backend, so it leaves %s as the "
+            "config has it (1: FSDP over all %d ranks); add %s=%d to train_overrides for HSDP across "
+            "nodes",
+            REPLICATE_DEGREE_KEY,
+            world_size(config.slurm),
+            REPLICATE_DEGREE_KEY,
+            config.slurm.nodes,
+        )
     script = render_sbatch_script(config)
     log_folder(config).mkdir(parents=True, exist_ok=True)  # also for a dry run: `sbatch job.sbatch` needs it
     for line in describe_job(config, job):

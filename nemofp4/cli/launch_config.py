@@ -25,6 +25,7 @@ DEFAULT_TEMPLATE = REPO_ROOT / "slurm" / "nemofp4.sbatch.tmpl"
 TRAIN_MODULE = "nemofp4.train"
 REPLICATE_DEGREE_KEY = "distributed.replicate_degree"
 
+
 class LaunchMode(Enum):
     """How the training processes are started inside the allocation."""
 
@@ -208,7 +209,9 @@ def validate(config: LaunchConfig) -> None:
             )
         if signal_module.Signals[f"SIG{name}"] not in DEFAULT_SIGNALS:
             handled = ", ".join(s.name for s in DEFAULT_SIGNALS)
-            logger.warning("slurm.signal uses SIG%s, which the trainer's preemption handler ignores (%s)", name, handled)
+            logger.warning(
+                "slurm.signal uses SIG%s, which the trainer's preemption handler ignores (%s)", name, handled
+            )
     job_name = default_job_name(config)
     if not _NAME_RE.match(job_name):
         raise ValueError(f"job name {job_name!r} must be letters, digits, '.', '_' or '-' (it names a directory)")

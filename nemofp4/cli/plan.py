@@ -66,9 +66,19 @@ def split_plan_config(cfg: DictConfig) -> tuple[JobConfig, dict]:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), container)), options
 
 
-def plan_report(job: JobConfig, *, world_size: int, device: str = "", device_memory_gib: float | None = None,
-                chunked_head: bool | None = None, reserve_gib: float = 4.0, mamba_scan: str = "auto",
-                simulate: bool = False, efficiency: str = "achieved", format: str = "table") -> str:  # fmt: skip
+def plan_report(
+    job: JobConfig,
+    *,
+    world_size: int,
+    device: str = "",
+    device_memory_gib: float | None = None,
+    chunked_head: bool | None = None,
+    reserve_gib: float = 4.0,
+    mamba_scan: str = "auto",
+    simulate: bool = False,
+    efficiency: str = "achieved",
+    format: str = "table",
+) -> str:
     """Everything `nemofp4-plan` prints for ``job`` on ``world_size`` GPUs: tables, or with
     ``format='json'`` one JSON object (:func:`nemofp4.planning.report.plan_summary`)."""
     from nemofp4 import planning
@@ -79,22 +89,38 @@ def plan_report(job: JobConfig, *, world_size: int, device: str = "", device_mem
         raise ValueError(f"format={format!r}; valid: {', '.join(PLAN_FORMATS)}")
 
     if simulate and job.distributed.backend != "fsdp":  # before minutes of planning, not after
-        raise ValueError(f"simulate=true with distributed.backend={job.distributed.backend!r}: the simulation "
-                         "measures FSDP2 runs; use distributed=fsdp")  # fmt: skip
+        raise ValueError(
+            f"simulate=true with distributed.backend={job.distributed.backend!r}: the simulation "
+            "measures FSDP2 runs; use distributed=fsdp"
+        )
     preset = planning.get_device(device) if device else None
     achieved = get_efficiency(efficiency, device.strip().lower()) if device else PEAK
     memory_gib = device_memory_gib if device_memory_gib is not None else (preset.memory_gib if preset else 80.0)
     auto = job.distributed.activation_checkpointing == AC_AUTO
     if auto:  # plan what the trainer's start-up would pick on this device (none while choosing)
         job = replace(job, distributed=replace(job.distributed, activation_checkpointing="none"))
-    plan = planning.plan_for_job(job, world_size=world_size, device_memory_gib=memory_gib, chunked_head=chunked_head,
-                                 reserve_gib=reserve_gib, mamba_scan=mamba_scan)  # fmt: skip
-    recommendation = planning.recommend_checkpointing(job, plan, world_size=world_size, reserve_gib=reserve_gib,
-                                                      chunked_head=chunked_head)  # fmt: skip
+    plan = planning.plan_for_job(
+        job,
+        world_size=world_size,
+        device_memory_gib=memory_gib,
+        chunked_head=chunked_head,
+        reserve_gib=reserve_gib,
+        mamba_scan=mamba_scan,
+    )
+    recommendation = planning.recommend_checkpointing(
+        job, plan, world_size=world_size, reserve_gib=reserve_gib, chunked_head=chunked_head
+    )
     if auto and recommendation.chosen is not None:
         job = replace(job, distributed=replace(job.distributed, activation_checkpointing=recommendation.chosen))
-        plan = planning.plan_for_job(job, world_size=world_size, device_memory_gib=memory_gib, chunked_head=chunked_head,
-                                     reserve_gib=reserve_gib, mamba_scan=mamba_scan, measured=plan.measured)  # fmt: skip
+        plan = planning.plan_for_job(
+            job,
+            world_size=world_size,
+            device_memory_gib=memory_gib,
+            chunked_head=chunked_head,
+            reserve_gib=reserve_gib,
+            mamba_scan=mamba_scan,
+            measured=plan.measured,
+        )
     per_node = preset.gpus_per_node if preset else 8
     cost = planning.cost_for_job(job, world_size=world_size, gpus_per_node=per_node, chunked_head=chunked_head)
     sim = None
@@ -103,13 +129,22 @@ def plan_report(job: JobConfig, *, world_size: int, device: str = "", device_mem
         sim = planning.simulate_for_job(job, world_size=world_size, mamba_scan=mamba_scan, chunked_head=chunked_head)
         sim_wall_s = time.perf_counter() - started
     if format == "json":
-        summary = plan_summary(plan, cost, preset, activation_checkpointing=job.distributed.activation_checkpointing,
-                               simulated=sim, efficiency=achieved)  # fmt: skip
+        summary = plan_summary(
+            plan,
+            cost,
+            preset,
+            activation_checkpointing=job.distributed.activation_checkpointing,
+            simulated=sim,
+            efficiency=achieved,
+        )
         return json.dumps(summary, indent=2)
     sections = [plan.format(), recommendation.format()]
     if auto:
-        picked = (f"picks {recommendation.chosen} at {memory_gib:g} GiB per GPU; the plan above is of that policy"
-                  if recommendation.chosen else f"fails at {memory_gib:g} GiB per GPU: no policy fits")
+        picked = (
+            f"picks {recommendation.chosen} at {memory_gib:g} GiB per GPU; the plan above is of that policy"
+            if recommendation.chosen
+            else f"fails at {memory_gib:g} GiB per GPU: no policy fits"
+        )
         sections.append(f"distributed.activation_checkpointing=auto {picked}.")
     sections.append(cost_table(cost, preset, achieved))
     if sim is not None:

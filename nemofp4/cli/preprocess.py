@@ -29,7 +29,11 @@ def _main(cfg: DictConfig) -> None:
     manifest = preprocess(OmegaConf.to_object(cfg))
     log.info(
         "%s: %d documents, %d tokens (%s) in %d shard(s)",
-        cfg.output_prefix, manifest["documents"], manifest["tokens"], manifest["dtype"], len(manifest["shards"]),
+        cfg.output_prefix,
+        manifest["documents"],
+        manifest["tokens"],
+        manifest["dtype"],
+        len(manifest["shards"]),
     )
 
 

@@ -72,8 +72,12 @@ def check_same_as_rank_zero(value, *, what: str) -> None:
     dist.all_gather_object(agree, reference == value)  # every rank raises together: none is left waiting
     if not all(agree):
         differing = [rank for rank, same in enumerate(agree) if not same]
-        detail = (f"this rank's {json.dumps(value, sort_keys=True)[:400]} vs rank 0's "
-                  f"{json.dumps(reference, sort_keys=True)[:400]}" if reference != value else "")  # fmt: skip
+        detail = (
+            f"this rank's {json.dumps(value, sort_keys=True)[:400]} vs rank 0's "
+            f"{json.dumps(reference, sort_keys=True)[:400]}"
+            if reference != value
+            else ""
+        )
         raise ValueError(
             f"rank(s) {differing} see different data than rank 0 for {what}{': ' + detail if detail else ''}; "
             "every rank must read the same data files (a shared file system, or identical copies)"

@@ -27,11 +27,7 @@ class DataSourceConfig:
 
 
 def _shipped_sources() -> list[DataSourceConfig]:
-    return [
-        DataSourceConfig(
-            prefix=SHIPPED_TRAIN_PREFIX, validation_prefix=SHIPPED_VALIDATION_PREFIX, name="austen"
-        )
-    ]
+    return [DataSourceConfig(prefix=SHIPPED_TRAIN_PREFIX, validation_prefix=SHIPPED_VALIDATION_PREFIX, name="austen")]
 
 
 @dataclass(kw_only=True)

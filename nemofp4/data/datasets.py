@@ -87,8 +87,12 @@ class PackedSequences:
             if isinstance(docs, int):  # all documents
                 return docs, source.num_tokens
             all_lengths = source.all_document_lengths()
-            tokens = int(sum(int(all_lengths[docs[i : i + HOLDOUT_CHUNK]].sum(dtype=np.int64))
-                             for i in range(0, docs.size, HOLDOUT_CHUNK)))
+            tokens = int(
+                sum(
+                    int(all_lengths[docs[i : i + HOLDOUT_CHUNK]].sum(dtype=np.int64))
+                    for i in range(0, docs.size, HOLDOUT_CHUNK)
+                )
+            )
             return docs.size, tokens
 
         count, tokens = rank_zero_value(count_tokens)
@@ -179,7 +183,9 @@ class BlendedSequences:
             "blend",
             {**description, "weights": self.weights.tolist(), "num_samples": num_samples},
             ["dataset_index", "dataset_sample_index"],
-            lambda: dict(zip(("dataset_index", "dataset_sample_index"), build_blend_index(list(self.weights), num_samples))),
+            lambda: dict(
+                zip(("dataset_index", "dataset_sample_index"), build_blend_index(list(self.weights), num_samples))
+            ),
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
@@ -217,7 +223,9 @@ class BlendedSequences:
             "blend",
             {**description, "weights": normalized.tolist(), "num_samples": num_samples},
             ["dataset_index", "dataset_sample_index"],
-            lambda: dict(zip(("dataset_index", "dataset_sample_index"), build_blend_index(list(normalized), num_samples))),
+            lambda: dict(
+                zip(("dataset_index", "dataset_sample_index"), build_blend_index(list(normalized), num_samples))
+            ),
         )
         counts = np.bincount(np.asarray(arrays["dataset_index"]), minlength=len(weights))
         return [max(1, int(c)) for c in counts]

@@ -147,9 +147,7 @@ class IndexedDataset:
                 f"{int(self.document_indices[0])}..{int(self.document_indices[-1])}"
             )
         self.one_sequence_per_document = num_sequences == self.num_documents
-        self.tokens = (
-            np.memmap(bin_file, dtype=self.dtype, mode="r") if bin_bytes else np.empty(0, dtype=self.dtype)
-        )
+        self.tokens = np.memmap(bin_file, dtype=self.dtype, mode="r") if bin_bytes else np.empty(0, dtype=self.dtype)
         if self.one_sequence_per_document:
             self._doc_starts = self.sequence_pointers  # bytes
             self.document_lengths = self.sequence_lengths
@@ -187,7 +185,9 @@ class IndexedDataset:
         if length is None:
             length = doc_length - offset
         if not (0 <= offset and offset + length <= doc_length and length >= 0):
-            raise IndexError(f"{self.prefix}: tokens [{offset}, {offset + length}) outside document {doc} of {doc_length}")
+            raise IndexError(
+                f"{self.prefix}: tokens [{offset}, {offset + length}) outside document {doc} of {doc_length}"
+            )
         start = int(self._doc_starts[doc]) // self.dtype.itemsize + offset
         return self.tokens[start : start + length]
 

@@ -67,7 +67,11 @@ def _split_spec(cfg: DataConfig, source_cfg, validation: bool) -> tuple[str, dic
         return source_cfg.validation_prefix, {"all": True}
     if cfg.validation_fraction > 0 and not source_cfg.validation_prefix:
         part = "validation" if validation else "train"
-        return source_cfg.prefix, {"holdout": part, "fraction": cfg.validation_fraction, "salt": cfg.validation_split_seed}
+        return source_cfg.prefix, {
+            "holdout": part,
+            "fraction": cfg.validation_fraction,
+            "salt": cfg.validation_split_seed,
+        }
     if validation:
         raise ValueError(
             f"data source {source_cfg.name or source_cfg.prefix!r} has no validation documents: "
@@ -102,17 +106,33 @@ def _build_blend(
         if split.get("all"):
             documents = source.num_documents  # ids 0..n-1, never materialized
         else:  # computed on rank 0 only, unless a rank has to build the cache itself
-            documents = functools.partial(split_documents, source.num_documents, split["fraction"], split["salt"],
-                                          split["holdout"] == "validation")  # fmt: skip
+            documents = functools.partial(
+                split_documents,
+                source.num_documents,
+                split["fraction"],
+                split["salt"],
+                split["holdout"] == "validation",
+            )
         datasets.append(
             PackedSequences(
-                source, split=split, documents=documents, seq_len=seq_len, num_samples=count, seed=seed,
-                cache_dir=cache_dir, vocab_size=tokenizer.vocab_size,
+                source,
+                split=split,
+                documents=documents,
+                seq_len=seq_len,
+                num_samples=count,
+                seed=seed,
+                cache_dir=cache_dir,
+                vocab_size=tokenizer.vocab_size,
             )
         )
         if validation and datasets[-1].epochs > 1:
-            log.warning("%s: %d validation sequences of %d tokens repeat its documents (%d passes)",
-                        source.name, count, seq_len, datasets[-1].epochs)
+            log.warning(
+                "%s: %d validation sequences of %d tokens repeat its documents (%d passes)",
+                source.name,
+                count,
+                seq_len,
+                datasets[-1].epochs,
+            )
     return BlendedSequences(datasets, weights, num_samples, cache_dir, blend_description), identities
 
 
@@ -250,7 +270,9 @@ class TrainLoader:
             raise ValueError(f"data loader state version {state.get('version')!r}, expected {STATE_VERSION}")
         if state["fingerprint"] != self.fingerprint:
             saved = state.get("fingerprint_fields", {})
-            changed = sorted(k for k in set(saved) | set(self.fingerprint_fields) if saved.get(k) != self.fingerprint_fields.get(k))
+            changed = sorted(
+                k for k in set(saved) | set(self.fingerprint_fields) if saved.get(k) != self.fingerprint_fields.get(k)
+            )
             details = "; ".join(f"{k}: saved {saved.get(k)!r}, now {self.fingerprint_fields.get(k)!r}" for k in changed)
             raise ValueError(
                 f"the checkpoint's data loader state was made for other data settings ({details}); resuming would "

@@ -59,7 +59,9 @@ def verify_shard(prefix: str, record: dict, level: str) -> None:
         if level == "full" or (level == "index" and key == "idx"):
             digest = file_sha256(path)
             if digest != record[f"{key}_sha256"]:
-                raise CorruptDataError(f"{path}: sha256 checksum mismatch with the manifest (the file changed or is corrupt)")
+                raise CorruptDataError(
+                    f"{path}: sha256 checksum mismatch with the manifest (the file changed or is corrupt)"
+                )
 
 
 @dataclass

@@ -326,7 +326,11 @@ def preprocess(cfg: PreprocessConfig) -> dict:
         progress = previous
         for record in progress["shards"]:
             verify_shard(str(out_dir / record["prefix"]), record, "index")
-        log.info("resuming after %d finished shard(s), %d input documents", len(progress["shards"]), progress["input_documents"])
+        log.info(
+            "resuming after %d finished shard(s), %d input documents",
+            len(progress["shards"]),
+            progress["input_documents"],
+        )
 
     skip = progress["input_documents"]
     texts = iter_input_texts(cfg)
@@ -378,7 +382,9 @@ def preprocess(cfg: PreprocessConfig) -> dict:
                     empty += 1
                     continue
                 if int(ids.max()) >= tokenizer.vocab_size:
-                    raise ValueError(f"tokenizer {tokenizer.path} produced id {int(ids.max())} >= vocab {tokenizer.vocab_size}")
+                    raise ValueError(
+                        f"tokenizer {tokenizer.path} produced id {int(ids.max())} >= vocab {tokenizer.vocab_size}"
+                    )
                 if writer is None:
                     writer = IndexedDatasetWriter(_shard_prefix(cfg, shard), dtype)
                     shard += 1
@@ -411,7 +417,9 @@ def preprocess(cfg: PreprocessConfig) -> dict:
         "settings_fingerprint": fingerprint,
         "config": asdict(cfg),
         "tokenizer": {
-            "path": cfg.tokenizer if cfg.tokenizer != "train" else (cfg.tokenizer_output or f"{cfg.output_prefix}_tokenizer"),
+            "path": cfg.tokenizer
+            if cfg.tokenizer != "train"
+            else (cfg.tokenizer_output or f"{cfg.output_prefix}_tokenizer"),
             "hash": tokenizer.hash,
             "vocab_size": tokenizer.vocab_size,
             "eod_id": tokenizer.eod_id,
@@ -432,7 +440,13 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     rate = tokens_written / seconds if seconds > 0 else float("nan")
     log.info(
         "%s: %d documents (%d empty skipped), %d tokens in %d shard(s); this run %.0f tokens/s (%.0f per worker)",
-        out_manifest, manifest["documents"], empty, manifest["tokens"], len(records), rate, rate / cfg.workers,
+        out_manifest,
+        manifest["documents"],
+        empty,
+        manifest["tokens"],
+        len(records),
+        rate,
+        rate / cfg.workers,
     )
     manifest["throughput_tokens_per_s"] = rate
     return manifest

@@ -103,16 +103,27 @@ def load_checkpoint_model(
 
     # the model state as the trainer reads it (any layout), its references under the run's own recipe only
     try:
-        read_references(model, state, read, trainer_state=trainer_state, restore=precision is None,
-                        rank_state=load_tensors(rank_file) if rank_file.is_file() else {})  # fmt: skip
+        read_references(
+            model,
+            state,
+            read,
+            trainer_state=trainer_state,
+            restore=precision is None,
+            rank_state=load_tensors(rank_file) if rank_file.is_file() else {},
+        )
     except ValueError as err:
         raise ValueError(f"checkpoint {folder}: {err}") from None
     set_model_state_dict(model, state["model"])
     model.eval()
     used = (precision or cfg.precision).name
     if log_loaded:
-        log.info("loaded %s (step %s, trained with recipe %s%s)", folder, trainer_state.get("step"), cfg.precision.name,
-                     "" if used == cfg.precision.name else f", evaluated as {used}")
+        log.info(
+            "loaded %s (step %s, trained with recipe %s%s)",
+            folder,
+            trainer_state.get("step"),
+            cfg.precision.name,
+            "" if used == cfg.precision.name else f", evaluated as {used}",
+        )
     return model, cfg, trainer_state
 
 

@@ -69,14 +69,18 @@ class EvaluateConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.task_batch_size < 1 or self.max_length < 2:
-            raise ValueError(f"task_batch_size={self.task_batch_size} must be >= 1 and max_length={self.max_length} >= 2")
+            raise ValueError(
+                f"task_batch_size={self.task_batch_size} must be >= 1 and max_length={self.max_length} >= 2"
+            )
         self.inference_policy()  # validates the policy fields
 
     def inference_policy(self) -> InferencePolicy:
         return InferencePolicy(
-            name=self.policy, delay=self.delay, calibration_sequences=self.calibration_sequences,
+            name=self.policy,
+            delay=self.delay,
+            calibration_sequences=self.calibration_sequences,
             calibration_batch_size=self.calibration_batch_size,
-        )  # fmt: skip
+        )
 
 
 @dataclass(kw_only=True)

@@ -74,11 +74,17 @@ class NemoFP4LM(LM):
             logging.getLogger("nemofp4").warning("device=%s requested but CUDA is unavailable; using the CPU", device)
             device = "cpu"
         if checkpoint is None:
-            raise ValueError("NemoFP4LM needs checkpoint=<run dir, step folder or HF folder> (or forward= and tokenizer=)")
+            raise ValueError(
+                "NemoFP4LM needs checkpoint=<run dir, step folder or HF folder> (or forward= and tokenizer=)"
+            )
         self._session = EvalSession.open(
-            checkpoint, device=device, dtype=dtype, precision=precision,
-            tokenizer=tokenizer if isinstance(tokenizer, str) else "", kernels=kernels,
-        )  # fmt: skip
+            checkpoint,
+            device=device,
+            dtype=dtype,
+            precision=precision,
+            tokenizer=tokenizer if isinstance(tokenizer, str) else "",
+            kernels=kernels,
+        )
         self.tokenizer = self._session.tokenizer
         self._forward = self._session.policy_forward(
             policy=policy, delay=int(delay), calibration_sequences=int(calibration_sequences)
@@ -90,12 +96,18 @@ class NemoFP4LM(LM):
         return self.tokenizer.eod_id
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        encoded = [encode_request(self.tokenizer, context, continuation) for context, continuation in
-                   (req.args for req in requests)]  # fmt: skip
+        encoded = [
+            encode_request(self.tokenizer, context, continuation)
+            for context, continuation in (req.args for req in requests)
+        ]
         return score_requests(
-            self._forward, encoded, batch_size=self.batch_size, max_length=self.max_length,
-            pad_id=self.tokenizer.eod_id, device=self._device,
-        )  # fmt: skip
+            self._forward,
+            encoded,
+            batch_size=self.batch_size,
+            max_length=self.max_length,
+            pad_id=self.tokenizer.eod_id,
+            device=self._device,
+        )
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         raise NotImplementedError(

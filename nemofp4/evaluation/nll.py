@@ -16,9 +16,14 @@ __all__ = ["validation_nll"]
 
 
 @torch.no_grad()
-def validation_nll(forward: Callable, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
-                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   head_chunk_tokens: int = 0) -> dict:  # fmt: skip
+def validation_nll(
+    forward: Callable,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    head_chunk_tokens: int = 0,
+) -> dict:
     """Token-weighted mean next-token NLL over ``batches`` (the model's FP32 head), summed in float64 in
     the batches' order. Under an initialized process group it is data-parallel: each rank scores every
     world-th batch and the NLL sums and token counts are all-reduced, so the value is the single-process

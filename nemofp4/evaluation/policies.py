@@ -176,7 +176,7 @@ class PolicyForward:
 
     # ------------------------------------------------------------------ forward
     def _model_forward(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), (self.autocast() if self.autocast else _null()):
+        with torch.no_grad(), self.autocast() if self.autocast else _null():
             return model(input_ids)
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,16 @@ from nemofp4.data import DataConfig
 from nemofp4.models.nemotron_h.config import NemotronHConfig
 from nemofp4.recipes import precision_config
 
-__all__ = ["RunDistributedSettings", "RunEvalSettings", "RunTrainSettings", "TrainedRunConfig", "read_saved_config",
-           "read_step_config", "run_config_from_yaml", "saved_config"]
+__all__ = [
+    "RunDistributedSettings",
+    "RunEvalSettings",
+    "RunTrainSettings",
+    "TrainedRunConfig",
+    "read_saved_config",
+    "read_step_config",
+    "run_config_from_yaml",
+    "saved_config",
+]
 
 
 @dataclass(kw_only=True)
@@ -97,8 +105,10 @@ def read_saved_config(path: Path) -> dict[str, Any]:
     try:
         return saved_config(text)
     except Exception as err:  # YAML's and omegaconf's parse and interpolation errors are several types
-        raise ValueError(f"{path}: not a readable run config ({type(err).__name__}: {err}); the trainer wrote a "
-                         "YAML mapping there: restore it, or remove it to start the run directory over") from err
+        raise ValueError(
+            f"{path}: not a readable run config ({type(err).__name__}: {err}); the trainer wrote a "
+            "YAML mapping there: restore it, or remove it to start the run directory over"
+        ) from err
 
 
 def run_config_from_yaml(text: str) -> TrainedRunConfig:
@@ -114,8 +124,11 @@ def run_config_from_yaml(text: str) -> TrainedRunConfig:
     for section, cls in (("train", RunTrainSettings), ("eval", RunEvalSettings)):
         picked[section] = {f.name: picked[section][f.name] for f in fields(cls)}
     if "distributed" in picked:
-        picked["distributed"] = {f.name: picked["distributed"][f.name] for f in fields(RunDistributedSettings)
-                                 if f.name in picked["distributed"]}  # fmt: skip
+        picked["distributed"] = {
+            f.name: picked["distributed"][f.name]
+            for f in fields(RunDistributedSettings)
+            if f.name in picked["distributed"]
+        }
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainedRunConfig), picked))
 
 

@@ -59,9 +59,15 @@ class EvalSession:
 
     @classmethod
     def open(
-        cls, checkpoint: str | Path, *, device: str = "auto", dtype: str = "auto", precision: str = "", tokenizer: str = "",
+        cls,
+        checkpoint: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        precision: str = "",
+        tokenizer: str = "",
         kernels: str = "auto",
-    ) -> EvalSession:  # fmt: skip
+    ) -> EvalSession:
         """Load ``checkpoint`` on ``device``; its FP4 linears quantize with the ``kernels`` backend."""
         dev = resolve_device(device)
         if is_hf_folder(checkpoint):
@@ -78,9 +84,14 @@ class EvalSession:
         if dtype == "auto":
             dtype = run_dtype if dev.type == "cuda" else "float32"
         return cls(
-            model=model, source=source, job=job, trainer_state=state, device=dev,
-            compute_dtype=getattr(torch, dtype), tokenizer_path=tokenizer,
-        )  # fmt: skip
+            model=model,
+            source=source,
+            job=job,
+            trainer_state=state,
+            device=dev,
+            compute_dtype=getattr(torch, dtype),
+            tokenizer_path=tokenizer,
+        )
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -130,9 +141,11 @@ class EvalSession:
         """A PolicyForward over this model (enter it before use)."""
         if isinstance(policy, str):
             policy = InferencePolicy(
-                name=policy, delay=delay, calibration_sequences=calibration_sequences,
+                name=policy,
+                delay=delay,
+                calibration_sequences=calibration_sequences,
                 calibration_batch_size=calibration_batch_size,
-            )  # fmt: skip
+            )
         calibration = None
         if policy.name == "calibrated":
             calibration = self.calibration_batches(self.data_config(val_data), policy, seq_len or self._seq_len())
@@ -146,15 +159,20 @@ class EvalSession:
         return build_validation_batches(
             data,
             seq_len=seq_len or self._seq_len(),
-            num_sequences=num_sequences or (job.eval.num_sequences if job and job.eval.num_sequences else DEFAULT_VAL_SEQUENCES),
+            num_sequences=num_sequences
+            or (job.eval.num_sequences if job and job.eval.num_sequences else DEFAULT_VAL_SEQUENCES),
             batch_size=batch_size or (job.eval.batch_size if job else DEFAULT_VAL_BATCH),
-        )  # fmt: skip
+        )
 
 
 def evaluate(cfg: EvaluateConfig, session: EvalSession | None = None) -> dict[str, Any]:
     """Validation NLL and task accuracies of one checkpoint under one policy (see EvalSession)."""
     session = session or EvalSession.open(
-        cfg.checkpoint, device=cfg.device, dtype=cfg.dtype, precision=cfg.precision, tokenizer=cfg.tokenizer,
+        cfg.checkpoint,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        precision=cfg.precision,
+        tokenizer=cfg.tokenizer,
         kernels=cfg.kernels,
     )
     policy = cfg.inference_policy()
@@ -168,8 +186,9 @@ def evaluate(cfg: EvaluateConfig, session: EvalSession | None = None) -> dict[st
         "dtype": str(session.compute_dtype).removeprefix("torch."),
     }
     if data is not None:
-        batches = session.validation_batches(data, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences,
-                                             batch_size=cfg.batch_size)  # fmt: skip
+        batches = session.validation_batches(
+            data, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences, batch_size=cfg.batch_size
+        )
         with session.policy_forward(policy, val_data=cfg.val_data, seq_len=cfg.seq_len) as forward:
             results.update(validation_nll(forward, batches, device=session.device))
         results["val_sequences"] = sum(len(b["input_ids"]) for b in batches)
@@ -178,8 +197,14 @@ def evaluate(cfg: EvaluateConfig, session: EvalSession | None = None) -> dict[st
         items = load_task(task_file, cfg.task_limit)
         # Each task gets a fresh policy run: a delayed policy's refresh phase starts at its first batch.
         with session.policy_forward(policy, val_data=cfg.val_data, seq_len=cfg.seq_len) as forward:
-            scores = run_task(forward, session.tokenizer, items, batch_size=cfg.task_batch_size,
-                              max_length=cfg.max_length, device=session.device)  # fmt: skip
+            scores = run_task(
+                forward,
+                session.tokenizer,
+                items,
+                batch_size=cfg.task_batch_size,
+                max_length=cfg.max_length,
+                device=session.device,
+            )
         tasks[Path(task_file).stem] = {**scores, "file": str(task_file)}
     results["tasks"] = tasks
     return results
@@ -217,4 +242,3 @@ def write_results(results: dict[str, Any], out: str | Path) -> tuple[Path, Path]
     md = out.with_suffix(".md")
     md.write_text(format_markdown(results))
     return out, md
-

@@ -95,8 +95,14 @@ def quantize_blocks(
         mx_scale_mode: ue8m0 only: "floor" (OCP reference) or "ceil" (never saturates).
         name: how error messages refer to ``x``.
     """
-    spec = BlockSpec(scale_format=scale_format, block_size=block_size, two_d=two_d, rounding=rounding,
-                     scale_target=scale_target, mx_scale_mode=mx_scale_mode)  # fmt: skip
+    spec = BlockSpec(
+        scale_format=scale_format,
+        block_size=block_size,
+        two_d=two_d,
+        rounding=rounding,
+        scale_target=scale_target,
+        mx_scale_mode=mx_scale_mode,
+    )
     return quantize_with_spec(x, spec, tensor_amax=tensor_amax, generator=generator, name=name, stacklevel=4)
 
 
@@ -112,8 +118,10 @@ def quantize_with_spec(
     """:func:`quantize_blocks` of ``x`` as ``spec`` says (its ``hadamard`` is the caller's: the
     reference quantizes the tensor it is given)."""
     if spec.is_fp8:
-        raise ValueError(f"quantize_blocks is the FP4 reference; FP8 ({spec.element_format!r} payloads) is quantized "
-                         "by nemofp4.kernels.quantize_operand")  # fmt: skip
+        raise ValueError(
+            f"quantize_blocks is the FP4 reference; FP8 ({spec.element_format!r} payloads) is quantized "
+            "by nemofp4.kernels.quantize_operand"
+        )
     spec.check_input(x, tensor_amax, name=name, stacklevel=stacklevel)
     row = spec.format
     fmt = row.codes

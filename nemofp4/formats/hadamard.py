@@ -27,9 +27,7 @@ TE_WGRAD_SIGNS: tuple[float, ...] = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, 
 """Transformer Engine's fixed wgrad sign vector (``get_wgrad_sign_vector``)."""
 
 
-def hadamard_matrix(
-    sign: torch.Tensor | None = None, device: torch.device | str | None = None
-) -> torch.Tensor:
+def hadamard_matrix(sign: torch.Tensor | None = None, device: torch.device | str | None = None) -> torch.Tensor:
     """``diag(sign) @ H16 / 4`` in float32 (entries +-1/4, exact)."""
     h = torch.ones(1, 1, dtype=torch.float32)
     while h.shape[0] < HADAMARD_SIZE:
@@ -84,8 +82,9 @@ def inverse_hadamard_transform(y: torch.Tensor, sign: torch.Tensor | None = None
     return (_walsh_hadamard(groups * 0.25) * signs).reshape(y.shape)
 
 
-def _transform(x: torch.Tensor, sign: torch.Tensor | None, dim: int, *, to_bf16: bool,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+def _transform(
+    x: torch.Tensor, sign: torch.Tensor | None, dim: int, *, to_bf16: bool, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     groups = _groups(x, dim)
     signs = _check_sign(sign).to(groups.device).view(HADAMARD_SIZE, 1) * 0.25
     finish = None
@@ -101,8 +100,7 @@ def _groups(x: torch.Tensor, dim: int) -> torch.Tensor:
         raise ValueError(f"the Hadamard transform runs along the last dim, or dim 0 of a 2-D tensor; got dim={dim}")
     if x.dim() == 0 or x.shape[dim] % HADAMARD_SIZE:
         raise ValueError(
-            f"the Hadamard transform works on groups of {HADAMARD_SIZE} along dim {dim}; "
-            f"got shape {tuple(x.shape)}"
+            f"the Hadamard transform works on groups of {HADAMARD_SIZE} along dim {dim}; got shape {tuple(x.shape)}"
         )
     x = x.float()
     if dim == 0:

@@ -167,9 +167,7 @@ class FloatFormat:
         elif exponent == 0 and self.has_subnormals:
             value = math.ldexp(mantissa, 1 - self.bias - self.mantissa_bits)
         else:
-            value = math.ldexp(
-                (1 << self.mantissa_bits) + mantissa, exponent - self.bias - self.mantissa_bits
-            )
+            value = math.ldexp((1 << self.mantissa_bits) + mantissa, exponent - self.bias - self.mantissa_bits)
         return -value if negative else value
 
     @functools.cached_property
@@ -228,9 +226,7 @@ class FloatFormat:
         if codes.dtype != torch.uint8:
             raise ValueError(f"{self.name}.decode expects uint8 codes, got {codes.dtype}")
         if codes.numel() and int(codes.max()) >= self.num_codes:
-            raise ValueError(
-                f"{self.name}.decode: code {int(codes.max())} is outside 0..{self.num_codes - 1}"
-            )
+            raise ValueError(f"{self.name}.decode: code {int(codes.max())} is outside 0..{self.num_codes - 1}")
         table = _tables(self, codes.device).values
         return torch.index_select(table, 0, codes.reshape(-1).int()).view(codes.shape)
 
@@ -345,9 +341,7 @@ def sr_away(frac: torch.Tensor, r: torch.Tensor, rounding: str) -> torch.Tensor:
 _COMPARE_SUM_MAX_BOUNDARIES = 16
 
 
-def _count_greater(
-    x: torch.Tensor, boundaries: torch.Tensor, boundary_floats: tuple[float, ...]
-) -> torch.Tensor:
+def _count_greater(x: torch.Tensor, boundaries: torch.Tensor, boundary_floats: tuple[float, ...]) -> torch.Tensor:
     """uint8 count of ``boundaries`` strictly below each element of ``x``.
 
     With few boundaries (E2M1 has 7) a vectorized compare-and-add per boundary is 2-3x

@@ -114,9 +114,7 @@ class QuantizedBlocks:
     @classmethod
     def from_tensors(cls, tensors: tuple[torch.Tensor, ...], meta: dict) -> QuantizedBlocks:
         codes, scale_codes, tensor_scale, tensor_amax = tensors
-        return cls(
-            codes=codes, scale_codes=scale_codes, tensor_scale=tensor_scale, tensor_amax=tensor_amax, **meta
-        )
+        return cls(codes=codes, scale_codes=scale_codes, tensor_scale=tensor_scale, tensor_amax=tensor_amax, **meta)
 
     # ----------------------------------------------------------------- values
     @property
@@ -235,6 +233,12 @@ def tensor_scale_product(a: QuantizedBlocks, b: QuantizedBlocks) -> torch.Tensor
     """The factor the product of two block-scaled operands is multiplied by (see
     :func:`nemofp4.formats.scaling.gemm_alpha`): TE's for NVFP4, the paper's for UE5M3."""
     return gemm_alpha(
-        a.scale_format, a.tensor_amax, a.scale_target, a.tensor_scale,
-        b.scale_format, b.tensor_amax, b.scale_target, b.tensor_scale,
-    )  # fmt: skip
+        a.scale_format,
+        a.tensor_amax,
+        a.scale_target,
+        a.tensor_scale,
+        b.scale_format,
+        b.tensor_amax,
+        b.scale_target,
+        b.tensor_scale,
+    )

@@ -65,9 +65,7 @@ def scaled_target(scale_target: float, device: torch.device | str = "cpu") -> to
     return _scaled_target(float(scale_target), torch.device(device))
 
 
-def global_scales(
-    zero_code_to_one: bool, g: torch.Tensor, target: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def global_scales(zero_code_to_one: bool, g: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tensor_scale = 1/G, G * fp32(1/6)) for the tensor reference ``g`` (float32 0-d).
 
     ``target`` is :func:`scaled_target`; ``zero_code_to_one`` the scale format's rule for zeros
@@ -186,8 +184,14 @@ def mx_fp8_encode(code: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_alpha(
-    scale_format_a: str, amax_a: torch.Tensor, target_a: float, tensor_scale_a: torch.Tensor,
-    scale_format_b: str, amax_b: torch.Tensor, target_b: float, tensor_scale_b: torch.Tensor,
+    scale_format_a: str,
+    amax_a: torch.Tensor,
+    target_a: float,
+    tensor_scale_a: torch.Tensor,
+    scale_format_b: str,
+    amax_b: torch.Tensor,
+    target_b: float,
+    tensor_scale_b: torch.Tensor,
 ) -> torch.Tensor:
     """float32 0-d factor of ``(A_scaled @ B_scaled^T)``: the product of the two tensor scales as the
     recipe's source computes it from the tensor references (amaxes) ``g``, ``T`` the scale targets.

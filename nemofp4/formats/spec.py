@@ -102,18 +102,56 @@ class ScaleFormat:
 SCALE_FORMAT_TABLE: dict[str, ScaleFormat] = {
     row.name: row
     for row in (
-        ScaleFormat(name="e4m3", codes=E4M3, default_block_size=16, power_of_two=False, zero_code_to_one=False,
-                    dequantize="te", alpha="te"),
-        ScaleFormat(name="ue5m3", codes=UE5M3, default_block_size=16, power_of_two=False, zero_code_to_one=True,
-                    dequantize="paper", alpha="paper"),
-        ScaleFormat(name="ue5m3_cuda", codes=UE5M3_CUDA, default_block_size=16, power_of_two=False,
-                    zero_code_to_one=True, dequantize="paper", alpha="paper"),
-        ScaleFormat(name="ue8m0", codes=UE8M0, default_block_size=32, power_of_two=True, zero_code_to_one=False,
-                    dequantize="paper", alpha=None, elements=("e2m1", "e4m3", "e5m2")),
-        ScaleFormat(name="fp32", codes=None, default_block_size=16, power_of_two=False, zero_code_to_one=False,
-                    dequantize="paper", alpha=None, per_tensor=True, elements=("e4m3", "e5m2")),
+        ScaleFormat(
+            name="e4m3",
+            codes=E4M3,
+            default_block_size=16,
+            power_of_two=False,
+            zero_code_to_one=False,
+            dequantize="te",
+            alpha="te",
+        ),
+        ScaleFormat(
+            name="ue5m3",
+            codes=UE5M3,
+            default_block_size=16,
+            power_of_two=False,
+            zero_code_to_one=True,
+            dequantize="paper",
+            alpha="paper",
+        ),
+        ScaleFormat(
+            name="ue5m3_cuda",
+            codes=UE5M3_CUDA,
+            default_block_size=16,
+            power_of_two=False,
+            zero_code_to_one=True,
+            dequantize="paper",
+            alpha="paper",
+        ),
+        ScaleFormat(
+            name="ue8m0",
+            codes=UE8M0,
+            default_block_size=32,
+            power_of_two=True,
+            zero_code_to_one=False,
+            dequantize="paper",
+            alpha=None,
+            elements=("e2m1", "e4m3", "e5m2"),
+        ),
+        ScaleFormat(
+            name="fp32",
+            codes=None,
+            default_block_size=16,
+            power_of_two=False,
+            zero_code_to_one=False,
+            dequantize="paper",
+            alpha=None,
+            per_tensor=True,
+            elements=("e4m3", "e5m2"),
+        ),
     )
-}  # fmt: skip
+}
 SCALE_FORMATS: dict[str, FloatFormat] = {
     name: row.codes for name, row in SCALE_FORMAT_TABLE.items() if row.codes is not None
 }
@@ -169,7 +207,11 @@ class BlockSpec:
         elif self.hadamard and b % 16:
             errors.append(f"block_size={b} with hadamard=True (must be a multiple of 16)")
         target = self.scale_target
-        if isinstance(target, bool) or not isinstance(target, (int, float)) or not (math.isfinite(target) and target > 0):
+        if (
+            isinstance(target, bool)
+            or not isinstance(target, (int, float))
+            or not (math.isfinite(target) and target > 0)
+        ):
             errors.append(f"scale_target must be a finite positive number, got {target!r}")
         if self.mx_scale_mode not in MX_SCALE_MODES:
             errors.append(f"unknown mx_scale_mode {self.mx_scale_mode!r}; valid: {', '.join(MX_SCALE_MODES)}")
@@ -184,13 +226,18 @@ class BlockSpec:
         row = SCALE_FORMAT_TABLE.get(self.scale_format)
         if row is not None and element not in row.elements:
             valid = [name for name, r in SCALE_FORMAT_TABLE.items() if element in r.elements]
-            errors.append(f"element_format={element!r} takes scale_format {' or '.join(map(repr, valid))}, "
-                          f"not {self.scale_format!r}")  # fmt: skip
+            errors.append(
+                f"element_format={element!r} takes scale_format {' or '.join(map(repr, valid))}, "
+                f"not {self.scale_format!r}"
+            )
         if self.power_of_two_scale and self.scale_format != "fp32":
             errors.append("power_of_two_scale=True is for per-tensor scaling (scale_format='fp32')")
         if element != "e2m1":  # FP8 as Transformer Engine runs it: RNE, 1-D blocks, no transform
-            for name, value, allowed in (("rounding", self.rounding, "rne"), ("two_d", self.two_d, False),
-                                         ("hadamard", self.hadamard, False)):  # fmt: skip
+            for name, value, allowed in (
+                ("rounding", self.rounding, "rne"),
+                ("two_d", self.two_d, False),
+                ("hadamard", self.hadamard, False),
+            ):
                 if value != allowed:
                     errors.append(f"element_format={element!r} takes {name}={allowed!r}, not {value!r}")
         return errors
@@ -242,15 +289,23 @@ class BlockSpec:
             return
         if self.format.power_of_two:
             if self.scale_target != DEFAULT_SCALE_TARGET:
-                warnings.warn(f"scale_target has no effect with scale_format={self.scale_format!r} (no tensor scale)",
-                              stacklevel=stacklevel)  # fmt: skip
+                warnings.warn(
+                    f"scale_target has no effect with scale_format={self.scale_format!r} (no tensor scale)",
+                    stacklevel=stacklevel,
+                )
             if tensor_amax is not None:
-                warnings.warn(f"tensor_amax has no effect with scale_format={self.scale_format!r} (no tensor scale)",
-                              stacklevel=stacklevel)  # fmt: skip
+                warnings.warn(
+                    f"tensor_amax has no effect with scale_format={self.scale_format!r} (no tensor scale)",
+                    stacklevel=stacklevel,
+                )
         else:
             if self.mx_scale_mode != "floor":
-                warnings.warn(f"mx_scale_mode has no effect with scale_format={self.scale_format!r}",
-                              stacklevel=stacklevel)  # fmt: skip
+                warnings.warn(
+                    f"mx_scale_mode has no effect with scale_format={self.scale_format!r}", stacklevel=stacklevel
+                )
             if self.format.per_tensor and self.scale_target != DEFAULT_SCALE_TARGET:
-                warnings.warn("scale_target has no effect with scale_format='fp32' (the amax maps to the element "
-                              "format's largest value)", stacklevel=stacklevel)  # fmt: skip
+                warnings.warn(
+                    "scale_target has no effect with scale_format='fp32' (the amax maps to the element "
+                    "format's largest value)",
+                    stacklevel=stacklevel,
+                )

@@ -98,8 +98,9 @@ def quantize_blocks(x: torch.Tensor, *args, backend: str = "auto", **kwargs):
     return backend_for(backend, x.device).quantize_blocks(x, *args, **kwargs)
 
 
-def quantize_operands(*requests: OperandRequest, backend: str = "auto", generator: torch.Generator | None = None,
-                      stats: bool = True):  # fmt: skip
+def quantize_operands(
+    *requests: OperandRequest, backend: str = "auto", generator: torch.Generator | None = None, stats: bool = True
+):
     """:meth:`Backend.quantize` of ``requests`` on the path ``backend`` resolves to for their device."""
     return backend_for(backend, requests[0].tensor.device).quantize(*requests, generator=generator, stats=stats)
 
@@ -110,15 +111,25 @@ def quantize_operand(x: torch.Tensor, op, *, backend: str = "auto", generator=No
     return quantize_operands(OperandRequest(x, op, **request), backend=backend, generator=generator, stats=stats)[0]
 
 
-def quantize_tokens_operand(x_TD: torch.Tensor, op, *, backend: str = "auto", generator=None, stats: bool = True,
-                            **request):  # fmt: skip
+def quantize_tokens_operand(
+    x_TD: torch.Tensor, op, *, backend: str = "auto", generator=None, stats: bool = True, **request
+):
     """One ``tokens`` request: the wgrad operand X^T or dY^T [D, Tp] of a token-major ``x_TD``."""
     request = OperandRequest(x_TD, op, layout="tokens", **request)
     return quantize_operands(request, backend=backend, generator=generator, stats=stats)[0]
 
 
-def quantize_operand_pair(x_TK: torch.Tensor, op_x, op_xt, *, backend: str = "auto", generator=None,
-                          stats: bool = True, tensor_amax=None, **packing):  # fmt: skip
+def quantize_operand_pair(
+    x_TK: torch.Tensor,
+    op_x,
+    op_xt,
+    *,
+    backend: str = "auto",
+    generator=None,
+    stats: bool = True,
+    tensor_amax=None,
+    **packing,
+):
     """(X along K, X^T [K, tokens padded to 16] along the tokens) sharing one tensor reference: one
     fused launch on CUDA, one compiled graph on CPU (``pack_x``, ``pack_xt``, ``values_xt``)."""
     requests = x_and_tokens(x_TK, op_x, op_xt, tensor_amax=tensor_amax, **packing)

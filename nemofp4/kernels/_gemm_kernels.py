@@ -37,10 +37,19 @@ def _e2m1_times_two(codes_ptr, stride, r, k, r_ok, k_ok, TRANSPOSED: tl.constexp
 
 @triton.jit
 def _block_scale_f64(
-    scales_ptr, stride, r, kb, r_ok,
-    BS: tl.constexpr, TWO_D: tl.constexpr, TRANSPOSED: tl.constexpr,
-    IS_MX: tl.constexpr, BIAS: tl.constexpr, MANT: tl.constexpr, SUB_STEP: tl.constexpr,
-):  # fmt: skip
+    scales_ptr,
+    stride,
+    r,
+    kb,
+    r_ok,
+    BS: tl.constexpr,
+    TWO_D: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    IS_MX: tl.constexpr,
+    BIAS: tl.constexpr,
+    MANT: tl.constexpr,
+    SUB_STEP: tl.constexpr,
+):
     """[len(r)] float64 decoded block scale of rows r for reduction block kb (exact)."""
     if TWO_D:
         if TRANSPOSED:
@@ -83,15 +92,42 @@ def _round_half_even(v):
 
 @triton.jit
 def hardware_gemm_kernel(
-    a_codes, a_scales, b_codes, b_scales, out_ptr, a_ts_ptr, b_ts_ptr,
-    M, N, K_a, K_b, K,
-    stride_a_codes, stride_a_scales, stride_b_codes, stride_b_scales, stride_out,
-    A_BS: tl.constexpr, A_TWO_D: tl.constexpr, A_TRANSPOSED: tl.constexpr,
-    A_IS_MX: tl.constexpr, A_BIAS: tl.constexpr, A_MANT: tl.constexpr, A_SUB_STEP: tl.constexpr,
-    B_BS: tl.constexpr, B_TWO_D: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    B_IS_MX: tl.constexpr, B_BIAS: tl.constexpr, B_MANT: tl.constexpr, B_SUB_STEP: tl.constexpr,
-    SUB: tl.constexpr, LATTICE_SNAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-):  # fmt: skip
+    a_codes,
+    a_scales,
+    b_codes,
+    b_scales,
+    out_ptr,
+    a_ts_ptr,
+    b_ts_ptr,
+    M,
+    N,
+    K_a,
+    K_b,
+    K,
+    stride_a_codes,
+    stride_a_scales,
+    stride_b_codes,
+    stride_b_scales,
+    stride_out,
+    A_BS: tl.constexpr,
+    A_TWO_D: tl.constexpr,
+    A_TRANSPOSED: tl.constexpr,
+    A_IS_MX: tl.constexpr,
+    A_BIAS: tl.constexpr,
+    A_MANT: tl.constexpr,
+    A_SUB_STEP: tl.constexpr,
+    B_BS: tl.constexpr,
+    B_TWO_D: tl.constexpr,
+    B_TRANSPOSED: tl.constexpr,
+    B_IS_MX: tl.constexpr,
+    B_BIAS: tl.constexpr,
+    B_MANT: tl.constexpr,
+    B_SUB_STEP: tl.constexpr,
+    SUB: tl.constexpr,
+    LATTICE_SNAP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
     """out[M, N] = A @ B^T under the probe-matched model; K_a/K_b are the operands' stored
     (padded) reduction lengths, K the common one (a multiple of the block sizes)."""
     pid_m = tl.program_id(0)
@@ -110,13 +146,33 @@ def hardware_gemm_kernel(
             b2 = _e2m1_times_two(b_codes, stride_b_codes, rn, kk, n_ok, kk < K_b, B_TRANSPOSED)
             quarter_units = tl.dot(a2, tl.trans(b2), out_dtype=tl.float32)  # 4 * sum(a * b), exact
             scale_a = _block_scale_f64(
-                a_scales, stride_a_scales, rm, ks // A_BS, m_ok & ((rm * 0 + ks) < K_a),
-                A_BS, A_TWO_D, A_TRANSPOSED, A_IS_MX, A_BIAS, A_MANT, A_SUB_STEP,
-            )  # fmt: skip
+                a_scales,
+                stride_a_scales,
+                rm,
+                ks // A_BS,
+                m_ok & ((rm * 0 + ks) < K_a),
+                A_BS,
+                A_TWO_D,
+                A_TRANSPOSED,
+                A_IS_MX,
+                A_BIAS,
+                A_MANT,
+                A_SUB_STEP,
+            )
             scale_b = _block_scale_f64(
-                b_scales, stride_b_scales, rn, ks // B_BS, n_ok & ((rn * 0 + ks) < K_b),
-                B_BS, B_TWO_D, B_TRANSPOSED, B_IS_MX, B_BIAS, B_MANT, B_SUB_STEP,
-            )  # fmt: skip
+                b_scales,
+                stride_b_scales,
+                rn,
+                ks // B_BS,
+                n_ok & ((rn * 0 + ks) < K_b),
+                B_BS,
+                B_TWO_D,
+                B_TRANSPOSED,
+                B_IS_MX,
+                B_BIAS,
+                B_MANT,
+                B_SUB_STEP,
+            )
             group_sum += quarter_units.to(tl.float64) * (scale_a[:, None] * scale_b[None, :])
         partial = (group_sum * 0.25).to(tl.float32)  # the group's FP32 partial sum, RNE
         acc = _add_round_toward_zero(acc, partial)
@@ -124,6 +180,4 @@ def hardware_gemm_kernel(
         acc = _round_half_even(acc * 1024.0) * (1.0 / 1024.0)
     alpha = tl.load(a_ts_ptr) * tl.load(b_ts_ptr)
     out = acc * alpha
-    tl.store(
-        out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :]
-    )
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])

@@ -194,9 +194,16 @@ def _block_scales(
         return _pow2_scale(block_amax, MX_CEIL)
     else:
         return _minifloat_scale(
-            block_amax, code_multiplier, tensor_scale,
-            SCALE_MAX, SCALE_BIAS, SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE,
-        )  # fmt: skip
+            block_amax,
+            code_multiplier,
+            tensor_scale,
+            SCALE_MAX,
+            SCALE_BIAS,
+            SCALE_MANT,
+            SCALE_MIN_NORMAL,
+            SCALE_SUB_STEP,
+            ZERO_CODE_TO_ONE,
+        )
 
 
 @triton.jit
@@ -283,13 +290,38 @@ def _signed_value(mag, sign, scale_e):
 
 @triton.jit
 def _quantize_rows(
-    x, abits, seed_ptr, g_ptr, numerator, codes_ptr, scales_ptr, scaled_ptr, draws_ptr, counts_ptr, ts_ptr,
-    row0, col0, rows_out, cols_p,
-    BM: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, IS_MX: tl.constexpr, MX_CEIL: tl.constexpr,
-    SCALE_MAX: tl.constexpr, SCALE_BIAS: tl.constexpr, SCALE_MANT: tl.constexpr, SCALE_MIN_NORMAL: tl.constexpr,
-    SCALE_SUB_STEP: tl.constexpr, ZERO_CODE_TO_ONE: tl.constexpr, ROUNDING: tl.constexpr, TWO_D: tl.constexpr,
-    WRITE_SCALED: tl.constexpr, WRITE_DRAWS: tl.constexpr, STATS: tl.constexpr,
-):  # fmt: skip
+    x,
+    abits,
+    seed_ptr,
+    g_ptr,
+    numerator,
+    codes_ptr,
+    scales_ptr,
+    scaled_ptr,
+    draws_ptr,
+    counts_ptr,
+    ts_ptr,
+    row0,
+    col0,
+    rows_out,
+    cols_p,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    BS: tl.constexpr,
+    IS_MX: tl.constexpr,
+    MX_CEIL: tl.constexpr,
+    SCALE_MAX: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+    SCALE_MANT: tl.constexpr,
+    SCALE_MIN_NORMAL: tl.constexpr,
+    SCALE_SUB_STEP: tl.constexpr,
+    ZERO_CODE_TO_ONE: tl.constexpr,
+    ROUNDING: tl.constexpr,
+    TWO_D: tl.constexpr,
+    WRITE_SCALED: tl.constexpr,
+    WRITE_DRAWS: tl.constexpr,
+    STATS: tl.constexpr,
+):
     """The row-wise side of a tile: blocks along the last dim (or BS x BS tiles with TWO_D). Writes codes
     [rows_out, cols_p/2], scales [rows_out, cols_p/BS] (2-D: [rows_p/BS, cols_p/BS]), scaled [rows_out, cols_p]."""
     offs_m = row0 + tl.arange(0, BM)
@@ -303,9 +335,18 @@ def _quantize_rows(
     else:
         block_amax = tl.max(tl.reshape(abits, (BM, NB, BS)), axis=2).to(tl.float32, bitcast=True)
     code, scale, encode, saturated, underflow = _block_scales(
-        block_amax, code_multiplier, tensor_scale, IS_MX, MX_CEIL,
-        SCALE_MAX, SCALE_BIAS, SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE,
-    )  # fmt: skip
+        block_amax,
+        code_multiplier,
+        tensor_scale,
+        IS_MX,
+        MX_CEIL,
+        SCALE_MAX,
+        SCALE_BIAS,
+        SCALE_MANT,
+        SCALE_MIN_NORMAL,
+        SCALE_SUB_STEP,
+        ZERO_CODE_TO_ONE,
+    )
     if TWO_D:
         enc_e = tl.reshape(tl.broadcast_to(encode[:, None, :, None], (BM // BS, BS, NB, BS)), (BM, BK))
     else:
@@ -349,13 +390,37 @@ def _quantize_rows(
 
 @triton.jit
 def _quantize_cols(
-    x, abits, seed_ptr, g_ptr, numerator, codes_ptr, scales_ptr, scaled_ptr, draws_ptr, counts_ptr, ts_ptr,
-    row0, col0, cols, rows_p,
-    BM: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, IS_MX: tl.constexpr, MX_CEIL: tl.constexpr,
-    SCALE_MAX: tl.constexpr, SCALE_BIAS: tl.constexpr, SCALE_MANT: tl.constexpr, SCALE_MIN_NORMAL: tl.constexpr,
-    SCALE_SUB_STEP: tl.constexpr, ZERO_CODE_TO_ONE: tl.constexpr, ROUNDING: tl.constexpr,
-    WRITE_SCALED: tl.constexpr, WRITE_DRAWS: tl.constexpr, STATS: tl.constexpr,
-):  # fmt: skip
+    x,
+    abits,
+    seed_ptr,
+    g_ptr,
+    numerator,
+    codes_ptr,
+    scales_ptr,
+    scaled_ptr,
+    draws_ptr,
+    counts_ptr,
+    ts_ptr,
+    row0,
+    col0,
+    cols,
+    rows_p,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    BS: tl.constexpr,
+    IS_MX: tl.constexpr,
+    MX_CEIL: tl.constexpr,
+    SCALE_MAX: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+    SCALE_MANT: tl.constexpr,
+    SCALE_MIN_NORMAL: tl.constexpr,
+    SCALE_SUB_STEP: tl.constexpr,
+    ZERO_CODE_TO_ONE: tl.constexpr,
+    ROUNDING: tl.constexpr,
+    WRITE_SCALED: tl.constexpr,
+    WRITE_DRAWS: tl.constexpr,
+    STATS: tl.constexpr,
+):
     """The transposed side of the same tile: x.T [cols, rows_p], blocks of BS consecutive rows, one per
     column. Writes codes [cols, rows_p/2], scales [cols, rows_p/BS], scaled [cols, rows_p]."""
     offs_k = col0 + tl.arange(0, BK)
@@ -365,9 +430,18 @@ def _quantize_cols(
     MB: tl.constexpr = BM // BS
     block_amax = tl.max(tl.reshape(abits, (MB, BS, BK)), axis=1).to(tl.float32, bitcast=True)
     code, scale, encode, saturated, underflow = _block_scales(
-        block_amax, code_multiplier, tensor_scale, IS_MX, MX_CEIL,
-        SCALE_MAX, SCALE_BIAS, SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE,
-    )  # fmt: skip
+        block_amax,
+        code_multiplier,
+        tensor_scale,
+        IS_MX,
+        MX_CEIL,
+        SCALE_MAX,
+        SCALE_BIAS,
+        SCALE_MANT,
+        SCALE_MIN_NORMAL,
+        SCALE_SUB_STEP,
+        ZERO_CODE_TO_ONE,
+    )
     y = x * tl.reshape(tl.broadcast_to(encode[:, None, :], (MB, BS, BK)), (BM, BK))
     draws = 0
     if ROUNDING == ROUND_SR8 or ROUNDING == ROUND_SR:
@@ -400,16 +474,50 @@ def _quantize_cols(
 
 @triton.jit
 def quantize_kernel(
-    x_ptr, g_ptr, seed_ptr, amax_out_ptr,
-    codes_ptr, scales_ptr, scaled_ptr, draws_ptr, counts_ptr, ts_ptr,
-    codes_t_ptr, scales_t_ptr, scaled_t_ptr, draws_t_ptr, counts_t_ptr, ts_t_ptr,
-    rows, cols, stride_x, rows_out, cols_p, rows_p, numerator, numerator_t,
-    BM: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, IS_MX: tl.constexpr, MX_CEIL: tl.constexpr,
-    SCALE_MAX: tl.constexpr, SCALE_BIAS: tl.constexpr, SCALE_MANT: tl.constexpr, SCALE_MIN_NORMAL: tl.constexpr,
-    SCALE_SUB_STEP: tl.constexpr, ZERO_CODE_TO_ONE: tl.constexpr, ROUNDING: tl.constexpr, TWO_D: tl.constexpr,
-    ROWWISE: tl.constexpr, TRANSPOSED: tl.constexpr, WRITE_SCALED: tl.constexpr, WRITE_DRAWS: tl.constexpr,
-    STATS: tl.constexpr, MEASURE_AMAX: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    g_ptr,
+    seed_ptr,
+    amax_out_ptr,
+    codes_ptr,
+    scales_ptr,
+    scaled_ptr,
+    draws_ptr,
+    counts_ptr,
+    ts_ptr,
+    codes_t_ptr,
+    scales_t_ptr,
+    scaled_t_ptr,
+    draws_t_ptr,
+    counts_t_ptr,
+    ts_t_ptr,
+    rows,
+    cols,
+    stride_x,
+    rows_out,
+    cols_p,
+    rows_p,
+    numerator,
+    numerator_t,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    BS: tl.constexpr,
+    IS_MX: tl.constexpr,
+    MX_CEIL: tl.constexpr,
+    SCALE_MAX: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+    SCALE_MANT: tl.constexpr,
+    SCALE_MIN_NORMAL: tl.constexpr,
+    SCALE_SUB_STEP: tl.constexpr,
+    ZERO_CODE_TO_ONE: tl.constexpr,
+    ROUNDING: tl.constexpr,
+    TWO_D: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    WRITE_SCALED: tl.constexpr,
+    WRITE_DRAWS: tl.constexpr,
+    STATS: tl.constexpr,
+    MEASURE_AMAX: tl.constexpr,
+):
     """One [BM, BK] tile of x, read once: its row-wise quantization (:func:`_quantize_rows`) and/or
     that of x.T (:func:`_quantize_cols`), and with MEASURE_AMAX its share of the MX tensor amax."""
     row0 = tl.program_id(0) * BM
@@ -424,16 +532,71 @@ def quantize_kernel(
         tl.atomic_max(amax_out_ptr, tl.max(tl.max(abits, axis=1), axis=0))
     if ROWWISE:
         _quantize_rows(
-            x, abits, seed_ptr, g_ptr, numerator, codes_ptr, scales_ptr, scaled_ptr, draws_ptr, counts_ptr, ts_ptr,
-            row0, col0, rows_out, cols_p, BM, BK, BS, IS_MX, MX_CEIL, SCALE_MAX, SCALE_BIAS, SCALE_MANT,
-            SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE, ROUNDING, TWO_D, WRITE_SCALED, WRITE_DRAWS, STATS,
-        )  # fmt: skip
+            x,
+            abits,
+            seed_ptr,
+            g_ptr,
+            numerator,
+            codes_ptr,
+            scales_ptr,
+            scaled_ptr,
+            draws_ptr,
+            counts_ptr,
+            ts_ptr,
+            row0,
+            col0,
+            rows_out,
+            cols_p,
+            BM,
+            BK,
+            BS,
+            IS_MX,
+            MX_CEIL,
+            SCALE_MAX,
+            SCALE_BIAS,
+            SCALE_MANT,
+            SCALE_MIN_NORMAL,
+            SCALE_SUB_STEP,
+            ZERO_CODE_TO_ONE,
+            ROUNDING,
+            TWO_D,
+            WRITE_SCALED,
+            WRITE_DRAWS,
+            STATS,
+        )
     if TRANSPOSED:
         _quantize_cols(
-            x, abits, seed_ptr, g_ptr, numerator_t, codes_t_ptr, scales_t_ptr, scaled_t_ptr, draws_t_ptr,
-            counts_t_ptr, ts_t_ptr, row0, col0, cols, rows_p, BM, BK, BS, IS_MX, MX_CEIL, SCALE_MAX, SCALE_BIAS,
-            SCALE_MANT, SCALE_MIN_NORMAL, SCALE_SUB_STEP, ZERO_CODE_TO_ONE, ROUNDING, WRITE_SCALED, WRITE_DRAWS, STATS,
-        )  # fmt: skip
+            x,
+            abits,
+            seed_ptr,
+            g_ptr,
+            numerator_t,
+            codes_t_ptr,
+            scales_t_ptr,
+            scaled_t_ptr,
+            draws_t_ptr,
+            counts_t_ptr,
+            ts_t_ptr,
+            row0,
+            col0,
+            cols,
+            rows_p,
+            BM,
+            BK,
+            BS,
+            IS_MX,
+            MX_CEIL,
+            SCALE_MAX,
+            SCALE_BIAS,
+            SCALE_MANT,
+            SCALE_MIN_NORMAL,
+            SCALE_SUB_STEP,
+            ZERO_CODE_TO_ONE,
+            ROUNDING,
+            WRITE_SCALED,
+            WRITE_DRAWS,
+            STATS,
+        )
 
 
 @triton.jit

@@ -72,8 +72,9 @@ class Backend(Protocol):
     reads_packed_codes: bool
     """Its hardware GEMM reads packed FP4 codes (so its operands are always packed)."""
 
-    def quantize(self, *requests: OperandRequest, generator: torch.Generator | None = None,
-                 stats: bool = True) -> tuple[QuantizedBlocks, ...]: ...  # fmt: skip
+    def quantize(
+        self, *requests: OperandRequest, generator: torch.Generator | None = None, stats: bool = True
+    ) -> tuple[QuantizedBlocks, ...]: ...
 
     def quantize_blocks(self, x: torch.Tensor, *args, **kwargs) -> QuantizedBlocks: ...
 
@@ -157,8 +158,14 @@ def _blocks_request(x, *args, **kwargs) -> tuple[OperandRequest, torch.Generator
     a = _QUANTIZE_BLOCKS.bind(x, *args, **kwargs)
     a.apply_defaults()
     a = a.arguments
-    spec = BlockSpec(scale_format=a["scale_format"], block_size=a["block_size"], two_d=a["two_d"],
-                     rounding=a["rounding"], scale_target=a["scale_target"], mx_scale_mode=a["mx_scale_mode"])  # fmt: skip
+    spec = BlockSpec(
+        scale_format=a["scale_format"],
+        block_size=a["block_size"],
+        two_d=a["two_d"],
+        rounding=a["rounding"],
+        scale_target=a["scale_target"],
+        mx_scale_mode=a["mx_scale_mode"],
+    )
     spec.check_input(x, a["tensor_amax"], name=a["name"], stacklevel=4)
     if spec.format.power_of_two and spec.mx_scale_mode != "floor":
         return None
@@ -176,11 +183,21 @@ def _as_blocks_result(q: QuantizedBlocks, x: torch.Tensor) -> QuantizedBlocks:
     lead = tuple(x.shape[:-1])
     padded = (*lead, q.padded_shape[-1])
     return QuantizedBlocks(
-        element_format=q.element_format, shape=tuple(x.shape), padded_shape=padded, block_size=q.block_size,
-        two_d=False, scale_format=q.scale_format, tensor_scale=q.tensor_scale, tensor_amax=q.tensor_amax,
-        scale_target=q.scale_target, codes=q.codes.view(*lead, -1), scale_codes=q.scale_codes.view(*lead, -1),
-        counts=q.counts, num_blocks=q.num_blocks, num_elements=q.num_elements,
-    )  # fmt: skip
+        element_format=q.element_format,
+        shape=tuple(x.shape),
+        padded_shape=padded,
+        block_size=q.block_size,
+        two_d=False,
+        scale_format=q.scale_format,
+        tensor_scale=q.tensor_scale,
+        tensor_amax=q.tensor_amax,
+        scale_target=q.scale_target,
+        codes=q.codes.view(*lead, -1),
+        scale_codes=q.scale_codes.view(*lead, -1),
+        counts=q.counts,
+        num_blocks=q.num_blocks,
+        num_elements=q.num_elements,
+    )
 
 
 def _triton_covers(spec: BlockSpec) -> bool:
@@ -192,10 +209,17 @@ def _fused_pair(x: OperandRequest, xt: OperandRequest) -> bool:
     """Whether one Triton launch quantizes the two: X along K (with its values) and X^T along the
     tokens of the same tensor and reference, in the same format, block and rounding, 1-D blocks
     without a Hadamard transform."""
-    return (x.layout == "rows" and xt.layout == "tokens" and x.tensor is xt.tensor
-            and x.tensor_amax is xt.tensor_amax and x.values and not x.tiles and x.spec.blocks_like(xt.spec)
-            and _triton_covers(x.spec) and not (x.spec.two_d or xt.spec.two_d or x.spec.hadamard
-                                                or xt.spec.hadamard))  # fmt: skip
+    return (
+        x.layout == "rows"
+        and xt.layout == "tokens"
+        and x.tensor is xt.tensor
+        and x.tensor_amax is xt.tensor_amax
+        and x.values
+        and not x.tiles
+        and x.spec.blocks_like(xt.spec)
+        and _triton_covers(x.spec)
+        and not (x.spec.two_d or xt.spec.two_d or x.spec.hadamard or xt.spec.hadamard)
+    )
 
 
 class TritonBackend(EagerBackend):
@@ -217,9 +241,17 @@ class TritonBackend(EagerBackend):
             r = requests[i]
             if i + 1 < len(requests) and _fused_pair(r, requests[i + 1]):
                 xt = requests[i + 1]
-                out += triton_quantize_operand_pair(r.tensor, r.spec, xt.spec, tensor_amax=r.tensor_amax,
-                                                    generator=generator, pack_x=r.pack, pack_xt=xt.pack,
-                                                    values_xt=xt.values, stats=stats)  # fmt: skip
+                out += triton_quantize_operand_pair(
+                    r.tensor,
+                    r.spec,
+                    xt.spec,
+                    tensor_amax=r.tensor_amax,
+                    generator=generator,
+                    pack_x=r.pack,
+                    pack_xt=xt.pack,
+                    values_xt=xt.values,
+                    stats=stats,
+                )
                 i += 2
                 continue
             if not _triton_covers(r.spec):
@@ -229,8 +261,18 @@ class TritonBackend(EagerBackend):
                 if r.layout == "tokens":
                     x = tokens_transposed(x)
                     x = wgrad_hadamard_transform(x) if r.spec.hadamard else x
-                out.append(triton_quantize_operand(x, r.spec, tensor_amax=r.tensor_amax, generator=generator,
-                                                   two_d=r.tiles, pack=r.pack, values=r.values, stats=stats))  # fmt: skip
+                out.append(
+                    triton_quantize_operand(
+                        x,
+                        r.spec,
+                        tensor_amax=r.tensor_amax,
+                        generator=generator,
+                        two_d=r.tiles,
+                        pack=r.pack,
+                        values=r.values,
+                        stats=stats,
+                    )
+                )
             i += 1
         return tuple(out)
 
@@ -246,10 +288,16 @@ class TritonBackend(EagerBackend):
         from .quantize import triton_quantize_blocks
 
         return triton_quantize_blocks(
-            x, scale_format=a["scale_format"], block_size=a["block_size"], two_d=a["two_d"],
-            scale_target=a["scale_target"], tensor_amax=a["tensor_amax"], rounding=a["rounding"],
-            seed=_seed(a["rounding"], a["generator"], x.device), mx_scale_mode=a["mx_scale_mode"],
-        )  # fmt: skip
+            x,
+            scale_format=a["scale_format"],
+            block_size=a["block_size"],
+            two_d=a["two_d"],
+            scale_target=a["scale_target"],
+            tensor_amax=a["tensor_amax"],
+            rounding=a["rounding"],
+            seed=_seed(a["rounding"], a["generator"], x.device),
+            mx_scale_mode=a["mx_scale_mode"],
+        )
 
     def amax(self, x):
         from .quantize import triton_amax
@@ -305,8 +353,9 @@ def _fall_back(path: str, why: str) -> str:
 
 
 def _cannot_run(backend: str, why: str, use: str) -> ValueError:
-    return ValueError(f"kernels={backend!r} (train.kernels, or nemofp4-eval's kernels) cannot run here: {why}; "
-                      f"use {use}")  # fmt: skip
+    return ValueError(
+        f"kernels={backend!r} (train.kernels, or nemofp4-eval's kernels) cannot run here: {why}; use {use}"
+    )
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -333,13 +382,19 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         )
     if backend == "native":
         if device.type != "cpu":
-            raise _cannot_run(backend, f"it quantizes CPU tensors, and these are on {device.type}",
-                              "'auto', 'triton', 'compiled' or 'eager'")  # fmt: skip
+            raise _cannot_run(
+                backend,
+                f"it quantizes CPU tensors, and these are on {device.type}",
+                "'auto', 'triton', 'compiled' or 'eager'",
+            )
         if not cpu_compile_available():
             raise _cannot_run(backend, NO_COMPILER, "'auto' or 'eager' (the eager torch program: the same numerics)")
         if not native.available():
-            raise _cannot_run(backend, native.unavailable_reason(), "'auto', 'compiled' (the compiled torch program: "
-                              "the same numerics) or 'eager'")  # fmt: skip
+            raise _cannot_run(
+                backend,
+                native.unavailable_reason(),
+                "'auto', 'compiled' (the compiled torch program: the same numerics) or 'eager'",
+            )
     if backend == "compiled" and device.type == "cpu" and not cpu_compile_available():
         raise _cannot_run(backend, NO_COMPILER, "'auto' or 'eager' (the eager torch program: the same numerics)")
     return backend
@@ -365,8 +420,10 @@ def describe(device: torch.device | str, backend: str = "auto") -> str:
     if path == "triton":
         return "FP4 quantization: fused Triton kernels"
     if path == "native":
-        return ("FP4 quantization: native CPU kernel (built on first use), the compiled torch program for the "
-                "operands it does not cover")
+        return (
+            "FP4 quantization: native CPU kernel (built on first use), the compiled torch program for the "
+            "operands it does not cover"
+        )
     if path == "compiled":
         return "FP4 quantization: compiled torch program (torch.compile; the first step builds it)"
     if backend == "eager":

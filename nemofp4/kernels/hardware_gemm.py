@@ -46,9 +46,7 @@ _FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 # ------------------------------------------------------------------------------------ reference
-def hardware_gemm_reference(
-    a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = False
-) -> torch.Tensor:
+def hardware_gemm_reference(a_q, b_q, *, b_transposed: bool = False, lattice_snap: bool = False) -> torch.Tensor:
     """float32 ``[M, N]``: A @ B^T under the probe-matched model, step by step and exactly (slow:
     test-sized operands only). ``a_q``/``b_q`` are 2-D quantized operands with blocks along K."""
     a = _scaled_f64(a_q, transposed=False)
@@ -153,9 +151,7 @@ def _scaled_f64(q, *, transposed: bool, device: str | None = "cpu") -> torch.Ten
 
 def _check_k(a_q, b_q, b_transposed: bool) -> None:
     if b_transposed and not b_q.two_d:
-        raise ValueError(
-            "b_transposed=True needs a 16x16-tiled (two_d) operand: 1-D blocks run along one dim only"
-        )
+        raise ValueError("b_transposed=True needs a 16x16-tiled (two_d) operand: 1-D blocks run along one dim only")
     k_a = a_q.shape[1]
     k_b = b_q.shape[0] if b_transposed else b_q.shape[1]
     if k_a != k_b:
@@ -196,9 +192,7 @@ def triton_hardware_gemm(
         if len(q.shape) != 2:
             raise ValueError(f"{name}: the hardware GEMM takes 2-D operands, got shape {tuple(q.shape)}")
         if q.block_size not in HARDWARE_BLOCK_SIZES:
-            raise ValueError(
-                f"{name}: block_size {q.block_size} not supported; valid: {HARDWARE_BLOCK_SIZES}"
-            )
+            raise ValueError(f"{name}: block_size {q.block_size} not supported; valid: {HARDWARE_BLOCK_SIZES}")
     if a.codes.device != b.codes.device:
         raise ValueError(f"operands on different devices: {a.codes.device} and {b.codes.device}")
     m = a.shape[0]
@@ -207,23 +201,57 @@ def triton_hardware_gemm(
     k_b = b.padded_shape[0] if b_transposed else b.padded_shape[1]
     k = max(k_a, k_b)
     return torch.ops.nemofp4.triton_hardware_gemm(
-        a.codes.contiguous(), a.scale_codes.contiguous(), b.codes.contiguous(), b.scale_codes.contiguous(),
+        a.codes.contiguous(),
+        a.scale_codes.contiguous(),
+        b.codes.contiguous(),
+        b.scale_codes.contiguous(),
         # the kernel multiplies by a_ts * b_ts: passing (alpha, 1) applies alpha exactly
-        tensor_scale_product(a, b).float().reshape(1), torch.ones(1, dtype=torch.float32, device=a.codes.device),
-        m, n, k_a, k_b, k,
-        a.scale_format, a.block_size, bool(a.two_d), False, b.scale_format, b.block_size, bool(b.two_d), b_transposed,
-        lattice_snap, block_m, block_n,
-    )  # fmt: skip
+        tensor_scale_product(a, b).float().reshape(1),
+        torch.ones(1, dtype=torch.float32, device=a.codes.device),
+        m,
+        n,
+        k_a,
+        k_b,
+        k,
+        a.scale_format,
+        a.block_size,
+        bool(a.two_d),
+        False,
+        b.scale_format,
+        b.block_size,
+        bool(b.two_d),
+        b_transposed,
+        lattice_snap,
+        block_m,
+        block_n,
+    )
 
 
 @torch.library.custom_op("nemofp4::triton_hardware_gemm", mutates_args=(), device_types=("cuda", "cpu"))
 def _hardware_gemm_op(
-    a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor,
-    a_tensor_scale: torch.Tensor, b_tensor_scale: torch.Tensor, m: int, n: int, k_a: int, k_b: int, k: int,
-    a_format: str, a_block_size: int, a_two_d: bool, a_transposed: bool,
-    b_format: str, b_block_size: int, b_two_d: bool, b_transposed: bool,
-    lattice_snap: bool, block_m: int, block_n: int,
-) -> torch.Tensor:  # fmt: skip
+    a_codes: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_codes: torch.Tensor,
+    b_scales: torch.Tensor,
+    a_tensor_scale: torch.Tensor,
+    b_tensor_scale: torch.Tensor,
+    m: int,
+    n: int,
+    k_a: int,
+    k_b: int,
+    k: int,
+    a_format: str,
+    a_block_size: int,
+    a_two_d: bool,
+    a_transposed: bool,
+    b_format: str,
+    b_block_size: int,
+    b_two_d: bool,
+    b_transposed: bool,
+    lattice_snap: bool,
+    block_m: int,
+    block_n: int,
+) -> torch.Tensor:
     """The GEMM launch as an op (float32 ``[m, n]``), so compiled graphs hold it without a break."""
     device = a_codes.device
     out = torch.empty(m, n, dtype=torch.float32, device=device)
@@ -232,9 +260,23 @@ def _hardware_gemm_op(
     from . import _gemm_kernels
 
     _gemm_kernels.hardware_gemm_kernel[grid](
-        a_codes, a_scales, b_codes, b_scales, out, a_tensor_scale, b_tensor_scale,
-        m, n, k_a, k_b, k,
-        a_codes.stride(0), a_scales.stride(0), b_codes.stride(0), b_scales.stride(0), out.stride(0),
+        a_codes,
+        a_scales,
+        b_codes,
+        b_scales,
+        out,
+        a_tensor_scale,
+        b_tensor_scale,
+        m,
+        n,
+        k_a,
+        k_b,
+        k,
+        a_codes.stride(0),
+        a_scales.stride(0),
+        b_codes.stride(0),
+        b_scales.stride(0),
+        out.stride(0),
         **_operand_meta("A", a_format, a_block_size, a_two_d, a_transposed),
         **_operand_meta("B", b_format, b_block_size, b_two_d, b_transposed),
         SUB=min(a_block_size, b_block_size),
@@ -243,7 +285,7 @@ def _hardware_gemm_op(
         BN=block_n,
         # 8 warps: 192 registers per thread at 64x64 on sm_90 without spills (255 + spills at 4)
         **({} if interpreting else {"num_warps": 8, "enable_fp_fusion": False}),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -257,7 +299,9 @@ def _codes_of(q):
     if not isinstance(q, QuantizedBlocks):
         raise ValueError(f"expected a QuantizedBlocks operand, got {type(q).__name__}")
     if q.codes is None:
-        raise ValueError("the Triton hardware GEMM reads packed FP4 codes; this operand has none (quantize it with pack=True)")
+        raise ValueError(
+            "the Triton hardware GEMM reads packed FP4 codes; this operand has none (quantize it with pack=True)"
+        )
     return q
 
 

@@ -60,8 +60,16 @@ from nemofp4.formats.spec import SCALE_FORMAT_TABLE
 from .request import CoreOperand, CoreRunner, CoreSpec
 from .toolchain import NO_COMPILER, compiler
 
-__all__ = ["NativeCores", "amax", "available", "library_path", "quantize_core", "supports", "supports_amax",
-           "unavailable_reason"]
+__all__ = [
+    "NativeCores",
+    "amax",
+    "available",
+    "library_path",
+    "quantize_core",
+    "supports",
+    "supports_amax",
+    "unavailable_reason",
+]
 
 SOURCE = Path(__file__).with_name("cpu_quantize.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
@@ -96,8 +104,17 @@ class _Grid(ctypes.Structure):
 def _grid(scale_format: str) -> _Grid:
     grid, row = scale_grid(scale_format), SCALE_FORMAT_TABLE[scale_format]
     magic = 1.5 * 2.0 ** (23 + math.log2(grid.min_subnormal))  # formats.scaling.round_scale_rne's
-    return _Grid(grid.mantissa_bits, grid.bias, int(row.zero_code_to_one), grid.min_normal, grid.min_subnormal,
-                 grid.max_finite, magic, HASH_MULTIPLIER, HASH_ROUNDS)  # fmt: skip
+    return _Grid(
+        grid.mantissa_bits,
+        grid.bias,
+        int(row.zero_code_to_one),
+        grid.min_normal,
+        grid.min_subnormal,
+        grid.max_finite,
+        magic,
+        HASH_MULTIPLIER,
+        HASH_ROUNDS,
+    )
 
 
 def _cpu_features() -> str:
@@ -113,7 +130,10 @@ def _cpu_features() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("NEMOFP4_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nemofp4"
+    root = (
+        os.environ.get("NEMOFP4_CACHE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nemofp4"
+    )
     return Path(root) / "kernels"
 
 
@@ -184,8 +204,9 @@ _PROBE = "import sys, ctypes, torch; lib = ctypes.CDLL(sys.argv[1]); [getattr(li
 
 def _probe(compiler: str, partial: str) -> None:
     """Load the fresh library once in a throwaway process: one that is broken kills that process, not this one."""
-    result = subprocess.run([sys.executable, "-c", _PROBE, partial, *KERNELS], capture_output=True, text=True,
-                            check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, partial, *KERNELS], capture_output=True, text=True, check=False
+    )
     if result.returncode < 0:
         try:
             how = signal.Signals(-result.returncode).name
@@ -219,8 +240,9 @@ def _build(compiler: str, path: Path) -> ctypes.CDLL:
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f"{path.stem}.", suffix=".partial")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
-                                check=False)  # fmt: skip
+        result = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True, check=False
+        )
         if result.returncode:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         size = os.path.getsize(partial)
@@ -256,8 +278,22 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except OSError as error:
         return None, f"could not build the native CPU FP4 quantizer ({error})"
     lib.nf4_amax.argtypes, lib.nf4_amax.restype = [_P, ctypes.c_int64, ctypes.c_int32], ctypes.c_float
-    layout = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Grid), ctypes.c_int32, ctypes.c_uint32,
-              ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _P, ctypes.c_int32]  # fmt: skip
+    layout = [
+        _P,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.POINTER(_Grid),
+        ctypes.c_int32,
+        ctypes.c_uint32,
+        ctypes.c_float,
+        ctypes.c_float,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        ctypes.c_int32,
+    ]
     for kernel in (lib.nf4_quantize_rows, lib.nf4_quantize_tiles, lib.nf4_quantize_columns):
         kernel.argtypes, kernel.restype = layout, None
     return lib, ""
@@ -280,8 +316,15 @@ def unavailable_reason() -> str:
 def supports_amax(x: torch.Tensor) -> bool:
     """Whether :func:`amax` measures ``x``: a plain contiguous non-empty float32 CPU tensor, outside
     ``torch.compile``."""
-    return (type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-            and x.numel() > 0 and not torch.compiler.is_compiling() and _library() is not None)  # fmt: skip
+    return (
+        type(x) is torch.Tensor
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and x.numel() > 0
+        and not torch.compiler.is_compiling()
+        and _library() is not None
+    )
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -308,8 +351,9 @@ def supports(spec: CoreSpec, blocks: torch.Tensor) -> bool:
     )
 
 
-def quantize_core(spec: CoreSpec, blocks: torch.Tensor, g: torch.Tensor | None, target: torch.Tensor,
-                  key: torch.Tensor | None) -> tuple:  # fmt: skip
+def quantize_core(
+    spec: CoreSpec, blocks: torch.Tensor, g: torch.Tensor | None, target: torch.Tensor, key: torch.Tensor | None
+) -> tuple:
     """The program's FP4 core's outputs for ``(blocks, g, target, key, spec)``, from the native kernel
     (:func:`supports` must hold): (values shaped like ``blocks`` | None, tensor_scale, g, packed codes
     (flat) | None, scale codes, counts)."""
@@ -321,7 +365,11 @@ def quantize_core(spec: CoreSpec, blocks: torch.Tensor, g: torch.Tensor | None, 
         rows, cols, kernel = blocks.shape[0] * blocks.shape[1], blocks.shape[2], lib.nf4_quantize_columns
         scale_shape = (cols, rows // 16)
     elif spec.two_d:  # [R / 16, 16, C / 16, 16]
-        rows, cols, kernel = blocks.shape[0] * blocks.shape[1], blocks.shape[2] * blocks.shape[3], lib.nf4_quantize_tiles
+        rows, cols, kernel = (
+            blocks.shape[0] * blocks.shape[1],
+            blocks.shape[2] * blocks.shape[3],
+            lib.nf4_quantize_tiles,
+        )
         scale_shape = (rows // 16, cols // 16)
     else:  # [R, 1, C / 16, 16]
         rows, cols, kernel = blocks.shape[0], blocks.shape[2] * blocks.shape[3], lib.nf4_quantize_rows
@@ -331,10 +379,22 @@ def quantize_core(spec: CoreSpec, blocks: torch.Tensor, g: torch.Tensor | None, 
     scale_codes = torch.empty(scale_shape, dtype=torch.uint8)
     counts = torch.empty(3, dtype=torch.int64)
     tensor_scale = torch.empty((), dtype=torch.float32)
-    kernel(flat.data_ptr(), rows, cols, _grid(spec.scale_format), _ROUNDINGS[spec.rounding],
-           0 if key is None else int(key) & 0xFFFFFFFF, float(g), float(target),
-           None if values is None else values.data_ptr(), None if packed is None else packed.data_ptr(),
-           scale_codes.data_ptr(), counts.data_ptr(), tensor_scale.data_ptr(), torch.get_num_threads())  # fmt: skip
+    kernel(
+        flat.data_ptr(),
+        rows,
+        cols,
+        _grid(spec.scale_format),
+        _ROUNDINGS[spec.rounding],
+        0 if key is None else int(key) & 0xFFFFFFFF,
+        float(g),
+        float(target),
+        None if values is None else values.data_ptr(),
+        None if packed is None else packed.data_ptr(),
+        scale_codes.data_ptr(),
+        counts.data_ptr(),
+        tensor_scale.data_ptr(),
+        torch.get_num_threads(),
+    )
     return values, tensor_scale, g, packed, scale_codes, counts
 
 
@@ -352,8 +412,9 @@ class NativeCores:
         return f"NativeCores(rest={getattr(self.rest, 'name', self.rest)!r})"
 
     def run(self, operands: tuple[CoreOperand, ...], args: list[tuple]) -> list[tuple]:
-        outputs: list = [quantize_core(o.spec, *a) if supports(o.spec, o.blocks) else None
-                         for o, a in zip(operands, args)]  # fmt: skip
+        outputs: list = [
+            quantize_core(o.spec, *a) if supports(o.spec, o.blocks) else None for o, a in zip(operands, args)
+        ]
         rest = [i for i, output in enumerate(outputs) if output is None]
         if rest:
             for i, output in zip(rest, self.rest.run(tuple(operands[i] for i in rest), [args[i] for i in rest])):

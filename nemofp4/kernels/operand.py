@@ -26,12 +26,17 @@ from .request import TOKEN_MULTIPLE, check_values
 __all__ = ["triton_quantize_operand", "triton_quantize_operand_pair"]
 
 
-
 def triton_quantize_operand(
-    x: torch.Tensor, op: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None, two_d: bool | None = None, pack: bool = False, values: bool = True,
+    x: torch.Tensor,
+    op: BlockSpec,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    two_d: bool | None = None,
+    pack: bool = False,
+    values: bool = True,
     stats: bool = True,
-) -> QuantizedBlocks:  # fmt: skip
+) -> QuantizedBlocks:
     """Same contract as ``nemofp4.kernels.program.quantize_operand`` (2-D ``x``, a ``BlockSpec``)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_operand takes a 2-D tensor, got shape {tuple(x.shape)}")
@@ -44,10 +49,17 @@ def triton_quantize_operand(
 
 
 def triton_quantize_operand_pair(
-    x_TK: torch.Tensor, op_x: BlockSpec, op_xt: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
-    generator: torch.Generator | None = None, pack_x: bool = False, pack_xt: bool = True, values_xt: bool = True,
+    x_TK: torch.Tensor,
+    op_x: BlockSpec,
+    op_xt: BlockSpec,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pack_x: bool = False,
+    pack_xt: bool = True,
+    values_xt: bool = True,
     stats: bool = True,
-) -> tuple[QuantizedBlocks, QuantizedBlocks]:  # fmt: skip
+) -> tuple[QuantizedBlocks, QuantizedBlocks]:
     """(X quantized along K as ``op_x`` says, X^T [K, Tp] quantized along the tokens as ``op_xt``
     says) from one read of ``x_TK``: what QuantLinear's forward computes as ``quantize(Role.X,
     x_TK)`` and ``quantize(Role.X_WGRAD, pad_tokens(x_TK).t(), pack=True)``, bitwise (RNE).
@@ -68,9 +80,15 @@ def triton_quantize_operand_pair(
     tokens, features = x_TK.shape
     seed = _seed(op_x.rounding, generator, x_TK.device)
     rows, cols = triton_quantize(
-        x_TK, op_x, tensor_amax=tensor_amax, seed=seed, transposed=True, transposed_scale_target=op_xt.scale_target,
-        scaled_dtype=torch.float32, stats=stats,
-    )  # fmt: skip
+        x_TK,
+        op_x,
+        tensor_amax=tensor_amax,
+        seed=seed,
+        transposed=True,
+        transposed_scale_target=op_xt.scale_target,
+        scaled_dtype=torch.float32,
+        stats=stats,
+    )
     padded_tokens = tokens + (-tokens % TOKEN_MULTIPLE)
     return (
         _block_operand(rows, (tokens, features), pack_x, True, stats),
@@ -82,18 +100,24 @@ def _seed(rounding: str, generator: torch.Generator | None, device: torch.device
     if rounding == "rne":
         return 0
     return torch.randint(
-        -(2**63), 2**63 - 1, (1,), generator=generator, device=device if generator is None else generator.device,
+        -(2**63),
+        2**63 - 1,
+        (1,),
+        generator=generator,
+        device=device if generator is None else generator.device,
         dtype=torch.int64,
-    ).to(device)  # fmt: skip
+    ).to(device)
 
 
-def _block_operand(q: QuantizedBlocks, shape: tuple[int, int], pack: bool, values: bool,
-                   stats: bool) -> QuantizedBlocks:  # fmt: skip
+def _block_operand(
+    q: QuantizedBlocks, shape: tuple[int, int], pack: bool, values: bool, stats: bool
+) -> QuantizedBlocks:
     """``q`` as the torch program returns it: the operand's own (unpadded-token) shape, packed
     codes only when asked for, the scaled values unless ``values`` is False (the fused pair's kernel
     writes X^T's anyway), and the three block counts (a test compares the two)."""
     counts = {name: q.counts[name] for name in BLOCK_STATS} if stats else {}
     codes = q.codes if pack else None  # the block-scale codes stay: NVFP4's dequantize reads them
     scaled = q.scaled if values else None
-    return dataclasses.replace(q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, codes=codes,
-                               scaled=scaled)  # fmt: skip
+    return dataclasses.replace(
+        q, shape=shape, padded_shape=tuple(q.padded_shape), counts=counts, codes=codes, scaled=scaled
+    )

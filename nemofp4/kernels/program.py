@@ -87,8 +87,9 @@ __all__ = [
 ]
 
 _POW2_MIN = 2.0**-127  # the smallest UE8M0 scale, a float32 subnormal
-_SCALE_GRIDS = {name: scale_grid(name) for name, row in SCALE_FORMAT_TABLE.items()
-                if row.codes is not None and not row.power_of_two}  # fmt: skip
+_SCALE_GRIDS = {
+    name: scale_grid(name) for name, row in SCALE_FORMAT_TABLE.items() if row.codes is not None and not row.power_of_two
+}
 """Plain dict of named tuples: the compiled core reads them as constants."""
 _FP8_GRIDS = {name: element_grid(name) for name in ELEMENT_FORMATS if name != "e2m1"}
 _FP8_MAX_RECIPROCALS = {name: float(torch.tensor(1.0 / fp8_max(name), dtype=torch.float32)) for name in _FP8_GRIDS}
@@ -200,9 +201,7 @@ def _quantize_core(
     upper, middle = magnitude >= 4.0, magnitude >= 2.0
     inv = torch.where(upper, 0.5, torch.where(middle, 1.0, 2.0))  # 1 / spacing
     if spec.rounding == "rne":
-        magic = torch.where(
-            upper, 1.5 * 2.0**24, torch.where(middle, 1.5 * 2.0**23, 1.5 * 2.0**22)
-        )  # ulp = spacing
+        magic = torch.where(upper, 1.5 * 2.0**24, torch.where(middle, 1.5 * 2.0**23, 1.5 * 2.0**22))  # ulp = spacing
         rounded = (magnitude + magic) - magic  # one IEEE addition rounds to the grid, ties to even
         steps = rounded * inv
     else:
@@ -292,8 +291,9 @@ def _fp8_core(blocks: torch.Tensor, g: torch.Tensor, max_value: torch.Tensor, dr
         codes = _materialized((magnitude_code | torch.where(negative, 0x80, 0)).to(torch.uint8))
         codes = codes.view(-1, codes.shape[2]).t().contiguous() if spec.columns else codes
     underflow = (peak < grid.min_subnormal / 2) & (block_amax > 0)
-    counts = torch.stack([mask.sum(dtype=torch.int32) for mask in (peak > grid.max_finite, underflow,
-                                                                   block_amax == 0)]).long()  # fmt: skip
+    counts = torch.stack(
+        [mask.sum(dtype=torch.int32) for mask in (peak > grid.max_finite, underflow, block_amax == 0)]
+    ).long()
     return values, tensor_scale, g, codes, scale_codes, counts
 
 
@@ -301,8 +301,9 @@ def _quantize_cores(specs: tuple[CoreSpec, ...], *args):
     """The core of each spec in turn (:func:`_fp8_core` for an FP8 payload, :func:`_quantize_core`
     otherwise), on its four arguments (``args`` holds them in the order of ``specs``): the operands
     that one call quantizes, in one graph when compiled."""
-    return tuple((_fp8_core if spec.is_fp8 else _quantize_core)(*args[4 * i : 4 * i + 4], spec)
-                 for i, spec in enumerate(specs))  # fmt: skip
+    return tuple(
+        (_fp8_core if spec.is_fp8 else _quantize_core)(*args[4 * i : 4 * i + 4], spec) for i, spec in enumerate(specs)
+    )
 
 
 @functools.cache
@@ -351,6 +352,7 @@ def _compiled_or_eager(key, build, eager, args: tuple, what: Callable[[], str]):
 
 def _run_compiled(specs: tuple[CoreSpec, ...], *args):
     """The compiled cores of ``specs`` (eager where the build failed)."""
+
     def what() -> str:
         return " and ".join(spec.describe() for spec in specs)
 
@@ -369,8 +371,9 @@ def compiled_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return wgrad_hadamard_transform(x)
     torch._dynamo.maybe_mark_dynamic(x, tuple(range(x.dim())))  # a 16-token dim specializes
-    return _compiled_or_eager("hadamard", _compiled_hadamard, wgrad_hadamard_transform, (x,),
-                              lambda: "the wgrad Hadamard transform")
+    return _compiled_or_eager(
+        "hadamard", _compiled_hadamard, wgrad_hadamard_transform, (x,), lambda: "the wgrad Hadamard transform"
+    )
 
 
 # ------------------------------------------------------------------------------------ runners
@@ -404,8 +407,13 @@ COMPILED = CompiledCores()
 
 
 # ------------------------------------------------------------------------------------ entry
-def quantize(requests: tuple[OperandRequest, ...] | list[OperandRequest], *, generator: torch.Generator | None = None,
-             stats: bool = True, cores: CoreRunner = EAGER) -> tuple[QuantizedBlocks, ...]:  # fmt: skip
+def quantize(
+    requests: tuple[OperandRequest, ...] | list[OperandRequest],
+    *,
+    generator: torch.Generator | None = None,
+    stats: bool = True,
+    cores: CoreRunner = EAGER,
+) -> tuple[QuantizedBlocks, ...]:
     """Quantize ``requests`` as one call: each operand's random bits drawn in request order (in its
     element order: row-major over the padded operand, over the padded transpose for ``tokens``),
     then ``cores`` runs the cores; one :class:`QuantizedBlocks` per request.
@@ -422,42 +430,81 @@ def quantize(requests: tuple[OperandRequest, ...] | list[OperandRequest], *, gen
     return tuple(_result(operand, output, stats) for operand, output in zip(operands, outputs))
 
 
-def quantize_operand(x: torch.Tensor, op: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
-                     generator: torch.Generator | None = None, two_d: bool | None = None, pack: bool = False,
-                     values: bool = True, stats: bool = True, cores: CoreRunner = EAGER) -> QuantizedBlocks:  # fmt: skip
+def quantize_operand(
+    x: torch.Tensor,
+    op: BlockSpec,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    two_d: bool | None = None,
+    pack: bool = False,
+    values: bool = True,
+    stats: bool = True,
+    cores: CoreRunner = EAGER,
+) -> QuantizedBlocks:
     """:func:`quantize` of one ``rows`` request: a 2-D ``x`` along its last dim (or in tiles)."""
     request = OperandRequest(x, op, pack=pack, values=values, two_d=two_d, tensor_amax=tensor_amax)
     return quantize((request,), generator=generator, stats=stats, cores=cores)[0]
 
 
-def quantize_tokens_operand(x_TD: torch.Tensor, op: BlockSpec, *, tensor_amax: torch.Tensor | None = None,
-                            generator: torch.Generator | None = None, pack: bool = False, values: bool = True,
-                            stats: bool = True, cores: CoreRunner = EAGER) -> QuantizedBlocks:  # fmt: skip
+def quantize_tokens_operand(
+    x_TD: torch.Tensor,
+    op: BlockSpec,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pack: bool = False,
+    values: bool = True,
+    stats: bool = True,
+    cores: CoreRunner = EAGER,
+) -> QuantizedBlocks:
     """:func:`quantize` of one ``tokens`` request: the wgrad operand [D, Tp] of a token-major ``x_TD``."""
     request = OperandRequest(x_TD, op, layout="tokens", pack=pack, values=values, tensor_amax=tensor_amax)
     return quantize((request,), generator=generator, stats=stats, cores=cores)[0]
 
 
-def quantize_operand_pair(x_TK: torch.Tensor, op_x: BlockSpec, op_xt: BlockSpec, *,
-                          tensor_amax: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                          pack_x: bool = False, pack_xt: bool = True, values_xt: bool = True, stats: bool = True,
-                          cores: CoreRunner = EAGER) -> tuple[QuantizedBlocks, QuantizedBlocks]:  # fmt: skip
+def quantize_operand_pair(
+    x_TK: torch.Tensor,
+    op_x: BlockSpec,
+    op_xt: BlockSpec,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pack_x: bool = False,
+    pack_xt: bool = True,
+    values_xt: bool = True,
+    stats: bool = True,
+    cores: CoreRunner = EAGER,
+) -> tuple[QuantizedBlocks, QuantizedBlocks]:
     """(X along K, X^T [K, Tp] along the tokens) with one tensor reference: :func:`quantize` of the
     two requests (X's random bits drawn first)."""
-    qx, qxt = quantize(x_and_tokens(x_TK, op_x, op_xt, tensor_amax=tensor_amax, pack_x=pack_x, pack_xt=pack_xt,
-                                    values_xt=values_xt), generator=generator, stats=stats, cores=cores)  # fmt: skip
+    qx, qxt = quantize(
+        x_and_tokens(x_TK, op_x, op_xt, tensor_amax=tensor_amax, pack_x=pack_x, pack_xt=pack_xt, values_xt=values_xt),
+        generator=generator,
+        stats=stats,
+        cores=cores,
+    )
     return qx, qxt
 
 
-def x_and_tokens(x_TK: torch.Tensor, op_x: BlockSpec, op_xt: BlockSpec, *, tensor_amax: torch.Tensor | None,
-                 pack_x: bool = False, pack_xt: bool = True,
-                 values_xt: bool = True) -> tuple[OperandRequest, OperandRequest]:  # fmt: skip
+def x_and_tokens(
+    x_TK: torch.Tensor,
+    op_x: BlockSpec,
+    op_xt: BlockSpec,
+    *,
+    tensor_amax: torch.Tensor | None,
+    pack_x: bool = False,
+    pack_xt: bool = True,
+    values_xt: bool = True,
+) -> tuple[OperandRequest, OperandRequest]:
     """The requests of X along K and its wgrad operand X^T, sharing one tensor reference (which a
     Hadamard transform on X^T would change: refused)."""
     if op_xt.hadamard:
         raise ValueError("X and X^T share one tensor reference only without a Hadamard transform on X^T")
-    return (OperandRequest(x_TK, op_x, pack=pack_x, tensor_amax=tensor_amax),
-            OperandRequest(x_TK, op_xt, layout="tokens", pack=pack_xt, values=values_xt, tensor_amax=tensor_amax))  # fmt: skip
+    return (
+        OperandRequest(x_TK, op_x, pack=pack_x, tensor_amax=tensor_amax),
+        OperandRequest(x_TK, op_xt, layout="tokens", pack=pack_xt, values=values_xt, tensor_amax=tensor_amax),
+    )
 
 
 def _prepared(request: OperandRequest) -> CoreOperand:
@@ -486,7 +533,9 @@ def _down_columns(x_TD: torch.Tensor, op: BlockSpec, pack: bool, tensor_amax, va
     """The padded transpose of ``x_TD`` [T, D] in blocks along the tokens, read as blocks down the
     columns of ``x_TD``."""
     if x_TD.dim() != 2:
-        raise ValueError(f"quantize_tokens_operand takes a 2-D [tokens, features] tensor, got shape {tuple(x_TD.shape)}")
+        raise ValueError(
+            f"quantize_tokens_operand takes a 2-D [tokens, features] tensor, got shape {tuple(x_TD.shape)}"
+        )
     if op.two_d:
         raise ValueError("a wgrad operand is quantized in 1-D blocks along the tokens, not in 2-D tiles")
     b = op.block_size

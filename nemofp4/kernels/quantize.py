@@ -100,7 +100,9 @@ def triton_quantize_with_draws(x: torch.Tensor, **kwargs):
     rounding rule exactly: ``((rows, rows_draws), (cols | None, cols_draws | None))``, draws int64
     per padded element. Same keyword arguments as :func:`triton_quantize`."""
     if kwargs.get("rounding", "rne") == "rne":
-        raise ValueError("triton_quantize_with_draws needs a stochastic rounding ('sr', 'sr8' or 'sr_exact'; rne draws nothing)")
+        raise ValueError(
+            "triton_quantize_with_draws needs a stochastic rounding ('sr', 'sr8' or 'sr_exact'; rne draws nothing)"
+        )
     return triton_quantize(x, _write_draws=True, **kwargs)
 
 
@@ -132,7 +134,9 @@ def triton_quantize(
     if spec is None:
         spec = BlockSpec(**{"scale_format": "ue5m3", **spec_fields})
     elif spec_fields:
-        raise ValueError(f"triton_quantize takes the quantization as a spec or as keywords, not both: {sorted(spec_fields)}")
+        raise ValueError(
+            f"triton_quantize takes the quantization as a spec or as keywords, not both: {sorted(spec_fields)}"
+        )
     target_t = _check_launch(x, spec, tensor_amax, rowwise, transposed, transposed_scale_target, scaled_dtype)
     device = x.device
     is_mx = spec.format.power_of_two
@@ -159,11 +163,26 @@ def triton_quantize(
     seed_t = _seed_tensor(seed, device, rounding)
     config = _config or _tile_config(b, two_d, transposed, interpreting(device))
     outs = torch.ops.nemofp4.triton_quantize(
-        x2d, g, seed_t, scale_format, b, two_d, _fp32(scale_target * 6.0), _fp32(target_t * 6.0),
-        _ROUNDING_CODES[rounding], spec.mx_scale_mode == "ceil", rowwise, transposed,
-        _SCALED_DTYPE_CODES[scaled_dtype], _write_draws, stats,
-        config["BM"], config["BK"], config.get("num_warps", 0), config.get("enable_fp_fusion", True),
-    )  # fmt: skip
+        x2d,
+        g,
+        seed_t,
+        scale_format,
+        b,
+        two_d,
+        _fp32(scale_target * 6.0),
+        _fp32(target_t * 6.0),
+        _ROUNDING_CODES[rounding],
+        spec.mx_scale_mode == "ceil",
+        rowwise,
+        transposed,
+        _SCALED_DTYPE_CODES[scaled_dtype],
+        _write_draws,
+        stats,
+        config["BM"],
+        config["BK"],
+        config.get("num_warps", 0),
+        config.get("enable_fp_fusion", True),
+    )
     r = dict(zip(_SIDE_OUTPUTS, outs[:6]))
     t = dict(zip(_SIDE_OUTPUTS, outs[6:12]))
     if measure_amax:
@@ -187,9 +206,7 @@ def triton_quantize(
             scale_format=scale_format,
             num_blocks=r["scales"].numel(),
             num_elements=math.prod(shape),
-            scaled=None
-            if scaled_dtype is None
-            else r["scaled"].view(*(padded if not two_d else (rows_p, cols_p))),
+            scaled=None if scaled_dtype is None else r["scaled"].view(*(padded if not two_d else (rows_p, cols_p))),
         )
     if transposed:
         col_result = QuantizedBlocks(
@@ -220,9 +237,15 @@ _SIDE_OUTPUTS = ("codes", "scales", "scaled", "draws", "counts", "ts")
 
 
 def _launch_outputs(
-    x2d: torch.Tensor, block_size: int, two_d: bool, rowwise: bool, transposed: bool, scaled_dtype: int,
-    write_draws: bool, measure_amax: bool,
-) -> list[torch.Tensor]:  # fmt: skip
+    x2d: torch.Tensor,
+    block_size: int,
+    two_d: bool,
+    rowwise: bool,
+    transposed: bool,
+    scaled_dtype: int,
+    write_draws: bool,
+    measure_amax: bool,
+) -> list[torch.Tensor]:
     """The launch's 13 outputs, allocated: (codes, scales, scaled, draws, counts, ts) row-wise, the
     same for x.T, and the measured MX amax bits. An output the launch does not write is empty."""
     rows, cols = x2d.shape
@@ -235,8 +258,14 @@ def _launch_outputs(
 
     def side(on: bool, n_rows: int, n_cols: int, scale_shape: tuple[int, ...]) -> list[torch.Tensor]:
         if not on:
-            return [empty(torch.uint8), empty(torch.uint8), empty(torch.float32), empty(torch.int64),
-                    empty(torch.int32), empty(torch.float32)]  # fmt: skip
+            return [
+                empty(torch.uint8),
+                empty(torch.uint8),
+                empty(torch.float32),
+                empty(torch.int64),
+                empty(torch.int32),
+                empty(torch.float32),
+            ]
         return [
             x2d.new_empty(n_rows, n_cols // 2, dtype=torch.uint8),
             x2d.new_empty(scale_shape, dtype=torch.uint8),
@@ -256,11 +285,26 @@ def _launch_outputs(
 
 @torch.library.custom_op("nemofp4::triton_quantize", mutates_args=(), device_types=("cuda", "cpu"))
 def _quantize_op(
-    x2d: torch.Tensor, g: torch.Tensor | None, seed: torch.Tensor, scale_format: str, block_size: int,
-    two_d: bool, numerator: float, numerator_t: float, rounding: int, mx_ceil: bool, rowwise: bool,
-    transposed: bool, scaled_dtype: int, write_draws: bool, stats: bool, bm: int, bk: int, num_warps: int,
+    x2d: torch.Tensor,
+    g: torch.Tensor | None,
+    seed: torch.Tensor,
+    scale_format: str,
+    block_size: int,
+    two_d: bool,
+    numerator: float,
+    numerator_t: float,
+    rounding: int,
+    mx_ceil: bool,
+    rowwise: bool,
+    transposed: bool,
+    scaled_dtype: int,
+    write_draws: bool,
+    stats: bool,
+    bm: int,
+    bk: int,
+    num_warps: int,
     enable_fp_fusion: bool,
-) -> list[torch.Tensor]:  # fmt: skip
+) -> list[torch.Tensor]:
     """One quantization launch as an op (``g`` None: an MX launch measures its own amax), so that
     torch.compile and FSDP2 see a node with a fake implementation rather than a graph break."""
     device = x2d.device
@@ -268,8 +312,14 @@ def _quantize_op(
     fmt, is_mx = row.codes, row.power_of_two
     measure_amax = g is None
     outs = _launch_outputs(x2d, block_size, two_d, rowwise, transposed, scaled_dtype, write_draws, measure_amax)
-    dummies = {"codes": torch.uint8, "scales": torch.uint8, "scaled": torch.float32, "draws": torch.int64,
-               "counts": torch.int32, "ts": torch.float32}  # fmt: skip
+    dummies = {
+        "codes": torch.uint8,
+        "scales": torch.uint8,
+        "scaled": torch.float32,
+        "draws": torch.int64,
+        "counts": torch.int32,
+        "ts": torch.float32,
+    }
 
     def pointers(side: list[torch.Tensor]) -> list[torch.Tensor]:
         # a one-element buffer for every pointer the launch does not write
@@ -284,8 +334,20 @@ def _quantize_op(
     grid = (triton_cdiv(grid_rows, bm), triton_cdiv(cols_p if rowwise else cols, bk))
     options = {"num_warps": num_warps, "enable_fp_fusion": enable_fp_fusion} if num_warps else {}
     _kernels().quantize_kernel[grid](
-        x2d, g_in, seed, amax_out, *pointers(outs[:6]), *pointers(outs[6:12]),
-        rows, cols, x2d.stride(0), rows_out, cols_p, rows_p, numerator, numerator_t,
+        x2d,
+        g_in,
+        seed,
+        amax_out,
+        *pointers(outs[:6]),
+        *pointers(outs[6:12]),
+        rows,
+        cols,
+        x2d.stride(0),
+        rows_out,
+        cols_p,
+        rows_p,
+        numerator,
+        numerator_t,
         BS=block_size,
         IS_MX=is_mx,
         MX_CEIL=mx_ceil,
@@ -306,13 +368,32 @@ def _quantize_op(
         BM=bm,
         BK=bk,
         **options,
-    )  # fmt: skip
+    )
     return outs
 
 
 @_quantize_op.register_fake
-def _(x2d, g, seed, scale_format, block_size, two_d, numerator, numerator_t, rounding, mx_ceil, rowwise,
-      transposed, scaled_dtype, write_draws, stats, bm, bk, num_warps, enable_fp_fusion):  # fmt: skip
+def _(
+    x2d,
+    g,
+    seed,
+    scale_format,
+    block_size,
+    two_d,
+    numerator,
+    numerator_t,
+    rounding,
+    mx_ceil,
+    rowwise,
+    transposed,
+    scaled_dtype,
+    write_draws,
+    stats,
+    bm,
+    bk,
+    num_warps,
+    enable_fp_fusion,
+):
     return _launch_outputs(x2d, block_size, two_d, rowwise, transposed, scaled_dtype, write_draws, g is None)
 
 
@@ -367,9 +448,7 @@ def _seed_tensor(seed: int | torch.Tensor, device: torch.device, rounding: str) 
     from pageable memory would wait for the stream: one synchronization per quantization)."""
     if isinstance(seed, torch.Tensor):
         if seed.dtype != torch.int64 or seed.numel() != 1:
-            raise ValueError(
-                f"seed tensor must hold one int64, got dtype {seed.dtype}, shape {tuple(seed.shape)}"
-            )
+            raise ValueError(f"seed tensor must hold one int64, got dtype {seed.dtype}, shape {tuple(seed.shape)}")
         return seed.reshape(1).to(device)
     if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
         raise ValueError(f"seed must be an int in the int64 range or an int64 tensor, got {seed!r}")
@@ -386,8 +465,10 @@ def _tile_config(block_size: int, two_d: bool, transposed: bool, interpret: bool
     transposed kernel, without spills, so 5-10 blocks of 128 threads fit on an SM and keep
     20-40 KB of loads in flight per SM. scripts/bench/bench_gpu.py sweeps alternatives on a GPU."""
     if interpret:  # the interpreter's cost is per program: few, large tiles (same results)
-        return {"BM": max(64 if transposed else 32, block_size) if (two_d or transposed) else 128,
-                "BK": max(64 if transposed else 128, block_size)}  # fmt: skip
+        return {
+            "BM": max(64 if transposed else 32, block_size) if (two_d or transposed) else 128,
+            "BK": max(64 if transposed else 128, block_size),
+        }
     bm = max(16, block_size) if (two_d or transposed) else 16
     # no multiply-add contraction: every product in the kernels is exact anyway, but the numerics
     # should not depend on a compiler default (Triton 3.10 changes it)
@@ -426,6 +507,7 @@ def _check_launch(
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not (math.isfinite(target) and target > 0):
         raise ValueError(f"transposed_scale_target must be a finite positive number, got {target!r}")
     if spec.format.power_of_two:
-        warnings.warn(f"scale_target has no effect with scale_format={spec.scale_format!r} (no tensor scale)",
-                      stacklevel=5)  # fmt: skip
+        warnings.warn(
+            f"scale_target has no effect with scale_format={spec.scale_format!r} (no tensor scale)", stacklevel=5
+        )
     return target

@@ -25,8 +25,16 @@ import torch.nn.functional as F
 
 from nemofp4.formats.spec import SCALE_FORMAT_TABLE, BlockSpec
 
-__all__ = ["LAYOUTS", "TOKEN_MULTIPLE", "CoreOperand", "CoreRunner", "CoreSpec", "OperandRequest", "check_values",
-           "tokens_transposed"]  # fmt: skip
+__all__ = [
+    "LAYOUTS",
+    "TOKEN_MULTIPLE",
+    "CoreOperand",
+    "CoreRunner",
+    "CoreSpec",
+    "OperandRequest",
+    "check_values",
+    "tokens_transposed",
+]
 
 TOKEN_MULTIPLE = 16
 """The tokens of a wgrad operand are zero-padded to this multiple (one Hadamard group)."""
@@ -122,23 +130,39 @@ class CoreSpec:
         blocks = f"{self.block_size}x{self.block_size} tiles" if self.two_d else f"blocks of {self.block_size}"
         if self.per_tensor:
             blocks = "per tensor"
-        layout = ", down the columns" + (" after the Hadamard transform" if self.hadamard else "") if self.columns else ""
+        layout = (
+            ", down the columns" + (" after the Hadamard transform" if self.hadamard else "") if self.columns else ""
+        )
         formats = f"{self.element}/{self.scale_format}" if self.is_fp8 else self.scale_format
         return f"{formats} {blocks}, {self.rounding}{layout}"
 
     @classmethod
-    def of(cls, op: BlockSpec, pack: bool, measure: bool, values: bool, *, two_d: bool = False,
-           columns: bool = False) -> CoreSpec:  # fmt: skip
+    def of(
+        cls, op: BlockSpec, pack: bool, measure: bool, values: bool, *, two_d: bool = False, columns: bool = False
+    ) -> CoreSpec:
         """The spec of quantizing with ``op`` in the given layout. The FP4 core has OCP's floor exponent
         only: an E2M1 UE8M0 spec in 'ceil' mode is the reference's and the Triton kernels', refused here
         rather than floored."""
         if not op.is_fp8 and op.format.power_of_two and op.mx_scale_mode != "floor":
-            raise ValueError(f"mx_scale_mode={op.mx_scale_mode!r} with E2M1 payloads: the torch program quantizes "
-                             "FP4 MX blocks with OCP's floor rule only (nemofp4.formats.quantize_blocks and the "
-                             "Triton kernels have 'ceil')")  # fmt: skip
-        return cls(op.scale_format, op.block_size, two_d, op.rounding, pack, measure=measure, columns=columns,
-                   hadamard=op.hadamard and columns, values=check_values(pack, values), element=op.element_format,
-                   mx_scale_mode=op.mx_scale_mode, power_of_two_scale=op.power_of_two_scale)  # fmt: skip
+            raise ValueError(
+                f"mx_scale_mode={op.mx_scale_mode!r} with E2M1 payloads: the torch program quantizes "
+                "FP4 MX blocks with OCP's floor rule only (nemofp4.formats.quantize_blocks and the "
+                "Triton kernels have 'ceil')"
+            )
+        return cls(
+            op.scale_format,
+            op.block_size,
+            two_d,
+            op.rounding,
+            pack,
+            measure=measure,
+            columns=columns,
+            hadamard=op.hadamard and columns,
+            values=check_values(pack, values),
+            element=op.element_format,
+            mx_scale_mode=op.mx_scale_mode,
+            power_of_two_scale=op.power_of_two_scale,
+        )
 
 
 @dataclass(frozen=True)

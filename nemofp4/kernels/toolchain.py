@@ -31,11 +31,15 @@ def compiler() -> str | None:
     if path is not None:
         return path
     if len(shlex.split(cxx)) > 1:
-        raise ValueError(f"CXX={cxx!r} is a command with arguments; torch.compile and the native CPU quantizer run "
-                         "CXX as one executable: set it to the compiler (e.g. CXX=g++), or to a launcher's compiler "
-                         "link (ccache: e.g. CXX=/usr/lib/ccache/g++), or unset it")  # fmt: skip
-    raise ValueError(f"CXX={cxx!r} is not an executable on PATH; set it to a C++ compiler (e.g. g++ or clang++, a "
-                     f"name on PATH or a path), or unset it to use the first of {', '.join(COMPILERS)} on PATH")
+        raise ValueError(
+            f"CXX={cxx!r} is a command with arguments; torch.compile and the native CPU quantizer run "
+            "CXX as one executable: set it to the compiler (e.g. CXX=g++), or to a launcher's compiler "
+            "link (ccache: e.g. CXX=/usr/lib/ccache/g++), or unset it"
+        )
+    raise ValueError(
+        f"CXX={cxx!r} is not an executable on PATH; set it to a C++ compiler (e.g. g++ or clang++, a "
+        f"name on PATH or a path), or unset it to use the first of {', '.join(COMPILERS)} on PATH"
+    )
 
 
 @functools.cache

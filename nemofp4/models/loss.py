@@ -28,9 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HEAD_LOSS_METHOD", "HEAD_PRECISIONS", "check_head_precision", "chunked_cross_entropy",
-           "head_cross_entropy", "head_gemms_in_fp32", "head_keeps_fp32_parameters", "head_parameter_dtype",
-           "lm_loss"]
+__all__ = [
+    "HEAD_LOSS_METHOD",
+    "HEAD_PRECISIONS",
+    "check_head_precision",
+    "chunked_cross_entropy",
+    "head_cross_entropy",
+    "head_gemms_in_fp32",
+    "head_keeps_fp32_parameters",
+    "head_parameter_dtype",
+    "lm_loss",
+]
 
 DEFAULT_CHUNK_TOKENS = 1024
 HEAD_PRECISIONS = ("fp32", "tf32", "bf16")
@@ -42,8 +50,10 @@ HEAD_LOSS_METHOD = "chunked_cross_entropy"
 def check_head_precision(precision: str, *, what: str = "head_precision") -> str:
     """``precision`` if it is one of :data:`HEAD_PRECISIONS`, else one ValueError naming it."""
     if precision not in HEAD_PRECISIONS:
-        raise ValueError(f"{what}={precision!r}; valid: {', '.join(HEAD_PRECISIONS)} (fp32: the paper's FP32 head, "
-                         "tf32: TF32 tensor cores on CUDA, bf16: BF16 GEMMs with FP32 accumulation and loss)")
+        raise ValueError(
+            f"{what}={precision!r}; valid: {', '.join(HEAD_PRECISIONS)} (fp32: the paper's FP32 head, "
+            "tf32: TF32 tensor cores on CUDA, bf16: BF16 GEMMs with FP32 accumulation and loss)"
+        )
     return precision
 
 
@@ -126,8 +136,9 @@ def _add_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += _mm(a, b)
 
 
-def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None,
-                  precision: str) -> torch.Tensor:
+def _chunk_logits(
+    h_CD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, precision: str
+) -> torch.Tensor:
     """FP32 logits of one chunk; ``weight_VD`` is already the head's operand (:func:`_operand`)."""
     logits_CV = _mm(_operand(h_CD, precision), weight_VD.t())
     return logits_CV if bias_V is None else logits_CV + bias_V.float()
@@ -217,8 +228,10 @@ def chunked_cross_entropy(
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens}; must be a positive number of tokens")
     if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match: "
-                         "hidden must be labels' shape plus the model width")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match: "
+            "hidden must be labels' shape plus the model width"
+        )
     if hidden.shape[-1] != weight_VD.shape[-1]:
         raise ValueError(f"hidden width {hidden.shape[-1]} != head weight's input width {weight_VD.shape[-1]}")
     h_TD, labels_T = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
@@ -234,8 +247,9 @@ def head_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.Tens
     return chunked_cross_entropy(hidden, head.weight, labels, bias_V=bias, **kwargs)
 
 
-def lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, *, head_chunk_tokens: int = 0,
-            head_precision: str = "fp32") -> torch.Tensor:
+def lm_loss(
+    model, input_ids: torch.Tensor, labels: torch.Tensor, *, head_chunk_tokens: int = 0, head_precision: str = "fp32"
+) -> torch.Tensor:
     """Mean next-token cross-entropy in float32 over all positions.
 
     ``head_chunk_tokens=0`` with the FP32 head applies the model's head module and the loss to the
@@ -251,9 +265,11 @@ def lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, *, head_chunk_
     head_loss = getattr(getattr(model, "lm_head", None), HEAD_LOSS_METHOD, None)
     if head_loss is None:
         what = f"head_chunk_tokens={head_chunk_tokens}" if head_chunk_tokens > 0 else f"head_precision={head_precision}"
-        raise ValueError(f"{what} needs a model whose lm_head has the "
-                         f"{HEAD_LOSS_METHOD!r} method (nemofp4.training.parallel.parallelize attaches it); "
-                         f"got {type(model).__name__}")
+        raise ValueError(
+            f"{what} needs a model whose lm_head has the "
+            f"{HEAD_LOSS_METHOD!r} method (nemofp4.training.parallel.parallelize attaches it); "
+            f"got {type(model).__name__}"
+        )
     hidden = model(input_ids, return_hidden=True)
     chunk_tokens = head_chunk_tokens if head_chunk_tokens > 0 else max(1, labels.numel())
     return head_loss(hidden, labels, chunk_tokens=chunk_tokens, precision=head_precision)

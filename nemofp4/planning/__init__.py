@@ -22,8 +22,28 @@ from .simulate import SimulatedMemory, simulate_memory
 from .standins import MAMBA_SCANS, mamba_scan_path
 
 __all__ = [
-    "CATEGORIES", "COMPONENTS", "DEVICES", "MAMBA_SCANS", "Device", "MemoryPlan", "Moment", "Projection",
-    "Recommendation", "SimulatedMemory", "StartupPlanner", "StepCost", "candidate_policies", "choose_checkpointing", "cost_for_job", "get_device", "log_plan",
-    "mamba_scan_path", "plan_for_job", "plan_memory", "recommend_checkpointing", "simulate_for_job",
-    "simulate_memory", "step_cost",
-]  # fmt: skip
+    "CATEGORIES",
+    "COMPONENTS",
+    "DEVICES",
+    "MAMBA_SCANS",
+    "Device",
+    "MemoryPlan",
+    "Moment",
+    "Projection",
+    "Recommendation",
+    "SimulatedMemory",
+    "StartupPlanner",
+    "StepCost",
+    "candidate_policies",
+    "choose_checkpointing",
+    "cost_for_job",
+    "get_device",
+    "log_plan",
+    "mamba_scan_path",
+    "plan_for_job",
+    "plan_memory",
+    "recommend_checkpointing",
+    "simulate_for_job",
+    "simulate_memory",
+    "step_cost",
+]

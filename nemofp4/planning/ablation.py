@@ -62,33 +62,46 @@ class Ablation:
             return {}
         interaction = total - change(rht) - change(tail)
         interaction = 0.0 if abs(interaction) < 1e-9 * base else interaction
-        return {"without the RHT": change(rht) / total, "all eligible linears in FP4": change(tail) / total,
-                "interaction": interaction / total}  # fmt: skip
+        return {
+            "without the RHT": change(rht) / total,
+            "all eligible linears in FP4": change(tail) / total,
+            "interaction": interaction / total,
+        }
 
     def format(self) -> str:
         native = "native FP4 GEMMs" if self.recipe == "nvfp4_te" else "emulated: BF16 GEMMs and the quantizer"
         how = "the roofline, plan.efficiency=peak" if self.efficiency is PEAK else "achieved efficiency"
-        lines = [f"{self.recipe} ablation on {self.device.name} at world {self.world_size} ({self.layout}; {native}; "
-                 f"{how}), per rank and optimizer step ({self.tokens:,} tokens):", "",
-                 "| variant | FP4 linears | linear GEMMs s | attention + scan s | quantization s | RHT TFLOP | "
-                 "of it RHT s | body s | body tokens/s per GPU | step s | tokens/s per GPU | vs the recipe |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines = [
+            f"{self.recipe} ablation on {self.device.name} at world {self.world_size} ({self.layout}; {native}; "
+            f"{how}), per rank and optimizer step ({self.tokens:,} tokens):",
+            "",
+            "| variant | FP4 linears | linear GEMMs s | attention + scan s | quantization s | RHT TFLOP | "
+            "of it RHT s | body s | body tokens/s per GPU | step s | tokens/s per GPU | vs the recipe |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         base = self.rows[0].projection.step_s
         for r in self.rows:
             p = r.projection
             other = p.compute_s["attention"] + p.compute_s["SSD scan"]
-            lines.append(f"| {r.label} | {r.fp4_linears} | {r.gemm_s:.3f} | {other:.3f} | {p.quant_s:.3f} | "
-                         f"{r.hadamard_flops / 1e12:.2f} | {p.hadamard_s:.3f} | {p.body_s:.3f} | {p.body_tokens_per_s:,.0f} | "
-                         f"{p.step_s:.3f} | {self.tokens / p.step_s:,.0f} | {base / p.step_s:.3f}x |")  # fmt: skip
+            lines.append(
+                f"| {r.label} | {r.fp4_linears} | {r.gemm_s:.3f} | {other:.3f} | {p.quant_s:.3f} | "
+                f"{r.hadamard_flops / 1e12:.2f} | {p.hadamard_s:.3f} | {p.body_s:.3f} | {p.body_tokens_per_s:,.0f} | "
+                f"{p.step_s:.3f} | {self.tokens / p.step_s:,.0f} | {base / p.step_s:.3f}x |"
+            )
         shares = self.shares()
         if shares:
-            lines += ["", "Share of the body-time difference between the recipe and both changes: "
-                      + ", ".join(f"{name} {share * 100:.1f}%" for name, share in shares.items()) + "."]  # fmt: skip
+            lines += [
+                "",
+                "Share of the body-time difference between the recipe and both changes: "
+                + ", ".join(f"{name} {share * 100:.1f}%" for name, share in shares.items())
+                + ".",
+            ]
         return "\n".join(lines)
 
 
-def recipe_ablation(cfg, *, device: Device, world_size: int, recipe: str | None = None,
-                    efficiency: Efficiency = PEAK) -> Ablation:
+def recipe_ablation(
+    cfg, *, device: Device, world_size: int, recipe: str | None = None, efficiency: Efficiency = PEAK
+) -> Ablation:
     """The :data:`ABLATION_VARIANTS` of ``recipe`` (default: ``nvfp4_te`` on a device with FP4 tensor
     cores, else the emulated ``nvfp4``) for the composed training config ``cfg`` (its precision node is
     replaced; its model, batch and parallelism kept), projected on ``device`` in the configured layout
@@ -102,16 +115,36 @@ def recipe_ablation(cfg, *, device: Device, world_size: int, recipe: str | None 
     if cfg.distributed.activation_checkpointing == "auto":  # what the preset's start-up picks on this device
         from .job import choose_checkpointing
 
-        policy, _ = choose_checkpointing(cfg, world_size=world_size, memory_gib=device.memory_gib,
-                                         reserve_gib=cfg.distributed.memory_reserve_gib, mamba_scan="mamba_ssm")  # fmt: skip
-        cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, activation_checkpointing=policy))
+        policy, _ = choose_checkpointing(
+            cfg,
+            world_size=world_size,
+            memory_gib=device.memory_gib,
+            reserve_gib=cfg.distributed.memory_reserve_gib,
+            mamba_scan="mamba_ssm",
+        )
+        cfg = dataclasses.replace(
+            cfg, distributed=dataclasses.replace(cfg.distributed, activation_checkpointing=policy)
+        )
     rows = []
     for label, knobs in ABLATION_VARIANTS:
         job = dataclasses.replace(cfg, precision=precision_config(recipe, **knobs))
         cost = cost_for_job(job, world_size=world_size, gpus_per_node=device.gpus_per_node)
         fp4 = sum(is_quantized(s.part) for s in linear_specs(job.model, job.recipe))
-        rows.append(AblationRow(label=label, knobs=knobs, fp4_linears=fp4,
-                                hadamard_flops=sum(p.count * p.hadamard_flops for p in cost.quant_passes),
-                                projection=cost.project(device, cost.configured, efficiency)))  # fmt: skip
-    return Ablation(recipe=recipe, device=device, world_size=world_size, layout=rows[0].projection.layout,
-                    rows=tuple(rows), tokens=cost.tokens, efficiency=efficiency)  # fmt: skip
+        rows.append(
+            AblationRow(
+                label=label,
+                knobs=knobs,
+                fp4_linears=fp4,
+                hadamard_flops=sum(p.count * p.hadamard_flops for p in cost.quant_passes),
+                projection=cost.project(device, cost.configured, efficiency),
+            )
+        )
+    return Ablation(
+        recipe=recipe,
+        device=device,
+        world_size=world_size,
+        layout=rows[0].projection.layout,
+        rows=tuple(rows),
+        tokens=cost.tokens,
+        efficiency=efficiency,
+    )

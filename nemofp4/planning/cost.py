@@ -104,8 +104,9 @@ class QuantPass:
         """Roofline: the larger of its memory and its transform time, ``count`` times."""
         if self.tn_only and device.fp8_gemm_any_layout:
             return 0.0
-        return self.count * max(self.nbytes / (device.hbm_tb_s * 1e12),
-                                self.hadamard_flops / (device.matmul_tflops("bf16") * 1e12))  # fmt: skip
+        return self.count * max(
+            self.nbytes / (device.hbm_tb_s * 1e12), self.hadamard_flops / (device.matmul_tflops("bf16") * 1e12)
+        )
 
     def hadamard_seconds(self, device: Device) -> float:
         """What the transform adds: the whole pass if it exists for it, else its FLOPs' excess over its
@@ -248,9 +249,13 @@ class StepCost:
         if layout not in self.collectives:
             raise ValueError(f"layout={layout!r}; valid: {', '.join(self.collectives)}")
         achieved = efficiency is not PEAK
-        fraction = {"linear GEMMs": self.linear_fraction(efficiency), "recompute": self.linear_fraction(efficiency),
-                    "attention": efficiency.attention[self.attention_kernel], "SSD scan": efficiency.scan,
-                    "head and loss": efficiency.gemm_fraction(*self.head_shape) if achieved else 1.0}  # fmt: skip
+        fraction = {
+            "linear GEMMs": self.linear_fraction(efficiency),
+            "recompute": self.linear_fraction(efficiency),
+            "attention": efficiency.attention[self.attention_kernel],
+            "SSD scan": efficiency.scan,
+            "head and loss": efficiency.gemm_fraction(*self.head_shape) if achieved else 1.0,
+        }
         compute = {}
         for name, flops in self.flops.items():
             precision = self.precision[name]
@@ -259,7 +264,9 @@ class StepCost:
             seconds = 0.0
             for recipe, native in self.native_flops.get(name, {}).items():  # TE's GEMMs, at its recipe's peak here
                 native_precision = self.native_precision(recipe, device)
-                seconds += native / device.matmul_tflops(native_precision) / self.linear_fraction(efficiency, native_precision)
+                seconds += (
+                    native / device.matmul_tflops(native_precision) / self.linear_fraction(efficiency, native_precision)
+                )
                 flops -= native
             compute[name] = (seconds + flops / device.matmul_tflops(precision) / fraction[name]) / 1e12
         hbm = device.hbm_tb_s * 1e12 * efficiency.hbm
@@ -286,12 +293,24 @@ class StepCost:
             comm += nbytes / (link * 1e9)
         step = max(sum(compute.values()) + quant, comm)
         mfu = self.model_flops / (step * device.bf16_tflops * 1e12)
-        return Projection(device=device, layout=layout, compute_s=compute, quant_s=quant, comm_s=comm, step_s=step,
-                          mfu=mfu, quant_s_by_role=by_role, hadamard_s=hadamard, body_s=body,
-                          body_tokens_per_s=self.tokens / body if body else 0.0)  # fmt: skip
+        return Projection(
+            device=device,
+            layout=layout,
+            compute_s=compute,
+            quant_s=quant,
+            comm_s=comm,
+            step_s=step,
+            mfu=mfu,
+            quant_s_by_role=by_role,
+            hadamard_s=hadamard,
+            body_s=body,
+            body_tokens_per_s=self.tokens / body if body else 0.0,
+        )
 
 
-def _fsdp_groups(model: NemotronHConfig, recipe: Recipe, *, head_precision: str, param_bytes: int) -> list[tuple[str, int, int]]:
+def _fsdp_groups(
+    model: NemotronHConfig, recipe: Recipe, *, head_precision: str, param_bytes: int
+) -> list[tuple[str, int, int]]:
     """(group, parameters, bytes per gathered parameter) of each FSDP2 group: every block, the LM
     head (FP32 parameters when the recipe's head part is FP32 and it computes in FP32/TF32, else the
     compute dtype), and the root (embedding and final norm)."""
@@ -310,8 +329,9 @@ def _fsdp_groups(model: NemotronHConfig, recipe: Recipe, *, head_precision: str,
     return groups
 
 
-def _collective_bytes(groups, *, replicate: int, shard: int, grad_accum: int, dist_cfg: DistributedConfig,
-                      keep_head_gathered: bool) -> dict[str, float]:  # fmt: skip
+def _collective_bytes(
+    groups, *, replicate: int, shard: int, grad_accum: int, dist_cfg: DistributedConfig, keep_head_gathered: bool
+) -> dict[str, float]:
     reduce_bytes = 4 if dist_cfg.reduce_dtype == "float32" else 2
     ring = (shard - 1) / shard
     gather = scatter = reduce = 0.0
@@ -337,16 +357,26 @@ def _current(op) -> bool:
     return op.uses_tensor_reference and op.reference_interval == 0
 
 
-def _quant_passes(spec: LinearSpec, tokens: int, *, forward_count: int, backward_count: int,
-                  weight_count: int | None = None) -> list[QuantPass]:  # fmt: skip
+def _quant_passes(
+    spec: LinearSpec, tokens: int, *, forward_count: int, backward_count: int, weight_count: int | None = None
+) -> list[QuantPass]:
     """The quantizer passes of one linear, per step: its forward's ``forward_count`` times (activation
     checkpointing recomputes it), its backward's ``backward_count`` times; an emulated FP4 weight's
     (W, and a 1-D weight's W^T) ``weight_count`` times when given (``train.weight_cache``: once)."""
     k, n = spec.in_features, spec.out_features
     if runs_in_transformer_engine(spec.part):
-        return [QuantPass(role=p.role, nbytes=p.nbytes, hadamard_flops=p.hadamard_flops, hadamard_only=p.hadamard_only,
-                          tn_only=p.tn_only, count=forward_count if q.phase == "forward" else backward_count)
-                for q in te_quantizations(tokens, k, n, spec.part) for p in q.passes()]  # fmt: skip
+        return [
+            QuantPass(
+                role=p.role,
+                nbytes=p.nbytes,
+                hadamard_flops=p.hadamard_flops,
+                hadamard_only=p.hadamard_only,
+                tn_only=p.tn_only,
+                count=forward_count if q.phase == "forward" else backward_count,
+            )
+            for q in te_quantizations(tokens, k, n, spec.part)
+            for p in q.passes()
+        ]
     if spec.kind != "fp4":
         return []
     config = spec.part
@@ -354,14 +384,29 @@ def _quant_passes(spec: LinearSpec, tokens: int, *, forward_count: int, backward
 
     def emulated(role: str, elements: float, count: int, *, hadamard: bool = False, only: bool = False) -> QuantPass:
         flops = elements * HADAMARD_FLOPS_PER_ELEMENT if hadamard else 0.0
-        return QuantPass(role=role, nbytes=elements * per_element, hadamard_flops=flops, count=count,
-                         hadamard_only=only, emulated=True, elements=elements)  # fmt: skip
+        return QuantPass(
+            role=role,
+            nbytes=elements * per_element,
+            hadamard_flops=flops,
+            count=count,
+            hadamard_only=only,
+            emulated=True,
+            elements=elements,
+        )
 
     def reference(role: str, elements: float, count: int) -> QuantPass:  # the transformed copy's current amax
-        return QuantPass(role=role, nbytes=elements * HADAMARD_REFERENCE_BYTES_PER_ELEMENT,
-                         hadamard_flops=elements * HADAMARD_FLOPS_PER_ELEMENT, count=count, hadamard_only=True)
+        return QuantPass(
+            role=role,
+            nbytes=elements * HADAMARD_REFERENCE_BYTES_PER_ELEMENT,
+            hadamard_flops=elements * HADAMARD_FLOPS_PER_ELEMENT,
+            count=count,
+            hadamard_only=True,
+        )
 
-    out = [emulated("x", tokens * k, forward_count), emulated("w", n * k, weight_count or forward_count)]  # X (with X^T without RHT)
+    out = [
+        emulated("x", tokens * k, forward_count),
+        emulated("w", n * k, weight_count or forward_count),
+    ]  # X (with X^T without RHT)
     if config.x_wgrad.hadamard:  # X^T quantized on its own, through the transform
         out.append(emulated("x_wgrad", tokens * k, forward_count, hadamard=True, only=True))
         if _current(config.x_wgrad):
@@ -375,12 +420,26 @@ def _quant_passes(spec: LinearSpec, tokens: int, *, forward_count: int, backward
     return out
 
 
-def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int, seq_len: int,
-              micro_batch: int, grad_accum: int, head_chunk_tokens: int = 0, head_precision: str = "fp32",
-              keep_head_gathered: bool = False, gpus_per_node: int = 8, compute_dtype: str = "bfloat16",
-              policies: tuple[str, ...] = (), weight_cache: bool = True, attention_kernel: str = "sdpa",
-              recompute_linears: tuple[tuple[str, float], ...] = (),
-              recompute_blocks: tuple[int, ...] = ()) -> StepCost:  # fmt: skip
+def step_cost(
+    model: NemotronHConfig,
+    recipe: Recipe,
+    dist_cfg: DistributedConfig,
+    *,
+    world_size: int,
+    seq_len: int,
+    micro_batch: int,
+    grad_accum: int,
+    head_chunk_tokens: int = 0,
+    head_precision: str = "fp32",
+    keep_head_gathered: bool = False,
+    gpus_per_node: int = 8,
+    compute_dtype: str = "bfloat16",
+    policies: tuple[str, ...] = (),
+    weight_cache: bool = True,
+    attention_kernel: str = "sdpa",
+    recompute_linears: tuple[tuple[str, float], ...] = (),
+    recompute_blocks: tuple[int, ...] = (),
+) -> StepCost:
     """The cost of one optimizer step per rank (see the module docstring). ``head_precision``: how the
     LM head's GEMMs compute (fp32, tf32 or bf16); ``keep_head_gathered``: the head and final norm stay
     gathered from forward to backward. The HSDP layout shards within ``gpus_per_node`` ranks and
@@ -418,8 +477,13 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
                     native[component][te_recipe] = native[component].get(te_recipe, 0.0) + flops
         # the weight cache: a round-to-nearest FP4 weight quantized once per step, its recompute reading the cache
         once = weight_cache and grad_accum > 1 and spec.kind == "fp4" and spec.part.w.rounding == "rne"
-        passes += _quant_passes(spec, tokens, forward_count=(2 if chosen[spec.layer] else 1) * grad_accum,
-                                backward_count=grad_accum, weight_count=1 if once else None)  # fmt: skip
+        passes += _quant_passes(
+            spec,
+            tokens,
+            forward_count=(2 if chosen[spec.layer] else 1) * grad_accum,
+            backward_count=grad_accum,
+            weight_count=1 if once else None,
+        )
     attention = ssd = 0.0
     for t in model.layer_types:
         if t.block_type == "attention":
@@ -430,29 +494,57 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
     compute_bytes = 2 if compute_dtype == "bfloat16" else 4
     elementwise = kernels = 0.0
     for i, t in enumerate(model.layer_types):
-        counted = count_block_launches(model, t.block_type, micro_batch=micro_batch, seq_len=seq_len,
-                                       compute_dtype=compute_dtype)  # fmt: skip
-        forward_share = counted.forward_eager_elementwise_bytes / counted.eager_elementwise_bytes if counted.eager_elementwise_bytes else 0.0
-        block = (_elementwise_elements(model, t.block_type) * tokens * compute_bytes if dist_cfg.compile
-                 else counted.eager_elementwise_bytes)  # fmt: skip
+        counted = count_block_launches(
+            model, t.block_type, micro_batch=micro_batch, seq_len=seq_len, compute_dtype=compute_dtype
+        )
+        forward_share = (
+            counted.forward_eager_elementwise_bytes / counted.eager_elementwise_bytes
+            if counted.eager_elementwise_bytes
+            else 0.0
+        )
+        block = (
+            _elementwise_elements(model, t.block_type) * tokens * compute_bytes
+            if dist_cfg.compile
+            else counted.eager_elementwise_bytes
+        )
         recomputed = chosen[i] or bool(op_recompute)  # a checkpointed block, or the op-level policy's
         elementwise += block * (1 + forward_share) if recomputed else block
         kernels += counted.compiled_kernels if dist_cfg.compile else counted.eager_kernels
-    elementwise += 4.0 * 4 * tokens * model.vocab_size  # the loss: FP32 logits' softmax read, written, read, gradient written
-    gemm_shapes = tuple((float(tokens), float(s.in_features), float(s.out_features),
-                         6.0 * tokens * s.in_features * s.out_features * grad_accum)
-                        for s in specs if s.layer is not None)  # fmt: skip
+    elementwise += (
+        4.0 * 4 * tokens * model.vocab_size
+    )  # the loss: FP32 logits' softmax read, written, read, gradient written
+    gemm_shapes = tuple(
+        (
+            float(tokens),
+            float(s.in_features),
+            float(s.out_features),
+            6.0 * tokens * s.in_features * s.out_features * grad_accum,
+        )
+        for s in specs
+        if s.layer is not None
+    )
     head_rows = min(head_chunk_tokens, tokens) if head_chunk_tokens > 0 else tokens
     kernels *= grad_accum
     recompute = sum(f for f, c in zip(forward, chosen) if c) + selective
-    flops = {"linear GEMMs": linear, "attention": attention, "SSD scan": ssd, "head and loss": head,
-             "recompute": recompute}  # fmt: skip
+    flops = {
+        "linear GEMMs": linear,
+        "attention": attention,
+        "SSD scan": ssd,
+        "head and loss": head,
+        "recompute": recompute,
+    }
     flops = {k: v * grad_accum for k, v in flops.items()}
-    precision = {"linear GEMMs": "bf16", "attention": "bf16", "SSD scan": "bf16", "head and loss": head_precision,
-                 "recompute": "bf16"}  # fmt: skip
+    precision = {
+        "linear GEMMs": "bf16",
+        "attention": "bf16",
+        "SSD scan": "bf16",
+        "head and loss": head_precision,
+        "recompute": "bf16",
+    }
     block_types = [t.block_type for t in model.layer_types]
-    recompute_by_policy = {p: grad_accum * sum(f for f, c in zip(forward, checkpointed_blocks(p, block_types)) if c)
-                           for p in policies}  # fmt: skip
+    recompute_by_policy = {
+        p: grad_accum * sum(f for f, c in zip(forward, checkpointed_blocks(p, block_types)) if c) for p in policies
+    }
     param_bytes = 2 if compute_dtype == "bfloat16" else 4
     groups = _fsdp_groups(model, recipe, head_precision=head_precision, param_bytes=param_bytes)
     nodes = max(1, world_size // gpus_per_node)
@@ -462,22 +554,48 @@ def step_cost(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfi
             layouts[f"HSDP {replicate}x{world_size // replicate}"] = (replicate, world_size // replicate)
     if world_size > 1 and dist_cfg.replicate_degree == world_size:  # replicated, unsharded: DDP's all-reduce
         layouts["DDP"] = (world_size, 1)
-    collectives = {name: _collective_bytes(groups, replicate=r, shard=s, grad_accum=grad_accum, dist_cfg=dist_cfg,
-                                           keep_head_gathered=keep_head_gathered)
-                   for name, (r, s) in layouts.items()}  # fmt: skip
+    collectives = {
+        name: _collective_bytes(
+            groups,
+            replicate=r,
+            shard=s,
+            grad_accum=grad_accum,
+            dist_cfg=dist_cfg,
+            keep_head_gathered=keep_head_gathered,
+        )
+        for name, (r, s) in layouts.items()
+    }
     replicate = dist_cfg.replicate_degree
-    configured = ("FSDP" if replicate == 1 else "DDP" if replicate == world_size
-                  else f"HSDP {replicate}x{world_size // replicate}")  # fmt: skip
+    configured = (
+        "FSDP"
+        if replicate == 1
+        else "DDP"
+        if replicate == world_size
+        else f"HSDP {replicate}x{world_size // replicate}"
+    )
     shard = world_size // replicate if world_size % replicate == 0 else world_size
     optimizer_bytes = ADAMW_BYTES_PER_PARAMETER * model.num_parameters() / shard
-    return StepCost(world_size=world_size, tokens=tokens * grad_accum, flops=flops, precision=precision,
-                    configured=configured,
-                    native_flops={component: {recipe: flops * grad_accum for recipe, flops in by_recipe.items()}
-                                  for component, by_recipe in native.items() if by_recipe},
-                    quantized_elements=sum(p.count * p.elements for p in passes),
-                    quant_passes=tuple(passes), collectives=collectives, layouts=layouts,
-                    model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,
-                    recompute_by_policy=recompute_by_policy, gemm_shapes=gemm_shapes,
-                    head_shape=(float(head_rows), float(model.hidden_size), float(model.vocab_size)),
-                    elementwise_bytes=elementwise * grad_accum, optimizer_bytes=optimizer_bytes,
-                    kernels=kernels, attention_kernel=attention_kernel)  # fmt: skip
+    return StepCost(
+        world_size=world_size,
+        tokens=tokens * grad_accum,
+        flops=flops,
+        precision=precision,
+        configured=configured,
+        native_flops={
+            component: {recipe: flops * grad_accum for recipe, flops in by_recipe.items()}
+            for component, by_recipe in native.items()
+            if by_recipe
+        },
+        quantized_elements=sum(p.count * p.elements for p in passes),
+        quant_passes=tuple(passes),
+        collectives=collectives,
+        layouts=layouts,
+        model_flops=model.flops_per_token(seq_len) * tokens * grad_accum,
+        recompute_by_policy=recompute_by_policy,
+        gemm_shapes=gemm_shapes,
+        head_shape=(float(head_rows), float(model.hidden_size), float(model.vocab_size)),
+        elementwise_bytes=elementwise * grad_accum,
+        optimizer_bytes=optimizer_bytes,
+        kernels=kernels,
+        attention_kernel=attention_kernel,
+    )

@@ -72,8 +72,9 @@ class Efficiency:
         return _interpolate(self.gemm_curve(precision), (m * k * n) ** (1 / 3))
 
 
-PEAK = Efficiency(gemm=((1, 1.0),), attention={"sdpa": 1.0, "cudnn": 1.0}, scan=1.0, hbm=1.0, link=1.0,
-                  scale_out=1.0, launch_s=0.0)  # fmt: skip
+PEAK = Efficiency(
+    gemm=((1, 1.0),), attention={"sdpa": 1.0, "cudnn": 1.0}, scan=1.0, hbm=1.0, link=1.0, scale_out=1.0, launch_s=0.0
+)
 """Every kernel at its peak: the roofline."""
 
 LAUNCH_S = 5e-6
@@ -102,8 +103,12 @@ _HOPPER_500W = Efficiency(
     gemm=((1024, 0.178), (2048, 0.591), (8192, 0.591), (12440, 0.552), (15670, 0.581)),
     # the same benchmark's row-wise scaled FP8 GEMM alone: 1,125.5 / 1,141.4 / 1,082.8 TFLOPS of 1,979
     gemm_fp8=((1024, 0.178), (2048, 0.569), (8192, 0.569), (12440, 0.577), (15670, 0.547)),
-    attention=_HOPPER.attention, scan=_HOPPER.scan,  # none found at 500 W: the 700 W part's
-    hbm=_HOPPER.hbm, link=_HOPPER.link, scale_out=_HOPPER.scale_out, launch_s=LAUNCH_S,
+    attention=_HOPPER.attention,
+    scan=_HOPPER.scan,  # none found at 500 W: the 700 W part's
+    hbm=_HOPPER.hbm,
+    link=_HOPPER.link,
+    scale_out=_HOPPER.scale_out,
+    launch_s=LAUNCH_S,
 )
 _B200 = Efficiency(
     # torch BF16 linear (cuBLAS), square N, B200 (torchao's bench_matmul.py): 0.188 / 0.410 / 0.503 / 0.672 /
@@ -140,50 +145,93 @@ _GB200 = Efficiency(
     scale_out=_HOPPER.scale_out,
     launch_s=LAUNCH_S,
 )
-ACHIEVED: dict[str, Efficiency] = {"h100": _HOPPER, "h200": _HOPPER, "h100_hbm2e_500w": _HOPPER_500W,
-                                   "b200": _B200, "gb200": _GB200}  # fmt: skip
+ACHIEVED: dict[str, Efficiency] = {
+    "h100": _HOPPER,
+    "h200": _HOPPER,
+    "h100_hbm2e_500w": _HOPPER_500W,
+    "b200": _B200,
+    "gb200": _GB200,
+}
 """By device preset. The H200 takes the H100's fractions (the same compute; no kernel-level H200 measurement
 used); every class without a measurement of its own is marked in :data:`SOURCES`."""
 
 SOURCES: tuple[tuple[str, str, str], ...] = (
-    ("GEMM, BF16, by size (H100)", "0.178 / 0.684 / 0.797 / 0.806 at N = 1024 / 2048 / 4096 / 8192",
-     "https://github.com/zzc0721/torch-performance-test-data/issues/79 (torch.matmul, H100 80GB HBM3)"),
-    ("GEMM, FP8 (H100)", "0.813 at N = 8192 (1,609 of 1,979 TFLOPS): the BF16 curve's fraction",
-     "https://gitea.d-robotics.cc/han.zhao/test_gpu_scripts/raw/commit/7ec2da18bc66f5199b97863ea8e4dea01dd801f0/"
-     "reports_cublaslt_fp8_crosscheck_20260524.md (cuBLASLt E4M3, TN)"),
-    ("GEMM, BF16 / FP8 (H100 at 500 W)", "BF16 0.591 / 0.552 / 0.581, row-wise FP8 0.569 / 0.577 / 0.547 at sides "
-     "8192 / 12,440 / 15,670 (below: the 700 W curve capped at 0.591 / 0.569)",
-     "https://github.com/pytorch/FBGEMM/pull/2546 (\"H100 500W\", BF16 and FP8 GEMM TFLOPS)"),
-    ("GEMM, BF16 / FP4, by size (B200)", "BF16 0.188 / 0.503 / 0.627 / 0.631, NVFP4 0.041 / 0.187 / 0.495 / 0.597 "
-     "at N = 1024 / 2048 / 4096 / 8192", "https://github.com/pytorch/ao/pull/2427 (bench_matmul.py, NVIDIA B200)"),
-    ("GEMM, FP8 (B200)", "0.520 / 0.565 at M = 1024 / 16384, N = 6144, K = 4096 (tensor-scaled, CUTLASS)",
-     "https://github.com/vllm-project/vllm/pull/19566 (bench_fp8_gemm.py, SM100 CUTLASS tunings for B200)"),
-    ("GEMM, FP8 / FP4, by size (GB200)", "FP8 0.098 / 0.449 / 0.567 / 0.575 / 0.581, FP4 0.029 / 0.168 / 0.518 / "
-     "0.754 / 0.763 at N = 1024 / 2048 / 4096 / 8192 / 16384; BF16: none found, the B200's",
-     "https://github.com/Azure/AI-benchmarking-guide Azure_Results/ND_GB200_v6_results.md (cuBLASLt)"),
+    (
+        "GEMM, BF16, by size (H100)",
+        "0.178 / 0.684 / 0.797 / 0.806 at N = 1024 / 2048 / 4096 / 8192",
+        "https://github.com/zzc0721/torch-performance-test-data/issues/79 (torch.matmul, H100 80GB HBM3)",
+    ),
+    (
+        "GEMM, FP8 (H100)",
+        "0.813 at N = 8192 (1,609 of 1,979 TFLOPS): the BF16 curve's fraction",
+        "https://gitea.d-robotics.cc/han.zhao/test_gpu_scripts/raw/commit/7ec2da18bc66f5199b97863ea8e4dea01dd801f0/"
+        "reports_cublaslt_fp8_crosscheck_20260524.md (cuBLASLt E4M3, TN)",
+    ),
+    (
+        "GEMM, BF16 / FP8 (H100 at 500 W)",
+        "BF16 0.591 / 0.552 / 0.581, row-wise FP8 0.569 / 0.577 / 0.547 at sides "
+        "8192 / 12,440 / 15,670 (below: the 700 W curve capped at 0.591 / 0.569)",
+        'https://github.com/pytorch/FBGEMM/pull/2546 ("H100 500W", BF16 and FP8 GEMM TFLOPS)',
+    ),
+    (
+        "GEMM, BF16 / FP4, by size (B200)",
+        "BF16 0.188 / 0.503 / 0.627 / 0.631, NVFP4 0.041 / 0.187 / 0.495 / 0.597 at N = 1024 / 2048 / 4096 / 8192",
+        "https://github.com/pytorch/ao/pull/2427 (bench_matmul.py, NVIDIA B200)",
+    ),
+    (
+        "GEMM, FP8 (B200)",
+        "0.520 / 0.565 at M = 1024 / 16384, N = 6144, K = 4096 (tensor-scaled, CUTLASS)",
+        "https://github.com/vllm-project/vllm/pull/19566 (bench_fp8_gemm.py, SM100 CUTLASS tunings for B200)",
+    ),
+    (
+        "GEMM, FP8 / FP4, by size (GB200)",
+        "FP8 0.098 / 0.449 / 0.567 / 0.575 / 0.581, FP4 0.029 / 0.168 / 0.518 / "
+        "0.754 / 0.763 at N = 1024 / 2048 / 4096 / 8192 / 16384; BF16: none found, the B200's",
+        "https://github.com/Azure/AI-benchmarking-guide Azure_Results/ND_GB200_v6_results.md (cuBLASLt)",
+    ),
     ("attention, SDPA (FlashAttention-2), H100", "0.35", "FlashAttention-3 paper, arXiv:2407.08608, abstract"),
-    ("attention, cuDNN, H100", "0.606 (600 TFLOPS forward, head dim 128, seq 8k)",
-     "FlashAttention-3 paper, arXiv:2407.08608, forward-speed figure, head dim 128 (H100 SXM5)"),
-    ("attention, cuDNN / SDPA, B200", "0.444 / 0.141 (causal, head dim 128, seq 8192, forward and backward)",
-     "https://github.com/NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training/artifacts/"
-     "sdpa_bf16_benchmark_results_NVIDIA_B200.csv"),
-    ("attention, cuDNN / SDPA, GB200", "0.540 (cuDNN 9.18, llama3.1, causal, seq 8192, forward and backward) / "
-     "0.150 (FlashAttention-2, head dim 128, seq 8192)",
-     "https://github.com/NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training/results/gb200_918_only_cudnn/"
-     "llama3.1_20260126_110503.csv; Azure ND_GB200_v6_results.md"),
+    (
+        "attention, cuDNN, H100",
+        "0.606 (600 TFLOPS forward, head dim 128, seq 8k)",
+        "FlashAttention-3 paper, arXiv:2407.08608, forward-speed figure, head dim 128 (H100 SXM5)",
+    ),
+    (
+        "attention, cuDNN / SDPA, B200",
+        "0.444 / 0.141 (causal, head dim 128, seq 8192, forward and backward)",
+        "https://github.com/NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training/artifacts/"
+        "sdpa_bf16_benchmark_results_NVIDIA_B200.csv",
+    ),
+    (
+        "attention, cuDNN / SDPA, GB200",
+        "0.540 (cuDNN 9.18, llama3.1, causal, seq 8192, forward and backward) / "
+        "0.150 (FlashAttention-2, head dim 128, seq 8192)",
+        "https://github.com/NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training/results/gb200_918_only_cudnn/"
+        "llama3.1_20260126_110503.csv; Azure ND_GB200_v6_results.md",
+    ),
     ("SSD scan (mamba-ssm)", "0.35: none found, FlashAttention-2's H100 fraction, on every device", ""),
-    ("elementwise and quantizer passes", "0.90 of HBM on every device (none found for the Blackwells)",
-     "calculon-ai/calculon systems/h100_80g_nvl8.json (mem1)"),
-    ("collectives, NVLink / scale-out (H100)", "0.60 / 0.90 of link bandwidth",
-     "calculon-ai/calculon systems/h100_80g_nvl8.json (networks)"),
-    ("collectives, NVLink (B200 / GB200)", "0.92 (all-reduce bus bandwidth 830 of 900 GB/s, 8 GPUs) / 0.755 "
-     "(679.6 of 900 GB/s, ring, 4 GPUs, 8 GB)",
-     "https://github.com/NVIDIA/nccl/issues/1807; Azure ND_GB200_v6_results.md (NCCL bandwidth)"),
-    ("kernel launch", "5 us a kernel (a 24 us kernel launched directly: 28.3 us on a B200), every device; kernels "
-     "counted from our code path (nemofp4/planning/launches.py)",
-     "https://dogacel.github.io/my-agent-blog/performance/2026/03/14/"
-     "four-counter-intuitive-lessons-from-deep-diving-gpu-kernel-dispatch-overhead"),
-)  # fmt: skip
+    (
+        "elementwise and quantizer passes",
+        "0.90 of HBM on every device (none found for the Blackwells)",
+        "calculon-ai/calculon systems/h100_80g_nvl8.json (mem1)",
+    ),
+    (
+        "collectives, NVLink / scale-out (H100)",
+        "0.60 / 0.90 of link bandwidth",
+        "calculon-ai/calculon systems/h100_80g_nvl8.json (networks)",
+    ),
+    (
+        "collectives, NVLink (B200 / GB200)",
+        "0.92 (all-reduce bus bandwidth 830 of 900 GB/s, 8 GPUs) / 0.755 (679.6 of 900 GB/s, ring, 4 GPUs, 8 GB)",
+        "https://github.com/NVIDIA/nccl/issues/1807; Azure ND_GB200_v6_results.md (NCCL bandwidth)",
+    ),
+    (
+        "kernel launch",
+        "5 us a kernel (a 24 us kernel launched directly: 28.3 us on a B200), every device; kernels "
+        "counted from our code path (nemofp4/planning/launches.py)",
+        "https://dogacel.github.io/my-agent-blog/performance/2026/03/14/"
+        "four-counter-intuitive-lessons-from-deep-diving-gpu-kernel-dispatch-overhead",
+    ),
+)
 """(kernel class, the figure, its source) as docs/planning.md's table lists them."""
 
 

@@ -15,8 +15,17 @@ from .cost import StepCost, step_cost
 from .memory import GIB, MemoryPlan, candidate_policies, plan_memory
 from .simulate import SimulatedMemory, simulate_memory
 
-__all__ = ["Recommendation", "StartupPlanner", "choose_checkpointing", "cost_for_job", "device_memory_gib", "log_plan",
-           "plan_for_job", "recommend_checkpointing", "simulate_for_job"]
+__all__ = [
+    "Recommendation",
+    "StartupPlanner",
+    "choose_checkpointing",
+    "cost_for_job",
+    "device_memory_gib",
+    "log_plan",
+    "plan_for_job",
+    "recommend_checkpointing",
+    "simulate_for_job",
+]
 
 
 def _job(cfg, world_size: int) -> dict:
@@ -43,48 +52,97 @@ def _head_chunk_tokens(cfg, chunked_head: bool | None) -> int:
     return chunk
 
 
-def plan_for_job(cfg, *, world_size: int, device_memory_gib: float, chunked_head: bool | None = None,
-                 reserve_gib: float = 4.0, mamba_scan: str = "auto", activation_checkpointing: str | None = None,
-                 measured=None) -> MemoryPlan:  # fmt: skip
+def plan_for_job(
+    cfg,
+    *,
+    world_size: int,
+    device_memory_gib: float,
+    chunked_head: bool | None = None,
+    reserve_gib: float = 4.0,
+    mamba_scan: str = "auto",
+    activation_checkpointing: str | None = None,
+    measured=None,
+) -> MemoryPlan:
     """:func:`~nemofp4.planning.memory.plan_memory` for a composed training config on ``world_size``
     GPUs; ``chunked_head`` defaults to what the config trains with (``train.head_chunk_tokens > 0``)."""
     job = _job(cfg, world_size)
     chunk = _head_chunk_tokens(cfg, chunked_head)
-    return plan_memory(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
-                       micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
-                       device_memory_gib=device_memory_gib, compute_dtype=job["compute_dtype"],
-                       activation_checkpointing=activation_checkpointing, head_chunk_tokens=chunk,
-                       head_precision=job["head_precision"], keep_head_gathered=job["keep_head_gathered"],
-                       mamba_scan=mamba_scan, quantizer=job["quantizer"], reserve_gib=reserve_gib,
-                       measured=measured, weight_cache=cfg.train.weight_cache)  # fmt: skip
+    return plan_memory(
+        cfg.model,
+        job["recipe"],
+        cfg.distributed,
+        world_size=world_size,
+        seq_len=cfg.train.seq_len,
+        micro_batch=cfg.train.micro_batch,
+        grad_accum=job["grad_accum"],
+        device_memory_gib=device_memory_gib,
+        compute_dtype=job["compute_dtype"],
+        activation_checkpointing=activation_checkpointing,
+        head_chunk_tokens=chunk,
+        head_precision=job["head_precision"],
+        keep_head_gathered=job["keep_head_gathered"],
+        mamba_scan=mamba_scan,
+        quantizer=job["quantizer"],
+        reserve_gib=reserve_gib,
+        measured=measured,
+        weight_cache=cfg.train.weight_cache,
+    )
 
 
-def simulate_for_job(cfg, *, world_size: int, mamba_scan: str = "auto",
-                     chunked_head: bool | None = None) -> SimulatedMemory:  # fmt: skip
+def simulate_for_job(
+    cfg, *, world_size: int, mamba_scan: str = "auto", chunked_head: bool | None = None
+) -> SimulatedMemory:
     """:func:`~nemofp4.planning.simulate.simulate_memory` of a composed training config (``chunked_head``:
     as for :func:`plan_for_job`)."""
     job = _job(cfg, world_size)
-    return simulate_memory(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
-                           micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
-                           compute_dtype=job["compute_dtype"], head_chunk_tokens=_head_chunk_tokens(cfg, chunked_head),
-                           optim=cfg.optim, mamba_scan=mamba_scan, quantizer=job["quantizer"],
-                           weight_cache=cfg.train.weight_cache)  # fmt: skip
+    return simulate_memory(
+        cfg.model,
+        job["recipe"],
+        cfg.distributed,
+        world_size=world_size,
+        seq_len=cfg.train.seq_len,
+        micro_batch=cfg.train.micro_batch,
+        grad_accum=job["grad_accum"],
+        compute_dtype=job["compute_dtype"],
+        head_chunk_tokens=_head_chunk_tokens(cfg, chunked_head),
+        optim=cfg.optim,
+        mamba_scan=mamba_scan,
+        quantizer=job["quantizer"],
+        weight_cache=cfg.train.weight_cache,
+    )
 
 
-def cost_for_job(cfg, *, world_size: int, gpus_per_node: int = 8, policies: tuple[str, ...] = (),
-                 head_precision: str | None = None, chunked_head: bool | None = None) -> StepCost:  # fmt: skip
+def cost_for_job(
+    cfg,
+    *,
+    world_size: int,
+    gpus_per_node: int = 8,
+    policies: tuple[str, ...] = (),
+    head_precision: str | None = None,
+    chunked_head: bool | None = None,
+) -> StepCost:
     """:func:`~nemofp4.planning.cost.step_cost` of a composed training config (``head_precision``
     overrides the config's ``model.head_precision``; ``chunked_head``: as for
     :func:`plan_for_job`)."""
     job = _job(cfg, world_size)
     if head_precision is not None:
         job["head_precision"] = head_precision
-    return step_cost(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
-                     micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
-                     head_chunk_tokens=_head_chunk_tokens(cfg, chunked_head), head_precision=job["head_precision"],
-                     keep_head_gathered=job["keep_head_gathered"], gpus_per_node=gpus_per_node,
-                     compute_dtype=job["compute_dtype"], policies=policies,
-                     weight_cache=cfg.train.weight_cache)  # fmt: skip
+    return step_cost(
+        cfg.model,
+        job["recipe"],
+        cfg.distributed,
+        world_size=world_size,
+        seq_len=cfg.train.seq_len,
+        micro_batch=cfg.train.micro_batch,
+        grad_accum=job["grad_accum"],
+        head_chunk_tokens=_head_chunk_tokens(cfg, chunked_head),
+        head_precision=job["head_precision"],
+        keep_head_gathered=job["keep_head_gathered"],
+        gpus_per_node=gpus_per_node,
+        compute_dtype=job["compute_dtype"],
+        policies=policies,
+        weight_cache=cfg.train.weight_cache,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,18 +156,29 @@ class Recommendation:
 
     def format(self) -> str:
         lines = ["| activation checkpointing | recompute | GiB per GPU | fits |", "|---|---|---|---|"]
-        lines += [f"| {p} | +{f * 100:.1f}% FLOPs | {b / GIB:.2f} | {'yes' if ok else 'no'} |" for p, b, f, ok in self.rows]
+        lines += [
+            f"| {p} | +{f * 100:.1f}% FLOPs | {b / GIB:.2f} | {'yes' if ok else 'no'} |" for p, b, f, ok in self.rows
+        ]
         at = f"{self.device_bytes / GIB:.0f} GiB"
         if self.chosen is None:
-            lines += ["", f"Recommendation: does not fit at {at} under any checkpointing policy; use more GPUs, "
-                          "distributed.gradient_sync=per_micro_batch or a smaller train.micro_batch."]  # fmt: skip
+            lines += [
+                "",
+                f"Recommendation: does not fit at {at} under any checkpointing policy; use more GPUs, "
+                "distributed.gradient_sync=per_micro_batch or a smaller train.micro_batch.",
+            ]
         elif self.chosen == "none":
-            lines += ["", f"Recommendation: fits at {at} without activation checkpointing "
-                          "(distributed.activation_checkpointing=none), no recompute."]  # fmt: skip
+            lines += [
+                "",
+                f"Recommendation: fits at {at} without activation checkpointing "
+                "(distributed.activation_checkpointing=none), no recompute.",
+            ]
         else:
             fraction = next(f for p, _, f, _ in self.rows if p == self.chosen)
-            lines += ["", f"Recommendation: fits at {at} {_policy_words(self.chosen)} "
-                          f"(distributed.activation_checkpointing={self.chosen}), +{fraction * 100:.0f}% FLOPs."]  # fmt: skip
+            lines += [
+                "",
+                f"Recommendation: fits at {at} {_policy_words(self.chosen)} "
+                f"(distributed.activation_checkpointing={self.chosen}), +{fraction * 100:.0f}% FLOPs.",
+            ]
         return "\n".join(lines)
 
 
@@ -126,8 +195,9 @@ def _policy_words(policy: str) -> str:
     return f"with checkpointing on the {' and '.join(kinds)} blocks only"
 
 
-def recommend_checkpointing(cfg, plan: MemoryPlan, *, world_size: int, reserve_gib: float = 4.0,
-                            chunked_head: bool | None = None) -> Recommendation:  # fmt: skip
+def recommend_checkpointing(
+    cfg, plan: MemoryPlan, *, world_size: int, reserve_gib: float = 4.0, chunked_head: bool | None = None
+) -> Recommendation:
     """The plan of every :func:`~nemofp4.planning.memory.candidate_policies` policy (from ``plan``'s
     measurements: no new ones), and the one with the fewest recompute FLOPs that fits the device."""
     job = _job(cfg, world_size)
@@ -136,11 +206,23 @@ def recommend_checkpointing(cfg, plan: MemoryPlan, *, world_size: int, reserve_g
     base = cost.total_flops - cost.flops["recompute"]
     rows = []
     for policy in policies:
-        other = plan_memory(cfg.model, job["recipe"], cfg.distributed, world_size=world_size, seq_len=cfg.train.seq_len,
-                            micro_batch=cfg.train.micro_batch, grad_accum=job["grad_accum"],
-                            device_memory_gib=plan.device_bytes / GIB, activation_checkpointing=policy,
-                            keep_head_gathered=job["keep_head_gathered"], mamba_scan=plan.mamba_scan, quantizer=plan.quantizer, reserve_gib=reserve_gib,
-                            measured=plan.measured, weight_cache=cfg.train.weight_cache)  # fmt: skip
+        other = plan_memory(
+            cfg.model,
+            job["recipe"],
+            cfg.distributed,
+            world_size=world_size,
+            seq_len=cfg.train.seq_len,
+            micro_batch=cfg.train.micro_batch,
+            grad_accum=job["grad_accum"],
+            device_memory_gib=plan.device_bytes / GIB,
+            activation_checkpointing=policy,
+            keep_head_gathered=job["keep_head_gathered"],
+            mamba_scan=plan.mamba_scan,
+            quantizer=plan.quantizer,
+            reserve_gib=reserve_gib,
+            measured=plan.measured,
+            weight_cache=cfg.train.weight_cache,
+        )
         rows.append((policy, other.total_bytes, cost.recompute_by_policy[policy] / base, other.fits))
     rows.sort(key=lambda r: r[2])
     chosen = next((p for p, _, _, ok in rows if ok), None)
@@ -153,8 +235,9 @@ def log_plan(cfg, *, world_size: int, device: torch.device, log) -> MemoryPlan |
     if device.type != "cuda":
         return None
     try:
-        plan = plan_for_job(cfg, world_size=world_size,
-                            device_memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB)  # fmt: skip
+        plan = plan_for_job(
+            cfg, world_size=world_size, device_memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB
+        )
         # the policy to suggest, from the plan's measurements (no new ones)
         recommendation = None if plan.fits else recommend_checkpointing(cfg, plan, world_size=world_size)
     except Exception as exc:  # a diagnostic: never the reason a run does not start
@@ -165,10 +248,16 @@ def log_plan(cfg, *, world_size: int, device: torch.device, log) -> MemoryPlan |
         if recommendation.chosen is not None:
             advice = recommendation.format().splitlines()[-1].removeprefix("Recommendation: ")
         else:
-            advice = ("no checkpointing policy fits; consider distributed.gradient_sync=per_micro_batch, a smaller "
-                      "train.micro_batch or more GPUs")  # fmt: skip
-        log.warning("the memory plan needs %.1f GiB per GPU, more than this device's %.1f GiB; %s",
-                    plan.total_bytes / GIB, plan.device_bytes / GIB, advice)  # fmt: skip
+            advice = (
+                "no checkpointing policy fits; consider distributed.gradient_sync=per_micro_batch, a smaller "
+                "train.micro_batch or more GPUs"
+            )
+        log.warning(
+            "the memory plan needs %.1f GiB per GPU, more than this device's %.1f GiB; %s",
+            plan.total_bytes / GIB,
+            plan.device_bytes / GIB,
+            advice,
+        )
     return plan
 
 
@@ -179,8 +268,10 @@ def device_memory_gib(cfg, device: torch.device) -> float:
         return float(cfg.distributed.device_memory_gib)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1] / GIB
-    raise ValueError(f"distributed.activation_checkpointing=auto on a {device.type} device needs the memory to plan "
-                     "against: set distributed.device_memory_gib (e.g. 80 for an H100 80GB)")
+    raise ValueError(
+        f"distributed.activation_checkpointing=auto on a {device.type} device needs the memory to plan "
+        "against: set distributed.device_memory_gib (e.g. 80 for an H100 80GB)"
+    )
 
 
 def _with_policy(cfg, policy: str):
@@ -193,8 +284,15 @@ def _what_fits(cfg, plan: MemoryPlan, *, world_size: int, reserve_gib: float) ->
     from nemofp4.training.config import compute_budget
 
     def fits(job, world, measured=None) -> bool:
-        base = plan_for_job(job, world_size=world, device_memory_gib=plan.device_bytes / GIB, reserve_gib=reserve_gib,
-                            activation_checkpointing="full", mamba_scan=plan.mamba_scan, measured=measured)  # fmt: skip
+        base = plan_for_job(
+            job,
+            world_size=world,
+            device_memory_gib=plan.device_bytes / GIB,
+            reserve_gib=reserve_gib,
+            activation_checkpointing="full",
+            mamba_scan=plan.mamba_scan,
+            measured=measured,
+        )
         return recommend_checkpointing(job, base, world_size=world, reserve_gib=reserve_gib).chosen is not None
 
     def valid(train, world) -> bool:
@@ -215,18 +313,24 @@ def _what_fits(cfg, plan: MemoryPlan, *, world_size: int, reserve_gib: float) ->
         if valid(smaller.train, world_size) and fits(smaller, world_size):
             advice.append(f"train.micro_batch={micro} on {world_size} GPUs (the largest that fits)")
             break
-    return ("it fits on " + " or with ".join(advice)) if advice else "no larger world size or smaller micro-batch fits either"
+    return (
+        ("it fits on " + " or with ".join(advice))
+        if advice
+        else "no larger world size or smaller micro-batch fits either"
+    )
 
 
-def choose_checkpointing(cfg, *, world_size: int, memory_gib: float, reserve_gib: float,
-                         mamba_scan: str = "auto") -> tuple[str, Recommendation]:  # fmt: skip
+def choose_checkpointing(
+    cfg, *, world_size: int, memory_gib: float, reserve_gib: float, mamba_scan: str = "auto"
+) -> tuple[str, Recommendation]:
     """The activation-checkpointing policy with the fewest recompute FLOPs whose memory plan fits
     ``memory_gib`` per GPU with ``reserve_gib`` kept free, and the table it was chosen from. The plan
     measures one block of each kind at the real widths (no simulation of the step). When nothing fits:
     a ValueError naming the smallest world size and the largest micro-batch that do."""
     cfg = _with_policy(cfg, "none")  # the policy is what is being chosen; the cost model needs a concrete one
-    plan = plan_for_job(cfg, world_size=world_size, device_memory_gib=memory_gib, reserve_gib=reserve_gib,
-                        mamba_scan=mamba_scan)  # fmt: skip
+    plan = plan_for_job(
+        cfg, world_size=world_size, device_memory_gib=memory_gib, reserve_gib=reserve_gib, mamba_scan=mamba_scan
+    )
     recommendation = recommend_checkpointing(cfg, plan, world_size=world_size, reserve_gib=reserve_gib)
     if recommendation.chosen is None:
         smallest = min(total for _, total, _, _ in recommendation.rows)
@@ -247,11 +351,18 @@ class StartupPlanner:
 
         started = time.perf_counter()
         memory, reserve = device_memory_gib(cfg, device), cfg.distributed.memory_reserve_gib
-        policy, recommendation = choose_checkpointing(cfg, world_size=world_size, memory_gib=memory, reserve_gib=reserve,
-                                                      mamba_scan="auto" if device.type == "cuda" else "torch")  # fmt: skip
+        policy, recommendation = choose_checkpointing(
+            cfg,
+            world_size=world_size,
+            memory_gib=memory,
+            reserve_gib=reserve,
+            mamba_scan="auto" if device.type == "cuda" else "torch",
+        )
         _, total, recompute, _ = next(r for r in recommendation.rows if r[0] == policy)
-        reason = (f"+{recompute * 100:.1f}% FLOPs of recompute; plans {total / GIB:.2f} of {memory:.2f} GiB per device "
-                  f"with {reserve:g} GiB reserve on {world_size} ranks; planned in {time.perf_counter() - started:.1f} s")
+        reason = (
+            f"+{recompute * 100:.1f}% FLOPs of recompute; plans {total / GIB:.2f} of {memory:.2f} GiB per device "
+            f"with {reserve:g} GiB reserve on {world_size} ranks; planned in {time.perf_counter() - started:.1f} s"
+        )
         return JobPlan(activation_checkpointing=policy, reason=reason, summary=recommendation.format())
 
     def log_plan(self, cfg, *, world_size: int, device: torch.device, log) -> None:

@@ -27,12 +27,36 @@ from nemofp4.models import NemotronHConfig
 
 __all__ = ["BlockLaunches", "NO_KERNEL", "count_block_launches"]
 
-NO_KERNEL = frozenset({
-    "alias", "as_strided", "detach", "empty", "empty_like", "empty_strided", "expand", "lift_fresh",
-    "new_empty", "new_empty_strided", "permute", "scalar_tensor", "select", "slice", "split", "split_with_sizes",
-    "squeeze", "t", "transpose", "unbind", "unflatten", "unsafe_split", "unsqueeze", "view", "_unsafe_view",
-    "_reshape_alias",
-})  # fmt: skip
+NO_KERNEL = frozenset(
+    {
+        "alias",
+        "as_strided",
+        "detach",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "expand",
+        "lift_fresh",
+        "new_empty",
+        "new_empty_strided",
+        "permute",
+        "scalar_tensor",
+        "select",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "squeeze",
+        "t",
+        "transpose",
+        "unbind",
+        "unflatten",
+        "unsafe_split",
+        "unsqueeze",
+        "view",
+        "_unsafe_view",
+        "_reshape_alias",
+    }
+)
 """ATen ops that launch no kernel: views, and allocations the caching allocator serves."""
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul"})
 
@@ -65,8 +89,11 @@ class _Counter(TorchDispatchMode):
         if name in NO_KERNEL:
             return out
         kind = "gemm" if name in GEMM_OPS else "elementwise"
-        tensors = [t for t in (*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else (out,)))
-                   if isinstance(t, torch.Tensor)]  # fmt: skip
+        tensors = [
+            t
+            for t in (*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else (out,)))
+            if isinstance(t, torch.Tensor)
+        ]
         self.ops.append((kind, self.phase, float(sum(t.numel() * t.element_size() for t in tensors))))
         return out
 
@@ -123,20 +150,22 @@ def _count(
         y.backward(torch.empty_like(y))
     ops = counter.ops
     fused = sum(
-        1
-        for i, (kind, *_) in enumerate(ops)
-        if kind != "elementwise" or i == 0 or ops[i - 1][0] != "elementwise"
+        1 for i, (kind, *_) in enumerate(ops) if kind != "elementwise" or i == 0 or ops[i - 1][0] != "elementwise"
     )
     elementwise = [(phase, nbytes) for kind, phase, nbytes in ops if kind == "elementwise"]
-    return BlockLaunches(eager_kernels=len(ops), compiled_kernels=fused,
-                         gemm_kernels=sum(kind == "gemm" for kind, *_ in ops),
-                         attention_kernels=sum(kind == "attention" for kind, *_ in ops),
-                         eager_elementwise_bytes=sum(b for _, b in elementwise),
-                         forward_eager_elementwise_bytes=sum(b for p, b in elementwise if p == "forward"))  # fmt: skip
+    return BlockLaunches(
+        eager_kernels=len(ops),
+        compiled_kernels=fused,
+        gemm_kernels=sum(kind == "gemm" for kind, *_ in ops),
+        attention_kernels=sum(kind == "attention" for kind, *_ in ops),
+        eager_elementwise_bytes=sum(b for _, b in elementwise),
+        forward_eager_elementwise_bytes=sum(b for p, b in elementwise if p == "forward"),
+    )
 
 
-def count_block_launches(model: NemotronHConfig, block_type: str, *, micro_batch: int, seq_len: int,
-                         compute_dtype: str = "bfloat16") -> BlockLaunches:  # fmt: skip
+def count_block_launches(
+    model: NemotronHConfig, block_type: str, *, micro_batch: int, seq_len: int, compute_dtype: str = "bfloat16"
+) -> BlockLaunches:
     """The launches of one ``block_type`` block of ``model`` (its first in the pattern), forward and backward of
     one micro-batch of ``micro_batch`` x ``seq_len`` tokens, in ``compute_dtype``. Cached."""
     dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32

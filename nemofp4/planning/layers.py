@@ -45,9 +45,18 @@ def linear_specs(model: NemotronHConfig, recipe: Recipe) -> tuple[LinearSpec, ..
         parts = fqn.split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
         block_type = model.layer_types[layer].block_type if layer is not None else "head"
-        specs.append(LinearSpec(fqn=fqn, layer=layer, block_type=block_type, in_features=linear.in_features,
-                                out_features=linear.out_features, part_name=part_name, part=part,
-                                kind=part_kind(part)))  # fmt: skip
+        specs.append(
+            LinearSpec(
+                fqn=fqn,
+                layer=layer,
+                block_type=block_type,
+                in_features=linear.in_features,
+                out_features=linear.out_features,
+                part_name=part_name,
+                part=part,
+                kind=part_kind(part),
+            )
+        )
     return tuple(specs)
 
 

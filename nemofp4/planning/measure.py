@@ -29,8 +29,17 @@ from nemofp4.training.parallel import checkpoint_block
 from .standins import mamba_kernel_standins
 from .te_linear import te_linear_standins
 
-__all__ = ["BlockMeasure", "HeadMeasure", "LiveBytes", "LiveTensorBytes", "gpu_quantizer_path", "measure_blocks",
-           "measure_head", "measure_optimizer_step", "warm_format_tables"]
+__all__ = [
+    "BlockMeasure",
+    "HeadMeasure",
+    "LiveBytes",
+    "LiveTensorBytes",
+    "gpu_quantizer_path",
+    "measure_blocks",
+    "measure_head",
+    "measure_optimizer_step",
+    "warm_format_tables",
+]
 
 
 # ------------------------------------------------------------------------------------ live bytes
@@ -201,7 +210,9 @@ class BlockMeasure:
 
 
 def _selection(specs, layer: int) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((s.fqn.split(".", 2)[2], s.part_name) for s in specs if s.layer == layer and is_quantized(s.part)))
+    return tuple(
+        sorted((s.fqn.split(".", 2)[2], s.part_name) for s in specs if s.layer == layer and is_quantized(s.part))
+    )
 
 
 def _run_block(block: nn.Module, *, batch: int, seq_len: int, width: int, dtype: torch.dtype, checkpointed: bool):
@@ -225,8 +236,16 @@ def _run_block(block: nn.Module, *, batch: int, seq_len: int, width: int, dtype:
     return saved, forward_peak, (tracker.at_peak["act"], tracker.at_peak["temp"])
 
 
-def measure_blocks(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micro_batch: int, dtype: torch.dtype,
-                   quantizer: str = "triton", mamba_ssm: bool = False) -> list[BlockMeasure]:  # fmt: skip
+def measure_blocks(
+    model: NemotronHConfig,
+    recipe: Recipe,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    dtype: torch.dtype,
+    quantizer: str = "triton",
+    mamba_ssm: bool = False,
+) -> list[BlockMeasure]:
     """One :class:`BlockMeasure` per distinct (block kind, quantized linears) of ``model`` under ``recipe``."""
     from .layers import linear_specs
 
@@ -245,14 +264,25 @@ def measure_blocks(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micr
             block.to_empty(device="cpu")
             set_step(block, 1)
             set_quant_stats(block, False)
-            runs = {ac: _run_block(block, batch=micro_batch, seq_len=seq_len, width=model.hidden_size, dtype=dtype,
-                                   checkpointed=ac) for ac in (False, True)}  # fmt: skip
-        out.append(BlockMeasure(
-            kind=kind, quantized_linears=len(selection), quantized_parts=",".join(sorted({p for _, p in selection})),
-            layers=tuple(layers), parameters=sum(p.numel() for p in block.parameters()),
-            saved_bytes=runs[False][0], input_bytes=micro_batch * seq_len * model.hidden_size * dtype.itemsize,
-            forward_peak={ac: r[1] for ac, r in runs.items()}, backward_peak={ac: r[2] for ac, r in runs.items()},
-        ))  # fmt: skip
+            runs = {
+                ac: _run_block(
+                    block, batch=micro_batch, seq_len=seq_len, width=model.hidden_size, dtype=dtype, checkpointed=ac
+                )
+                for ac in (False, True)
+            }
+        out.append(
+            BlockMeasure(
+                kind=kind,
+                quantized_linears=len(selection),
+                quantized_parts=",".join(sorted({p for _, p in selection})),
+                layers=tuple(layers),
+                parameters=sum(p.numel() for p in block.parameters()),
+                saved_bytes=runs[False][0],
+                input_bytes=micro_batch * seq_len * model.hidden_size * dtype.itemsize,
+                forward_peak={ac: r[1] for ac, r in runs.items()},
+                backward_peak={ac: r[2] for ac, r in runs.items()},
+            )
+        )
     return out
 
 
@@ -275,9 +305,17 @@ class HeadMeasure:
     """(activations, temporaries) at the peak of the head's backward (its weight's gradient included)."""
 
 
-def measure_head(model: NemotronHConfig, *, seq_len: int, micro_batch: int, dtype: torch.dtype,
-                 head_weight_dtype: torch.dtype, chunk_tokens: int, fp32_head: bool = True,
-                 fsdp: bool = False) -> HeadMeasure:  # fmt: skip
+def measure_head(
+    model: NemotronHConfig,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    dtype: torch.dtype,
+    head_weight_dtype: torch.dtype,
+    chunk_tokens: int,
+    fp32_head: bool = True,
+    fsdp: bool = False,
+) -> HeadMeasure:
     """``norm_f`` and the loss as the trainer computes them: the chunked head loss when
     ``chunk_tokens`` > 0, else the head's full logits in FP32 and ``F.cross_entropy``; the head an
     ``FP32Linear`` (the FP4 recipes') when ``fp32_head``, else an ``nn.Linear`` under autocast.
@@ -311,8 +349,11 @@ def measure_head(model: NemotronHConfig, *, seq_len: int, micro_batch: int, dtyp
             peaks["head"] = tracker.peak
             tracker.peak = max(tracker.peak, peaks["before"])
 
-        hooks = [head.register_full_backward_pre_hook(head_backward_starts),
-                 head.register_forward_pre_hook(head_forward_starts), head.register_forward_hook(head_forward_ends)]
+        hooks = [
+            head.register_full_backward_pre_hook(head_backward_starts),
+            head.register_forward_pre_hook(head_forward_starts),
+            head.register_forward_hook(head_forward_ends),
+        ]
         if chunk_tokens > 0:  # the chunked loss reads the head's weight inside: the whole loss is the head's
             hooks[1].remove(), hooks[2].remove()
             head_forward_starts()
@@ -338,9 +379,13 @@ def measure_head(model: NemotronHConfig, *, seq_len: int, micro_batch: int, dtyp
             del loss
         for hook in hooks:
             hook.remove()
-    return HeadMeasure(saved_bytes=saved, forward_peak=forward_peak, head_forward_peak=peaks["head"],
-                       loss_backward_peak=(loss_phase or [(0, 0)])[0],
-                       backward_peak=(tracker.at_peak["act"], tracker.at_peak["temp"]))  # fmt: skip
+    return HeadMeasure(
+        saved_bytes=saved,
+        forward_peak=forward_peak,
+        head_forward_peak=peaks["head"],
+        loss_backward_peak=(loss_phase or [(0, 0)])[0],
+        backward_peak=(tracker.at_peak["act"], tracker.at_peak["temp"]),
+    )
 
 
 # ------------------------------------------------------------------------------------ the optimizer

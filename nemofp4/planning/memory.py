@@ -115,27 +115,41 @@ class MemoryPlan:
         return next((m for m in self.moments if (m.phase, m.group, m.micro_batch) == (phase, group, micro_batch)), None)
 
     def format(self) -> str:
-        lines = ["| layer kind | quantized linears (part) | layers | saved per layer, no AC (GiB) | kept per layer with AC (GiB) |",
-                 "|---|---|---|---|---|"]  # fmt: skip
+        lines = [
+            "| layer kind | quantized linears (part) | layers | saved per layer, no AC (GiB) | kept per layer with AC (GiB) |",
+            "|---|---|---|---|---|",
+        ]
         for c in self.layers:
             quantized = f"{c.quantized_linears} ({c.quantized_parts})" if c.quantized_linears else "0"
-            lines.append(f"| {c.kind} | {quantized} | {c.count} | {c.saved_bytes / GIB:.3f} | {c.input_bytes / GIB:.3f} |")
+            lines.append(
+                f"| {c.kind} | {quantized} | {c.count} | {c.saved_bytes / GIB:.3f} | {c.input_bytes / GIB:.3f} |"
+            )
         lines += ["", f"| item | GiB per GPU | counted as (peak: {self.peak.describe()}) |", "|---|---|---|"]
         lines += [f"| {name} | {nbytes / GIB:.2f} | {how} |" for name, nbytes, how in self.rows]
         lines.append(f"| **total** | **{self.total_bytes / GIB:.2f}** | |")
-        lines += ["", f"Mamba scan: {self.mamba_scan} ({_SCAN_NOTE[self.mamba_scan]}); emulated quantizer: {self.quantizer}."]
+        lines += [
+            "",
+            f"Mamba scan: {self.mamba_scan} ({_SCAN_NOTE[self.mamba_scan]}); emulated quantizer: {self.quantizer}.",
+        ]
         if self.weight_cache_bytes:
-            lines.append(f"FP4 weights quantized once per step (train.weight_cache): {self.weight_cache_bytes / GIB:.2f} GiB "
-                         "of packed operands held through the step.")  # fmt: skip
+            lines.append(
+                f"FP4 weights quantized once per step (train.weight_cache): {self.weight_cache_bytes / GIB:.2f} GiB "
+                "of packed operands held through the step."
+            )
         lines += list(self.notes)
         verdict = "fits" if self.fits else "does not fit"
-        lines += ["", f"{self.total_bytes / GIB:.2f} GiB of {self.device_bytes / GIB:.2f} GiB per GPU "
-                      f"(activation checkpointing {self.activation_checkpointing}): {verdict}"]  # fmt: skip
+        lines += [
+            "",
+            f"{self.total_bytes / GIB:.2f} GiB of {self.device_bytes / GIB:.2f} GiB per GPU "
+            f"(activation checkpointing {self.activation_checkpointing}): {verdict}",
+        ]
         return "\n".join(lines)
 
 
-_SCAN_NOTE = {"torch": "the pure-PyTorch SSD scan, what CPU runs and CUDA runs without mamba-ssm use",
-              "mamba_ssm": "mamba-ssm's and causal-conv1d's CUDA kernels, measured by stand-ins that save what they save"}  # fmt: skip
+_SCAN_NOTE = {
+    "torch": "the pure-PyTorch SSD scan, what CPU runs and CUDA runs without mamba-ssm use",
+    "mamba_ssm": "mamba-ssm's and causal-conv1d's CUDA kernels, measured by stand-ins that save what they save",
+}
 
 
 # ------------------------------------------------------------------------------------ FSDP arithmetic
@@ -183,9 +197,19 @@ class Measured:
     chunk_tokens: int
 
 
-def measure(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micro_batch: int, compute_dtype: str = "bfloat16",
-            head_chunk_tokens: int = 0, head_precision: str = "fp32", mamba_scan: str = "torch",
-            quantizer: str = "triton", fsdp: bool = True) -> Measured:  # fmt: skip
+def measure(
+    model: NemotronHConfig,
+    recipe: Recipe,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    compute_dtype: str = "bfloat16",
+    head_chunk_tokens: int = 0,
+    head_precision: str = "fp32",
+    mamba_scan: str = "torch",
+    quantizer: str = "triton",
+    fsdp: bool = True,
+) -> Measured:
     """The measurements :func:`plan_memory` adds up (see the module docstring); ``fsdp``: under FSDP2,
     whose mixed-precision policies cast each group's inputs."""
     from .layers import head_is_fp32_part
@@ -197,22 +221,59 @@ def measure(model: NemotronHConfig, recipe: Recipe, *, seq_len: int, micro_batch
     fp32_part = head_is_fp32_part(model, recipe)
     head_dtype = head_parameter_dtype(head_precision, fp32_part=fp32_part, compute_dtype=dtype)  # its gathered dtype
     warm_format_tables(recipe)
-    blocks = measure_blocks(model, recipe, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, quantizer=quantizer,
-                            mamba_ssm=mamba_scan_path(mamba_scan) == "mamba_ssm")  # fmt: skip
-    head = measure_head(model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, head_weight_dtype=head_dtype,
-                        chunk_tokens=head_chunk_tokens, fp32_head=fp32_part, fsdp=fsdp)  # fmt: skip
+    blocks = measure_blocks(
+        model,
+        recipe,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        dtype=dtype,
+        quantizer=quantizer,
+        mamba_ssm=mamba_scan_path(mamba_scan) == "mamba_ssm",
+    )
+    head = measure_head(
+        model,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        dtype=dtype,
+        head_weight_dtype=head_dtype,
+        chunk_tokens=head_chunk_tokens,
+        fp32_head=fp32_part,
+        fsdp=fsdp,
+    )
     shapes = [(4096,), (256, 64), (3, 17)]
     step = measure_optimizer_step(shapes) / (4 * sum(math.prod(s) for s in shapes))
-    return Measured(blocks=blocks, head=head, groups=_groups(model, compute_bytes=dtype.itemsize, head_bytes=head_dtype.itemsize),
-                    optimizer_step_per_byte=step, fp32_head_part=fp32_part, chunk_tokens=head_chunk_tokens)  # fmt: skip
+    return Measured(
+        blocks=blocks,
+        head=head,
+        groups=_groups(model, compute_bytes=dtype.itemsize, head_bytes=head_dtype.itemsize),
+        optimizer_step_per_byte=step,
+        fp32_head_part=fp32_part,
+        chunk_tokens=head_chunk_tokens,
+    )
 
 
-def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int, seq_len: int,
-                micro_batch: int, grad_accum: int, device_memory_gib: float, compute_dtype: str = "bfloat16",
-                activation_checkpointing: str | bool | None = None, chunked_head: bool = False,
-                head_chunk_tokens: int | None = None, head_precision: str = "fp32", keep_head_gathered: bool = False,
-                mamba_scan: str = "torch", quantizer: str = "triton", reserve_gib: float = 4.0,
-                measured: Measured | None = None, weight_cache: bool = True) -> MemoryPlan:  # fmt: skip
+def plan_memory(
+    model: NemotronHConfig,
+    recipe: Recipe,
+    dist_cfg: DistributedConfig,
+    *,
+    world_size: int,
+    seq_len: int,
+    micro_batch: int,
+    grad_accum: int,
+    device_memory_gib: float,
+    compute_dtype: str = "bfloat16",
+    activation_checkpointing: str | bool | None = None,
+    chunked_head: bool = False,
+    head_chunk_tokens: int | None = None,
+    head_precision: str = "fp32",
+    keep_head_gathered: bool = False,
+    mamba_scan: str = "torch",
+    quantizer: str = "triton",
+    reserve_gib: float = 4.0,
+    measured: Measured | None = None,
+    weight_cache: bool = True,
+) -> MemoryPlan:
     """The per-GPU memory of training ``model`` under ``recipe`` and ``dist_cfg`` on ``world_size`` GPUs.
 
     ``activation_checkpointing`` defaults to the config's policy; ``compute_dtype`` is the dtype blocks
@@ -227,16 +288,35 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; must be >= 1")
-    policy = ac_policy(dist_cfg.activation_checkpointing if activation_checkpointing is None else activation_checkpointing)
+    policy = ac_policy(
+        dist_cfg.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    )
     chunk = head_chunk_tokens if head_chunk_tokens is not None else (DEFAULT_CHUNK_TOKENS if chunked_head else 0)
     scan = mamba_scan_path(mamba_scan)
     if measured is None:
-        measured = measure(model, recipe, seq_len=seq_len, micro_batch=micro_batch, compute_dtype=compute_dtype,
-                           head_chunk_tokens=chunk, head_precision=head_precision, mamba_scan=scan, quantizer=quantizer,
-                           fsdp=dist_cfg.backend == "fsdp")  # fmt: skip
+        measured = measure(
+            model,
+            recipe,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            compute_dtype=compute_dtype,
+            head_chunk_tokens=chunk,
+            head_precision=head_precision,
+            mamba_scan=scan,
+            quantizer=quantizer,
+            fsdp=dist_cfg.backend == "fsdp",
+        )
     blocks, head = measured.blocks, measured.head
-    moments = _moments(model, dist_cfg, policy, measured, world_size=world_size, grad_accum=grad_accum,
-                       tokens=micro_batch * seq_len, keep_head_gathered=keep_head_gathered)  # fmt: skip
+    moments = _moments(
+        model,
+        dist_cfg,
+        policy,
+        measured,
+        world_size=world_size,
+        grad_accum=grad_accum,
+        tokens=micro_batch * seq_len,
+        keep_head_gathered=keep_head_gathered,
+    )
     cache = _weight_cache(model, recipe) if weight_cache and grad_accum > 1 else None
     if cache is not None:
         moments = [_with_weight_cache(m, *cache) for m in moments]
@@ -247,20 +327,35 @@ def plan_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedCon
     notes = ()
     emulated = {p.precision for p in recipe.parts.values() if p.kind == "fp4"}
     if quantizer == "triton" and "fp4" in emulated:
-        notes += ("FP4 operands are quantized by the Triton kernels of a CUDA run (their buffers, from the kernels' "
-                  "fake implementations); train.kernels=eager plans the torch program's.",)  # fmt: skip
+        notes += (
+            "FP4 operands are quantized by the Triton kernels of a CUDA run (their buffers, from the kernels' "
+            "fake implementations); train.kernels=eager plans the torch program's.",
+        )
     if "fp8" in emulated:
-        notes += ("Emulated FP8 operands are quantized by the torch program (the Triton kernels have no FP8 "
-                  "payloads).",)  # fmt: skip
+        notes += (
+            "Emulated FP8 operands are quantized by the torch program (the Triton kernels have no FP8 payloads).",
+        )
     te_recipes = sorted({p.te_recipe for p in recipe.parts.values() if runs_in_transformer_engine(p)})
     if te_recipes:
-        notes += (f"Transformer Engine's linears ({', '.join(te_recipes)}) are measured by stand-ins that keep what "
-                  "te.Linear keeps under FSDP2 (nemofp4/planning/te_linear.py).",)  # fmt: skip
-    return MemoryPlan(peak=peak, moments=tuple(moments), layers=tuple(blocks), head=head, activation_checkpointing=policy,
-                      activations_after_forward=after_forward, reserve_bytes=int(reserve_gib * GIB),
-                      weight_cache_bytes=sum(map(sum, cache)) if cache else 0,
-                      device_bytes=int(device_memory_gib * GIB), mamba_scan=scan, quantizer=quantizer,
-                      measured=measured, notes=notes)  # fmt: skip
+        notes += (
+            f"Transformer Engine's linears ({', '.join(te_recipes)}) are measured by stand-ins that keep what "
+            "te.Linear keeps under FSDP2 (nemofp4/planning/te_linear.py).",
+        )
+    return MemoryPlan(
+        peak=peak,
+        moments=tuple(moments),
+        layers=tuple(blocks),
+        head=head,
+        activation_checkpointing=policy,
+        activations_after_forward=after_forward,
+        reserve_bytes=int(reserve_gib * GIB),
+        weight_cache_bytes=sum(map(sum, cache)) if cache else 0,
+        device_bytes=int(device_memory_gib * GIB),
+        mamba_scan=scan,
+        quantizer=quantizer,
+        measured=measured,
+        notes=notes,
+    )
 
 
 def _weight_cache(model: NemotronHConfig, recipe: Recipe) -> tuple[list[int], list[int]]:
@@ -297,8 +392,9 @@ def _with_weight_cache(m: Moment, made_in_forward: list[int], made_in_backward: 
     return replace(m, items=items)
 
 
-def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_accum, tokens,
-             keep_head_gathered: bool = False) -> list[Moment]:  # fmt: skip
+def _moments(
+    model, dist_cfg, policy, measured: Measured, *, world_size, grad_accum, tokens, keep_head_gathered: bool = False
+) -> list[Moment]:
     blocks, head, groups, chunked = measured.blocks, measured.head, measured.groups, measured.chunk_tokens > 0
     backend = dist_cfg.backend
     by_layer = {i: b for b in blocks for i in b.layers}
@@ -308,7 +404,11 @@ def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_ac
     head_group = next((g for g in groups if g.name == "lm_head"), None)
     root = groups[-1]
     fsdp = backend in ("fsdp", "deepspeed_zero3")
-    shards = world_size // dist_cfg.replicate_degree if backend == "fsdp" else (world_size if backend == "deepspeed_zero3" else 1)
+    shards = (
+        world_size // dist_cfg.replicate_degree
+        if backend == "fsdp"
+        else (world_size if backend == "deepspeed_zero3" else 1)
+    )
     param_shards = shards
     grad_shards = world_size if backend in ("deepspeed_zero2", "deepspeed_zero3") else shards
     optim_shards = world_size if dist_cfg.engine == "deepspeed" else shards
@@ -345,16 +445,24 @@ def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_ac
         return 4 * next(g.numel for g in groups if g.name == previous)
 
     def moment(phase, group, kind, *, gathered, grads_, act, temp, comm, opt_extra=0):
-        items = {"parameters": params, "gathered parameters": gathered, "gradients": grads_,
-                 "optimizer state": optim + opt_extra, "activations": act, "temporaries": temp,
-                 "communication buffers": comm}  # fmt: skip
+        items = {
+            "parameters": params,
+            "gathered parameters": gathered,
+            "gradients": grads_,
+            "optimizer state": optim + opt_extra,
+            "activations": act,
+            "temporaries": temp,
+            "communication buffers": comm,
+        }
         return Moment(phase=phase, group=group, micro_batch=kind, items=items)
 
     # groups not resharded after forward stay gathered until their backward is done
     # (distributed.reshard_after_forward=false: every group; keep_head_gathered: the head)
     keeps = set()
     if backend == "fsdp":
-        keeps = {g.name for g in groups if not dist_cfg.reshard_after_forward or (g.name == "lm_head" and keep_head_gathered)}
+        keeps = {
+            g.name for g in groups if not dist_cfg.reshard_after_forward or (g.name == "lm_head" and keep_head_gathered)
+        }
 
     def gathered(*names: str, buffers: tuple[str, ...] = (), kept: tuple[str, ...] = ()) -> int:
         """The groups ``names`` unsharded, the all-gather buffers of ``buffers`` (a prefetch of a kept
@@ -363,7 +471,8 @@ def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_ac
             return 0
         unsharded = set(names) | (set(kept) & keeps)
         return sum(g.gathered_bytes for g in groups if g.name in unsharded) + sum(
-            g.gathered_bytes for g in groups if g.name in buffers)
+            g.gathered_bytes for g in groups if g.name in buffers
+        )
 
     def gathered_again(*names: str) -> tuple[str, ...]:  # the groups backward all-gathers again
         return tuple(n for n in names if n not in keeps)
@@ -374,48 +483,132 @@ def _moments(model, dist_cfg, policy, measured: Measured, *, world_size, grad_ac
         # forward: the root gathered throughout, each group with its all-gather buffer while it runs
         for i, g in enumerate(layers):
             fwd = by_layer[i].forward_peak[chosen[i]]
-            out.append(moment("forward", g.name, kind, gathered=gathered("root", g.name, buffers=(g.name,), kept=names[:i]),
-                              grads_=grads(kind, set()), act=sum(kept[:i]) + fwd + ids, temp=0, comm=0))  # fmt: skip
+            out.append(
+                moment(
+                    "forward",
+                    g.name,
+                    kind,
+                    gathered=gathered("root", g.name, buffers=(g.name,), kept=names[:i]),
+                    grads_=grads(kind, set()),
+                    act=sum(kept[:i]) + fwd + ids,
+                    temp=0,
+                    comm=0,
+                )
+            )
         # the full logits' head runs inside the model's forward (the root still gathered); the chunked loss
         # after it returned (the root resharded)
         root_too = ("root",) if not chunked else ()
         if head_group:
-            out.append(moment("forward", "lm_head", kind, gathered=gathered("lm_head", *root_too, buffers=("lm_head",), kept=("root", *names)),
-                              grads_=grads(kind, set()), act=sum(kept) + head.head_forward_peak + ids, temp=0, comm=0))  # fmt: skip
+            out.append(
+                moment(
+                    "forward",
+                    "lm_head",
+                    kind,
+                    gathered=gathered("lm_head", *root_too, buffers=("lm_head",), kept=("root", *names)),
+                    grads_=grads(kind, set()),
+                    act=sum(kept) + head.head_forward_peak + ids,
+                    temp=0,
+                    comm=0,
+                )
+            )
         if not chunked:  # the cross-entropy on the full logits, after the model's forward returned
-            out.append(moment("forward", "loss", kind, gathered=gathered(kept=("root", *names, "lm_head")), grads_=grads(kind, set()),
-                              act=sum(kept) + head.forward_peak + ids, temp=0, comm=0))  # fmt: skip
+            out.append(
+                moment(
+                    "forward",
+                    "loss",
+                    kind,
+                    gathered=gathered(kept=("root", *names, "lm_head")),
+                    grads_=grads(kind, set()),
+                    act=sum(kept) + head.forward_peak + ids,
+                    temp=0,
+                    comm=0,
+                )
+            )
         done: set[str] = set()
         previous = None
         for g in backward_order:
             if g.name == "lm_head":
                 if not chunked:  # the cross-entropy's backward, before the head (and the root) gather again
                     act, temp = head.loss_backward_peak
-                    out.append(moment("backward", "loss", kind, gathered=gathered(kept=("root", *names, "lm_head")), grads_=grads(kind, done),
-                                      act=sum(kept) + act + ids, temp=temp, comm=0))  # fmt: skip
+                    out.append(
+                        moment(
+                            "backward",
+                            "loss",
+                            kind,
+                            gathered=gathered(kept=("root", *names, "lm_head")),
+                            grads_=grads(kind, done),
+                            act=sum(kept) + act + ids,
+                            temp=temp,
+                            comm=0,
+                        )
+                    )
                 act, temp = head.backward_peak
                 last = (f"layers.{len(layers) - 1}",) if not chunked and layers else ()
-                out.append(moment("backward", "lm_head", kind, gathered=gathered("lm_head", *root_too, buffers=gathered_again("root") if chunked else gathered_again(*last),
-                                                                                      kept=("root", *names)),
-                                  grads_=grads(kind, done), act=sum(kept) + act + ids, temp=temp, comm=0))  # fmt: skip
+                out.append(
+                    moment(
+                        "backward",
+                        "lm_head",
+                        kind,
+                        gathered=gathered(
+                            "lm_head",
+                            *root_too,
+                            buffers=gathered_again("root") if chunked else gathered_again(*last),
+                            kept=("root", *names),
+                        ),
+                        grads_=grads(kind, done),
+                        act=sum(kept) + act + ids,
+                        temp=temp,
+                        comm=0,
+                    )
+                )
             elif g.name == "root":
                 embedding_grad = model.vocab_size * model.hidden_size * (root.gathered_bytes // max(root.numel, 1))
-                out.append(moment("backward", "root", kind, gathered=gathered("root"), grads_=grads(kind, done),
-                                  act=ids, temp=embedding_grad, comm=reduce_buffer(kind, previous)))  # fmt: skip
+                out.append(
+                    moment(
+                        "backward",
+                        "root",
+                        kind,
+                        gathered=gathered("root"),
+                        grads_=grads(kind, done),
+                        act=ids,
+                        temp=embedding_grad,
+                        comm=reduce_buffer(kind, previous),
+                    )
+                )
             else:
                 i = int(g.name.split(".")[1])
                 act, temp = by_layer[i].backward_peak[chosen[i]]
                 if not head_group and i == len(layers) - 1:
                     act += head.saved_bytes
                 prefetch = (f"layers.{i - 1}",) if i > 0 else ()
-                out.append(moment("backward", g.name, kind, gathered=gathered("root", g.name, buffers=gathered_again(*prefetch), kept=names[:i]),
-                                  grads_=grads(kind, done), act=sum(kept[:i]) + act + ids, temp=temp,
-                                  comm=reduce_buffer(kind, previous)))  # fmt: skip
+                out.append(
+                    moment(
+                        "backward",
+                        g.name,
+                        kind,
+                        gathered=gathered("root", g.name, buffers=gathered_again(*prefetch), kept=names[:i]),
+                        grads_=grads(kind, done),
+                        act=sum(kept[:i]) + act + ids,
+                        temp=temp,
+                        comm=reduce_buffer(kind, previous),
+                    )
+                )
             done.add(g.name)
             previous = g.name
     step_extra = int(measured.optimizer_step_per_byte * sum(_shard_bytes(g, optim_shards) for g in groups))
-    out.append(moment("optimizer step", "", kinds[-1], gathered=0, grads_=grads(kinds[-1], {g.name for g in groups}),
-                      act=0, temp=0, comm=0, opt_extra=step_extra))  # fmt: skip
+    out.append(
+        moment(
+            "optimizer step",
+            "",
+            kinds[-1],
+            gathered=0,
+            grads_=grads(kinds[-1], {g.name for g in groups}),
+            act=0,
+            temp=0,
+            comm=0,
+            opt_extra=step_extra,
+        )
+    )
     return out
 
 
@@ -424,5 +617,5 @@ def candidate_policies(model: NemotronHConfig) -> list[str]:
     type and each pair, every 2nd, 3rd and 4th block, full."""
     present = [t for t in AC_BLOCK_TYPES if t in {lt.block_type for lt in model.layer_types}]
     singles = list(present)
-    pairs = ["+".join(p) for i, a in enumerate(present) for p in [(a, b) for b in present[i + 1:]]]
+    pairs = ["+".join(p) for i, a in enumerate(present) for p in [(a, b) for b in present[i + 1 :]]]
     return ["none", *singles, *pairs, "every_4", "every_3", "every_2", "full"]

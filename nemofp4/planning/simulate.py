@@ -52,11 +52,18 @@ GIB = 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 _TRACKER_CATEGORIES = {
-    "Sharded Param": "parameters", "Buffer": "parameters", "Unsharded Param": "gathered parameters",
-    "All Gather": "gathered parameters", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
-    "OptState": "optimizer state", "Activation": "activations", "Inputs": "activations", "Temp": "temporaries",
+    "Sharded Param": "parameters",
+    "Buffer": "parameters",
+    "Unsharded Param": "gathered parameters",
+    "All Gather": "gathered parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "OptState": "optimizer state",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
     "Reduce Scatter": "communication buffers",
-}  # fmt: skip
+}
 """FSDPMemTracker's categories -> the plan's (:data:`nemofp4.planning.memory.CATEGORIES`). Gathered
 parameters and the all-gather buffers are one item: the tracker names a gathered group's storage
 either way depending on when the group was gathered."""
@@ -115,8 +122,9 @@ def _tracker_class():
                 group = fsdp_mod._get_fsdp_state()._fsdp_param_group
                 for fsdp_param in group.fsdp_params if group else ():
                     if fsdp_param.unsharded_accumulated_grad is not None:
-                        self._update_and_maybe_create_winfos(fsdp_param.unsharded_accumulated_grad,
-                                                             _FSDPRefType.UNSHARDED_GRAD)  # fmt: skip
+                        self._update_and_maybe_create_winfos(
+                            fsdp_param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
+                        )
 
             return post_backward
 
@@ -125,7 +133,9 @@ def _tracker_class():
                 if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
                     self._peak_mem[dev] = dev_snap["Total"]
                     self._peak_mem_snap[dev] = dict(dev_snap)
-                    self.peak_phase = "optimizer step" if self._in_opt else ("backward" if self._mod_tracker.is_bw else "forward")
+                    self.peak_phase = (
+                        "optimizer step" if self._in_opt else ("backward" if self._mod_tracker.is_bw else "forward")
+                    )
                     self.peak_module = max(self._mod_tracker.parents, key=len, default="")
                     self.peak_group = "" if self._in_opt else _group_of(self._mod_tracker.parents)
                     self.peak_micro_batch = self.micro_batch
@@ -140,7 +150,7 @@ def _group_of(modules: set[str]) -> str:
     for name in sorted(modules, key=len, reverse=True):
         parts = name.split(".")
         if "layers" in parts:
-            return ".".join(parts[parts.index("layers"):][:2])
+            return ".".join(parts[parts.index("layers") :][:2])
         if "lm_head" in parts or "norm_f" in parts:
             return "lm_head"
         if "embeddings" in parts:
@@ -241,8 +251,10 @@ def _fake_process_group(world_size: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise ValueError("the memory simulation creates its own fake process group; run it in a process "
-                         "without one (nemofp4-plan simulate=true)")  # fmt: skip
+        raise ValueError(
+            "the memory simulation creates its own fake process group; run it in a process "
+            "without one (nemofp4-plan simulate=true)"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
@@ -250,10 +262,22 @@ def _fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: DistributedConfig, *, world_size: int,
-                    seq_len: int, micro_batch: int, grad_accum: int, compute_dtype: str = "bfloat16",
-                    head_chunk_tokens: int = 0, optim: OptimConfig | None = None, mamba_scan: str = "torch",
-                    quantizer: str = "triton", weight_cache: bool = True) -> SimulatedMemory:  # fmt: skip
+def simulate_memory(
+    model: NemotronHConfig,
+    recipe: Recipe,
+    dist_cfg: DistributedConfig,
+    *,
+    world_size: int,
+    seq_len: int,
+    micro_batch: int,
+    grad_accum: int,
+    compute_dtype: str = "bfloat16",
+    head_chunk_tokens: int = 0,
+    optim: OptimConfig | None = None,
+    mamba_scan: str = "torch",
+    quantizer: str = "triton",
+    weight_cache: bool = True,
+) -> SimulatedMemory:
     """Run one training step of ``model`` under ``recipe`` and ``dist_cfg`` as rank 0 of ``world_size``
     on fake tensors and return its per-GPU memory peak (see the module docstring).
 
@@ -266,9 +290,11 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
     if quantizer not in ("triton", "eager"):
         raise ValueError(f"quantizer={quantizer!r}; valid: triton, eager")
     if dist_cfg.backend != "fsdp":
-        raise ValueError(f"distributed.backend={dist_cfg.backend!r}: the simulation measures FSDP2 runs "
-                         "(distributed=fsdp); FSDPMemTracker needs FSDP2, DeepSpeed's engine does not run on "
-                         "fake tensors")  # fmt: skip
+        raise ValueError(
+            f"distributed.backend={dist_cfg.backend!r}: the simulation measures FSDP2 runs "
+            "(distributed=fsdp); FSDPMemTracker needs FSDP2, DeepSpeed's engine does not run on "
+            "fake tensors"
+        )
     if compute_dtype not in _DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype!r}; valid: {tuple(_DTYPES)}")
     scan = mamba_scan_path(mamba_scan)
@@ -299,7 +325,11 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
         stack.enter_context(mamba_kernel_standins(scan == "mamba_ssm"))
         stack.enter_context(gpu_quantizer_path(quantizer))
         stack.enter_context(_head_loss_through_call(net))
-        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if compute_dtype == "bfloat16" else contextlib.nullcontext
+        autocast = (
+            (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+            if compute_dtype == "bfloat16"
+            else contextlib.nullcontext
+        )
         micro_batches = _distinct_micro_batches(grad_accum)
         collectives = stack.enter_context(_CollectiveBytes().counting())
         tracker.track_inputs((ids,))
@@ -328,8 +358,15 @@ def simulate_memory(model: NemotronHConfig, recipe: Recipe, dist_cfg: Distribute
     categories = dict.fromkeys(CATEGORIES, 0)
     for name, nbytes in raw.items():
         categories[_TRACKER_CATEGORIES[name]] += nbytes
-    return SimulatedMemory(categories=categories, tracker=raw, peak_phase=tracker.peak_phase,
-                           peak_group=tracker.peak_group, peak_micro_batch=tracker.peak_micro_batch,
-                           peak_module=tracker.peak_module, micro_batches=len(micro_batches),
-                           collectives=collectives.per_step(grad_accum), mamba_scan=scan,
-                           wall_s=time.perf_counter() - started)  # fmt: skip
+    return SimulatedMemory(
+        categories=categories,
+        tracker=raw,
+        peak_phase=tracker.peak_phase,
+        peak_group=tracker.peak_group,
+        peak_micro_batch=tracker.peak_micro_batch,
+        peak_module=tracker.peak_module,
+        micro_batches=len(micro_batches),
+        collectives=collectives.per_step(grad_accum),
+        mamba_scan=scan,
+        wall_s=time.perf_counter() - started,
+    )

@@ -82,8 +82,9 @@ class _ChunkScanStandIn(torch.autograd.Function):
         del chunk_states
         dstates = torch.empty(batch, chunks, heads, head_dim, state, **f32)  # _chunk_scan_bwd_dstates
         # _state_passing_bwd: dstates and states in x's dtype; ddA per 64-wide block of p*n, then summed
-        dstates_x, states_x = (torch.empty(batch, chunks, heads, head_dim * state, dtype=x.dtype, device=x.device)
-                               for _ in range(2))  # fmt: skip
+        dstates_x, states_x = (
+            torch.empty(batch, chunks, heads, head_dim * state, dtype=x.dtype, device=x.device) for _ in range(2)
+        )
         ddA_blocks = torch.empty(batch, heads, chunks, math.ceil(head_dim * state / 64), **f32)
         ddA_chunk = torch.empty(batch, heads, chunks, **f32)
         del ddA_blocks
@@ -115,7 +116,7 @@ class _ChunkScanStandIn(torch.autograd.Function):
         ddA_sum = torch.empty(per_chunk, **f32)  # ddA += ddA_next + ddA_prev
         del ddA_sum
         dA = torch.empty_like(A)  # _chunk_cumsum_bwd, into ddt_given
-        del dt_in, dt_c, dA_cs, CB, unused_final, dstates, states, ddA_chunk, ddt, ddA_next  # fmt: skip
+        del dt_in, dt_c, dA_cs, CB, unused_final, dstates, states, ddA_chunk, ddt, ddA_next
         del dB, ddA_cumsum_prev, dC, dCB, ddA_prev, ddA
         return dx, ddt_given, dA, dB_given, dC_given, None
 
@@ -152,7 +153,11 @@ class _CausalConvStandIn(torch.autograd.Function):
         x_BCL, weight_CK, bias_C = ctx.saved_tensors
         dx = torch.empty_like(x_BCL)
         dweight = torch.empty(weight_CK.shape, dtype=torch.float32, device=x_BCL.device).to(weight_CK.dtype)
-        dbias = None if bias_C is None else torch.empty(bias_C.shape, dtype=torch.float32, device=x_BCL.device).to(bias_C.dtype)
+        dbias = (
+            None
+            if bias_C is None
+            else torch.empty(bias_C.shape, dtype=torch.float32, device=x_BCL.device).to(bias_C.dtype)
+        )
         return dx, dweight, dbias
 
 

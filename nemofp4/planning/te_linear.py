@@ -57,8 +57,18 @@ from torch import nn
 
 from nemofp4.quant import TELinear
 
-__all__ = ["HADAMARD_FLOPS_PER_ELEMENT", "TE_STORAGE", "TELinearStandIn", "TEOperand", "TEPass", "TEQuantization",
-           "TEStorage", "te_linear_operands", "te_linear_standins", "te_quantizations"]  # fmt: skip
+__all__ = [
+    "HADAMARD_FLOPS_PER_ELEMENT",
+    "TE_STORAGE",
+    "TELinearStandIn",
+    "TEOperand",
+    "TEPass",
+    "TEQuantization",
+    "TEStorage",
+    "te_linear_operands",
+    "te_linear_standins",
+    "te_quantizations",
+]
 
 BLOCK = 16
 HADAMARD_FLOPS_PER_ELEMENT = 2 * BLOCK
@@ -94,14 +104,33 @@ class TEStorage:
 TE_STORAGE: dict[str, TEStorage] = {
     s.recipe: s
     for s in (
-        TEStorage(recipe="NVFP4BlockScaling", codes_per_byte=2, block=16, scalar_bytes=4, amax_pass=True,
-                  columnwise_transposed=True),
-        TEStorage(recipe="Float8CurrentScaling", codes_per_byte=1, block=0, scalar_bytes=4, amax_pass=True,
-                  columnwise_transposed=True, transpose_if_tn_only=True),
-        TEStorage(recipe="MXFP8BlockScaling", codes_per_byte=1, block=32, scalar_bytes=0, amax_pass=False,
-                  columnwise_transposed=False),
+        TEStorage(
+            recipe="NVFP4BlockScaling",
+            codes_per_byte=2,
+            block=16,
+            scalar_bytes=4,
+            amax_pass=True,
+            columnwise_transposed=True,
+        ),
+        TEStorage(
+            recipe="Float8CurrentScaling",
+            codes_per_byte=1,
+            block=0,
+            scalar_bytes=4,
+            amax_pass=True,
+            columnwise_transposed=True,
+            transpose_if_tn_only=True,
+        ),
+        TEStorage(
+            recipe="MXFP8BlockScaling",
+            codes_per_byte=1,
+            block=32,
+            scalar_bytes=0,
+            amax_pass=False,
+            columnwise_transposed=False,
+        ),
     )
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True, kw_only=True)

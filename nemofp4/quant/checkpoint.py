@@ -31,20 +31,30 @@ ReadState = Callable[[dict[str, Any] | None], None]
 own files, DeepSpeed's)."""
 
 
-def references_layout_problem(trainer_state: Mapping[str, Any], *, reads_model_state: bool,
-                              restore: bool = True) -> str | None:  # fmt: skip
+def references_layout_problem(
+    trainer_state: Mapping[str, Any], *, reads_model_state: bool, restore: bool = True
+) -> str | None:
     """Why a checkpoint's references cannot be read into a model whose model state DCP does not read
     (``reads_model_state=False``: DeepSpeed reads its own), from its saved trainer state alone; None
     when they can."""
     if restore and not reads_model_state and trainer_state.get("quant_state") == "dcp":
-        return ("this checkpoint keeps its held FP4 references in a 'quant' DCP entry (written before they "
-                "were module state), which a DeepSpeed run does not read; resume it with "
-                "precision.restore_references=false, or with distributed.backend=fsdp or none")
+        return (
+            "this checkpoint keeps its held FP4 references in a 'quant' DCP entry (written before they "
+            "were module state), which a DeepSpeed run does not read; resume it with "
+            "precision.restore_references=false, or with distributed.backend=fsdp or none"
+        )
     return None
 
 
-def read_references(model: nn.Module, state: dict[str, Any] | None, read: ReadState, *,
-                    trainer_state: Mapping[str, Any], rank_state: Mapping[str, Any], restore: bool = True) -> None:  # fmt: skip
+def read_references(
+    model: nn.Module,
+    state: dict[str, Any] | None,
+    read: ReadState,
+    *,
+    trainer_state: Mapping[str, Any],
+    rank_state: Mapping[str, Any],
+    restore: bool = True,
+) -> None:
     """Read a checkpoint of any layout through ``read`` into ``state`` (the DCP state dict of the current
     layout, whose ``"model"`` entry is the model state as ``get_model_state_dict`` gives it; None when
     DeepSpeed reads its own) and leave it in the current layout: each FP4 linear's extra state holds the
@@ -86,8 +96,10 @@ def read_references(model: nn.Module, state: dict[str, Any] | None, read: ReadSt
                 module.set_extra_state(extra)
             restored[fqn] = extra
     if held:
-        raise ValueError(f"the checkpoint holds references of {sorted(held)[:3]}, which are not FP4 linears of "
-                         "this model; it was saved for a different model or precision recipe")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint holds references of {sorted(held)[:3]}, which are not FP4 linears of "
+            "this model; it was saved for a different model or precision recipe"
+        )
     if restore:
         _check_restored(restored, step=trainer_state.get("step"))
 
@@ -99,8 +111,10 @@ def _fill(state: dict[str, torch.Tensor], saved: Mapping[str, torch.Tensor] | No
         return
     unknown = set(saved or {}) - set(state)
     if unknown:
-        raise ValueError(f"saved references {sorted(unknown)} match no held reference of this model's FP4 linear; "
-                         "the checkpoint was saved for a different model or precision recipe")  # fmt: skip
+        raise ValueError(
+            f"saved references {sorted(unknown)} match no held reference of this model's FP4 linear; "
+            "the checkpoint was saved for a different model or precision recipe"
+        )
     for key in state:
         if key.endswith(".refresh_step"):
             state[key] = torch.zeros((), dtype=torch.int64)
@@ -115,5 +129,6 @@ def _check_restored(restored: Mapping[str, Mapping[str, torch.Tensor]], *, step:
     for fqn, state in restored.items():
         problem = held_state_problem(state, step=step)
         if problem is not None:
-            raise ValueError(f"the held FP4 reference of module {fqn} is invalid: {problem}; the checkpoint was "
-                             "written wrong")
+            raise ValueError(
+                f"the held FP4 reference of module {fqn} is invalid: {problem}; the checkpoint was written wrong"
+            )

@@ -123,8 +123,10 @@ class LinearQuantConfig:
             raise ValueError(f"gemm={self.gemm!r} is not a GEMM mode; valid modes are {GEMM_MODES}")
         fp8 = {self.operand(role).is_fp8 for role in Role}
         if len(fp8) > 1:
-            raise ValueError("a linear's operands are all FP8 or all FP4 (E2M1): element formats "
-                             f"{ {role.value: self.operand(role).element_format for role in Role} }")  # fmt: skip
+            raise ValueError(
+                "a linear's operands are all FP8 or all FP4 (E2M1): element formats "
+                f"{ {role.value: self.operand(role).element_format for role in Role} }"
+            )
         if fp8 == {True} and self.gemm == "hardware":
             raise ValueError("gemm='hardware' models an FP4 tensor core; FP8 linears take 'scaled' or 'decoded'")
         for role in (Role.X, Role.DY_DGRAD, Role.DY_WGRAD, Role.X_WGRAD):
@@ -192,4 +194,3 @@ class LinearQuantConfig:
             groups.setdefault(self.operand(role).summary(), []).append(role.value)
         body = "; ".join(f"{','.join(roles)}: {desc}" for desc, roles in groups.items())
         return f"{body}; gemm={self.gemm}"
-

@@ -104,13 +104,15 @@ class QuantLinear(nn.Linear):
     def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         self.references.load_state_dict(state, device=self.weight.device)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:  # fmt: skip
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         """A state without held references (the weights alone: a transformers import, a checkpoint
         written before references were module state) is a complete one: the module keeps what it holds
         (a fresh one: nothing, sampled at first use)."""
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)  # fmt: skip
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
         if key in missing_keys:
             missing_keys.remove(key)
@@ -147,8 +149,16 @@ class QuantLinear(nn.Linear):
             compute_dtype = x.dtype
         grad = torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
-            return fp4_linear(x, self.weight, self.bias, self.quant_state, self.training, compute_dtype,
-                              grad and x.requires_grad, grad and self.weight.requires_grad)  # fmt: skip
+            return fp4_linear(
+                x,
+                self.weight,
+                self.bias,
+                self.quant_state,
+                self.training,
+                compute_dtype,
+                grad and x.requires_grad,
+                grad and self.weight.requires_grad,
+            )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, quant=[{self.quant_config.summary()}]"
@@ -173,4 +183,3 @@ class FP32Linear(nn.Linear):
         with torch.autocast(x.device.type, enabled=False):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias)
-

@@ -60,8 +60,16 @@ __all__ = ["fp4_linear", "register_ops", "run_inside_for"]
 _SAVED_DTYPES = (torch.uint8, torch.uint8, torch.float32, torch.float32)
 
 
-def _fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: QuantLinearState,
-                training: bool, compute_dtype: torch.dtype, needs_dx: bool, needs_dw: bool) -> list[torch.Tensor]:  # fmt: skip
+def _fp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state: QuantLinearState,
+    training: bool,
+    compute_dtype: torch.dtype,
+    needs_dx: bool,
+    needs_dw: bool,
+) -> list[torch.Tensor]:
     """Forward: ``[Y, *X^T's packed tensors (needs_dw), *W's packed tensors (needs_dx, when saved packed)]``."""
     call = state.call(x.device, training=training, compute_dtype=compute_dtype)
     config, backend = call.config, call.backend
@@ -100,16 +108,27 @@ def _fp4_linear_fake(x, weight, bias, state, training, compute_dtype, needs_dx, 
     if not hasattr(state, "real_obj"):
         return _fp4_linear(x, weight, bias, state, training, compute_dtype, needs_dx, needs_dw)
     real = state.real_obj
-    shapes = saved_shapes(real.config, real.kernels_for(x.device), x.reshape(-1, weight.shape[1]), weight, needs_dx,
-                           needs_dw)  # fmt: skip
+    shapes = saved_shapes(
+        real.config, real.kernels_for(x.device), x.reshape(-1, weight.shape[1]), weight, needs_dx, needs_dw
+    )
     saved = [x.new_empty(shape, dtype=_SAVED_DTYPES[i % 4]) for i, shape in enumerate(shapes)]
     return [x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=compute_dtype), *saved]
 
 
-def _fp4_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: torch.Tensor | None,
-                         state: QuantLinearState, training: bool, compute_dtype: torch.dtype, x_shape: list[int],
-                         x_dtype: torch.dtype, w_dtype: torch.dtype, needs_dx: bool, needs_dw: bool,
-                         db_dtype: torch.dtype | None) -> list[torch.Tensor]:  # fmt: skip
+def _fp4_linear_backward(
+    dy: torch.Tensor,
+    saved: list[torch.Tensor],
+    weight: torch.Tensor | None,
+    state: QuantLinearState,
+    training: bool,
+    compute_dtype: torch.dtype,
+    x_shape: list[int],
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+    needs_dx: bool,
+    needs_dw: bool,
+    db_dtype: torch.dtype | None,
+) -> list[torch.Tensor]:
     """Backward: ``[dX (needs_dx), dW (needs_dw), d bias (db_dtype: the bias's dtype, None: no bias
     gradient)]``; the bias's is here too, so a compiled graph computes it as eager does."""
     call = state.call(dy.device, training=training, compute_dtype=compute_dtype)
@@ -131,7 +150,9 @@ def _fp4_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: to
     if needs_dx:
         if saved_wt:
             layout = state.layouts["w"]
-            wt = GemmOperand(gemm_form(QuantizedBlocks.from_tensors(tuple(saved[:4]), layout), config.gemm), transposed=True)
+            wt = GemmOperand(
+                gemm_form(QuantizedBlocks.from_tensors(tuple(saved[:4]), layout), config.gemm), transposed=True
+            )
         else:
             wt = GemmOperand(quantize.weight(weight.t(), two_d=False, key="wt"))
         dx_TK = gemm(GemmOperand(qdy), wt, mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
@@ -141,7 +162,9 @@ def _fp4_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: to
     if needs_dw:
         if qdyt is None:
             qdyt = quantize.tokens(Role.DY_WGRAD, dy_TN)
-        dw_NK = gemm(GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=compute_dtype, backend=backend)
+        dw_NK = gemm(
+            GemmOperand(qdyt), GemmOperand(qxt), mode=config.gemm, compute_dtype=compute_dtype, backend=backend
+        )
         state.capture_gemm("wgrad", qdyt, qxt, False, dw_NK)
         out.append(dw_NK.to(w_dtype))
     if db_dtype is not None:
@@ -149,15 +172,19 @@ def _fp4_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], weight: to
     return out
 
 
-def _fp4_linear_backward_fake(dy, saved, weight, state, training, compute_dtype, x_shape, x_dtype, w_dtype,
-                              needs_dx, needs_dw, db_dtype):  # fmt: skip
+def _fp4_linear_backward_fake(
+    dy, saved, weight, state, training, compute_dtype, x_shape, x_dtype, w_dtype, needs_dx, needs_dw, db_dtype
+):
     if not hasattr(state, "real_obj"):  # a plain FakeTensorMode: as for real (see _fp4_linear_fake)
-        return _fp4_linear_backward(dy, saved, weight, state, training, compute_dtype, x_shape, x_dtype, w_dtype,
-                                    needs_dx, needs_dw, db_dtype)  # fmt: skip
+        return _fp4_linear_backward(
+            dy, saved, weight, state, training, compute_dtype, x_shape, x_dtype, w_dtype, needs_dx, needs_dw, db_dtype
+        )
     n, k = dy.shape[-1], x_shape[-1]
-    return ([dy.new_empty(x_shape, dtype=x_dtype)] if needs_dx else []) + (
-        [dy.new_empty((n, k), dtype=w_dtype)] if needs_dw else []) + (
-        [dy.new_empty((n,), dtype=db_dtype)] if db_dtype is not None else [])
+    return (
+        ([dy.new_empty(x_shape, dtype=x_dtype)] if needs_dx else [])
+        + ([dy.new_empty((n, k), dtype=w_dtype)] if needs_dw else [])
+        + ([dy.new_empty((n,), dtype=db_dtype)] if db_dtype is not None else [])
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -179,8 +206,20 @@ def _backward_with(backward: Callable, ctx, grads) -> tuple:
     dy = grads[0]  # the saved operands' outputs get none
     *saved, weight = ctx.saved_tensors
     db_dtype = ctx.bias_dtype if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-    grads = backward(dy, saved, weight, ctx.state, ctx.training, ctx.compute_dtype, ctx.x_shape, ctx.x_dtype,
-                     ctx.w_dtype, ctx.needs_dx, ctx.needs_dw, db_dtype)  # fmt: skip
+    grads = backward(
+        dy,
+        saved,
+        weight,
+        ctx.state,
+        ctx.training,
+        ctx.compute_dtype,
+        ctx.x_shape,
+        ctx.x_dtype,
+        ctx.w_dtype,
+        ctx.needs_dx,
+        ctx.needs_dw,
+        db_dtype,
+    )
     dx = grads.pop(0) if ctx.needs_dx else None
     dw = grads.pop(0) if ctx.needs_dw else None
     db = grads.pop(0) if db_dtype is not None else None
@@ -193,8 +232,21 @@ def _forward_flops(x_shape, weight_shape, *args, **kwargs) -> int:
     return 2 * math.prod(x_shape[:-1]) * k * n
 
 
-def _backward_flops(dy_shape, saved, weight, state, training, compute_dtype, x_shape, x_dtype, w_dtype, needs_dx,
-                    needs_dw, db_dtype, **kwargs) -> int:  # fmt: skip
+def _backward_flops(
+    dy_shape,
+    saved,
+    weight,
+    state,
+    training,
+    compute_dtype,
+    x_shape,
+    x_dtype,
+    w_dtype,
+    needs_dx,
+    needs_dw,
+    db_dtype,
+    **kwargs,
+) -> int:
     """The dgrad and wgrad GEMMs' FLOPs (2 T K N each, where needed)."""
     return (int(needs_dx) + int(needs_dw)) * 2 * math.prod(dy_shape[:-1]) * x_shape[-1] * dy_shape[-1]
 
@@ -246,13 +298,24 @@ class _EagerFP4Linear(torch.autograd.Function):
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
     """Whether a call may skip the ops: eager (not traced), no dispatch mode or functorch transform
     on, plain tensors (or parameters)."""
-    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active()
-            and all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))  # fmt: skip
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._are_functorch_transforms_active()
+        and all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    )
 
 
-def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: QuantLinearState,
-               training: bool, compute_dtype: torch.dtype, needs_dx: bool, needs_dw: bool) -> torch.Tensor:  # fmt: skip
+def fp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state: QuantLinearState,
+    training: bool,
+    compute_dtype: torch.dtype,
+    needs_dx: bool,
+    needs_dw: bool,
+) -> torch.Tensor:
     """``Y``: the FP4 linear's forward, with its backward joined for autograd: the custom op
     ``nemofp4::fp4_linear``, or in plain eager its programs without the op (:class:`_EagerFP4Linear`)."""
     args = (x, weight, bias, state, training, compute_dtype, needs_dx, needs_dw)
@@ -281,24 +344,27 @@ def register_ops() -> _Ops:
     register_opaque_type(QuantLinearState, typ="reference", guard_fn=lambda state: [state.config])
     state_type = f"{QuantLinearState.__module__}.{QuantLinearState.__qualname__}"
     forward = torch.library.custom_op(
-        "nemofp4::fp4_linear", _below_autograd(_fp4_linear), mutates_args=(),
+        "nemofp4::fp4_linear",
+        _below_autograd(_fp4_linear),
+        mutates_args=(),
         schema=f"(Tensor x, Tensor weight, Tensor? bias, {state_type} state, bool training, ScalarType compute_dtype, "
-               "bool needs_dx, bool needs_dw) -> Tensor[]",
-    )  # fmt: skip
+        "bool needs_dx, bool needs_dw) -> Tensor[]",
+    )
     forward.register_fake(_fp4_linear_fake)
     backward = torch.library.custom_op(
-        "nemofp4::fp4_linear_backward", _below_autograd(_fp4_linear_backward), mutates_args=(),
+        "nemofp4::fp4_linear_backward",
+        _below_autograd(_fp4_linear_backward),
+        mutates_args=(),
         schema=f"(Tensor dy, Tensor[] saved, Tensor? weight, {state_type} state, bool training, "
-               "ScalarType compute_dtype, SymInt[] x_shape, ScalarType x_dtype, ScalarType w_dtype, bool needs_dx, "
-               "bool needs_dw, ScalarType? db_dtype) -> Tensor[]",
-    )  # fmt: skip
+        "ScalarType compute_dtype, SymInt[] x_shape, ScalarType x_dtype, ScalarType w_dtype, bool needs_dx, "
+        "bool needs_dw, ScalarType? db_dtype) -> Tensor[]",
+    )
     backward.register_fake(_fp4_linear_backward_fake)
     forward.register_autograd(_backward, setup_context=_setup_context)
     register_flop_formula(torch.ops.nemofp4.fp4_linear)(_forward_flops)
     register_flop_formula(torch.ops.nemofp4.fp4_linear_backward)(_backward_flops)
     _OPS = _Ops(forward=forward, backward=backward)
     return _OPS
-
 
 
 def run_inside_for(mode_type: type) -> None:

@@ -47,8 +47,9 @@ class _Quantizer:
             return None
         ref = LinearQuantConfig.reference_of(role, op)
         if ref not in self.references:
-            self.references[ref] = self.state.references.get(ref, x, training=self.call.training,
-                                                             backend=self.call.backend)  # fmt: skip
+            self.references[ref] = self.state.references.get(
+                ref, x, training=self.call.training, backend=self.call.backend
+            )
         return self.references[ref]
 
     def held_source(self, role: Role, x):
@@ -62,10 +63,19 @@ class _Quantizer:
         """The requests as one backend call (stochastic ones draw from the call's generator, in order)."""
         return self.call.backend.quantize(*requests, generator=self.generator, stats=self.call.collect_stats)
 
-    def __call__(self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False) -> QuantizedBlocks:
+    def __call__(
+        self, role: Role, x: torch.Tensor, *, two_d: bool | None = None, pack: bool = False
+    ) -> QuantizedBlocks:
         """``role``'s operand ``x`` along its last dim (or in tiles)."""
-        (q,) = self.quantize(OperandRequest(x, self.config.operand(role), two_d=two_d, pack=pack or self.pack_all,
-                                            tensor_amax=self.reference(role, x)))  # fmt: skip
+        (q,) = self.quantize(
+            OperandRequest(
+                x,
+                self.config.operand(role),
+                two_d=two_d,
+                pack=pack or self.pack_all,
+                tensor_amax=self.reference(role, x),
+            )
+        )
         self.record(role, q, self.held_source(role, x))
         return q
 
@@ -76,8 +86,9 @@ class _Quantizer:
         (so reusing it skips nothing the generator would have drawn)."""
         return self.state.weight_cache is not None and self.call.training and self.config.w.rounding == "rne"
 
-    def weight(self, w: torch.Tensor, *, two_d: bool | None = None, pack: bool = False,
-               key: str = "w") -> QuantizedBlocks:  # fmt: skip
+    def weight(
+        self, w: torch.Tensor, *, two_d: bool | None = None, pack: bool = False, key: str = "w"
+    ) -> QuantizedBlocks:
         """W (``key`` 'w') or W^T ('wt'), quantized with role ``w``; while :attr:`caches_weight`, once
         per optimizer step: the cache keeps the packed codes only (4.5 bits per element, held until
         the step ends), and later uses decode them (exactly) for their GEMM."""
@@ -98,8 +109,9 @@ class _Quantizer:
         if self.caches_weight:
             self.state.weight_cache[key] = QuantizedBlocks.from_tensors(q.tensors(), q.meta())
 
-    def forward_operands(self, x_TK: torch.Tensor, w: torch.Tensor, *, with_xt: bool,
-                         pack_w: bool) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]:  # fmt: skip
+    def forward_operands(
+        self, x_TK: torch.Tensor, w: torch.Tensor, *, with_xt: bool, pack_w: bool
+    ) -> tuple[QuantizedBlocks, QuantizedBlocks | None, QuantizedBlocks]:
         """X, X^T for wgrad (``with_xt``, else None; its packed form alone, which backward decodes) and W
         (:meth:`weight`): one backend call for the three (one compiled graph on CPU), or X and X^T
         alone when the step's cache holds W."""
@@ -113,10 +125,14 @@ class _Quantizer:
         assert not with_xt or self.reference(Role.X_WGRAD, x_TK) is x_amax  # one shared reference
         requests = [OperandRequest(x_TK, config.x, pack=self.pack_all, tensor_amax=x_amax)]
         if with_xt:
-            requests += [OperandRequest(x_TK, config.x_wgrad, layout="tokens", pack=True, values=False,
-                                        tensor_amax=x_amax)]  # fmt: skip
-        requests += [OperandRequest(w, config.w, pack=pack_w or self.caches_weight or self.pack_all,
-                                    tensor_amax=self.reference(Role.W, w))]  # fmt: skip
+            requests += [
+                OperandRequest(x_TK, config.x_wgrad, layout="tokens", pack=True, values=False, tensor_amax=x_amax)
+            ]
+        requests += [
+            OperandRequest(
+                w, config.w, pack=pack_w or self.caches_weight or self.pack_all, tensor_amax=self.reference(Role.W, w)
+            )
+        ]
         qx, *qxt, qw = self.quantize(*requests)
         qxt = qxt[0] if with_xt else None
         self.record(Role.X, qx, self.held_source(Role.X, x_TK))
@@ -131,12 +147,21 @@ class _Quantizer:
         its packed form alone (an operand saved for backward)."""
         op: OperandQuant = self.config.operand(role)
         if op.hadamard:  # its reference is the amax of the transformed tensor: made only if measured here
+
             def source():
                 return self.call.backend.hadamard_transform(kernels.tokens_transposed(x_TD))
         else:
             source = x_TD
-        (q,) = self.quantize(OperandRequest(x_TD, op, layout="tokens", pack=pack or self.pack_all, values=not pack,
-                                            tensor_amax=self.reference(role, source)))  # fmt: skip
+        (q,) = self.quantize(
+            OperandRequest(
+                x_TD,
+                op,
+                layout="tokens",
+                pack=pack or self.pack_all,
+                values=not pack,
+                tensor_amax=self.reference(role, source),
+            )
+        )
         self.record(role, q, self.held_source(role, source))
         return q
 
@@ -146,8 +171,9 @@ class _Quantizer:
                 held_source = held_source()
             self.state.record(role, q, held_source, backend=self.call.backend)
 
-    def pair(self, role: Role, tokens_role: Role, x_TD: torch.Tensor, *,
-             pack_tokens: bool) -> tuple[QuantizedBlocks, QuantizedBlocks]:  # fmt: skip
+    def pair(
+        self, role: Role, tokens_role: Role, x_TD: torch.Tensor, *, pack_tokens: bool
+    ) -> tuple[QuantizedBlocks, QuantizedBlocks]:
         """``role`` along the last dim of ``x_TD`` and ``tokens_role``, its wgrad operand [D, Tp] along
         the tokens (X and X^T, or dY and dY^T), sharing one tensor reference: one compiled call on
         CPU, one read on CUDA. ``role``'s random bits are drawn first, as two calls would draw them.
@@ -155,9 +181,15 @@ class _Quantizer:
         config = self.config
         amax = self.reference(role, x_TD)
         assert amax is None or self.reference(tokens_role, x_TD) is amax  # one shared reference
-        requests = kernels.x_and_tokens(x_TD, config.operand(role), config.operand(tokens_role), tensor_amax=amax,
-                                        pack_x=self.pack_all, pack_xt=pack_tokens or self.pack_all,
-                                        values_xt=not pack_tokens)  # fmt: skip
+        requests = kernels.x_and_tokens(
+            x_TD,
+            config.operand(role),
+            config.operand(tokens_role),
+            tensor_amax=amax,
+            pack_x=self.pack_all,
+            pack_xt=pack_tokens or self.pack_all,
+            values_xt=not pack_tokens,
+        )
         q, qt = self.quantize(*requests)
         self.record(role, q, self.held_source(role, x_TD))
         self.record(tokens_role, qt, self.held_source(tokens_role, x_TD))
@@ -188,8 +220,14 @@ def _packed_shapes(spec: OperandQuant, rows, cols, *, two_d: bool) -> list[tuple
     return [codes, scales, (), ()]
 
 
-def saved_shapes(config: LinearQuantConfig, backend: kernels.Backend, x_TK: torch.Tensor, weight: torch.Tensor,
-                 needs_dx: bool, needs_dw: bool) -> list[tuple]:  # fmt: skip
+def saved_shapes(
+    config: LinearQuantConfig,
+    backend: kernels.Backend,
+    x_TK: torch.Tensor,
+    weight: torch.Tensor,
+    needs_dx: bool,
+    needs_dw: bool,
+) -> list[tuple]:
     """The shapes of the operands the forward op returns for backward: X^T [K, tokens padded to 16]
     along the tokens, and the packed W where it is saved (:func:`packed_weight_saved`)."""
     shapes = []

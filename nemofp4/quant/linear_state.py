@@ -92,8 +92,13 @@ class QuantLinearState(OpaqueBase):
 
     def call(self, device: torch.device, *, training: bool, compute_dtype: torch.dtype) -> QuantCall:
         """The frozen :class:`QuantCall` of one call on ``device``."""
-        return QuantCall(config=self.config, backend=self.kernels_for(device), training=training,
-                         collect_stats=self.collect_stats, compute_dtype=compute_dtype)  # fmt: skip
+        return QuantCall(
+            config=self.config,
+            backend=self.kernels_for(device),
+            training=training,
+            collect_stats=self.collect_stats,
+            compute_dtype=compute_dtype,
+        )
 
     def set_backend(self, backend: str) -> None:
         self.backend = kernels.check_backend(backend)
@@ -122,8 +127,9 @@ class QuantLinearState(OpaqueBase):
             self.generator.manual_seed(self.generator_seed)
         return self.generator
 
-    def record(self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None, *,
-               backend: kernels.Backend) -> None:  # fmt: skip
+    def record(
+        self, role: Role, q: QuantizedBlocks, held_source: torch.Tensor | None, *, backend: kernels.Backend
+    ) -> None:
         # Keep only the block counts and rho (device scalars, read lazily), not the data.
         self.stats[role.value] = operand_stats(q, held_source, backend=backend)
 

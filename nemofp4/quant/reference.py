@@ -69,14 +69,20 @@ def held_state_problem(state: Mapping[str, torch.Tensor], *, step: int | None) -
     for key in amax_keys:
         if state[key].numel() != 1:
             return f"{key} has shape {tuple(state[key].shape)} (valid: one value)"
-    amaxes = (dict(zip(amax_keys, torch.stack([state[k].detach().reshape(()).float() for k in amax_keys]).tolist()))
-              if amax_keys else {})  # fmt: skip
+    amaxes = (
+        dict(zip(amax_keys, torch.stack([state[k].detach().reshape(()).float() for k in amax_keys]).tolist()))
+        if amax_keys
+        else {}
+    )
     for ref in refs:
         refresh_key, amax_key = f"{ref}.refresh_step", f"{ref}.amax"
         refresh_step = int(state[refresh_key]) if refresh_key in state else 0
         if refresh_step < 0 or (step is not None and refresh_step > step):
-            valid = "0 (empty) or a step the run had reached" if step is None else (
-                f"0 (empty) or a step from 1 to the checkpoint's step {step}")
+            valid = (
+                "0 (empty) or a step the run had reached"
+                if step is None
+                else (f"0 (empty) or a step from 1 to the checkpoint's step {step}")
+            )
             return f"{refresh_key}={refresh_step} (valid: {valid})"
         amax = amaxes.get(amax_key)
         if amax is None:
@@ -84,8 +90,10 @@ def held_state_problem(state: Mapping[str, torch.Tensor], *, step: int | None) -
         if not math.isfinite(amax) or amax < 0:
             return f"{amax_key}={amax} (valid: a finite amax >= 0; 0 only with {refresh_key}=0, empty)"
         if amax == 0 and refresh_step >= 1:
-            return (f"{amax_key}=0 with {refresh_key}={refresh_step} (valid: a held amax > 0, or "
-                    f"{refresh_key}=0 for an empty reference)")
+            return (
+                f"{amax_key}=0 with {refresh_key}={refresh_step} (valid: a held amax > 0, or "
+                f"{refresh_key}=0 for an empty reference)"
+            )
     return None
 
 
@@ -108,8 +116,9 @@ class ReferenceState:
         self.held_reduce_group: dist.ProcessGroup | None = None
         self._warned_no_step = False
 
-    def measure(self, x: torch.Tensor | Callable[[], torch.Tensor], *, backend: kernels.Backend,
-                for_held: bool = False) -> torch.Tensor:  # fmt: skip
+    def measure(
+        self, x: torch.Tensor | Callable[[], torch.Tensor], *, backend: kernels.Backend, for_held: bool = False
+    ) -> torch.Tensor:
         """Current amax of ``x`` as fp32 0-d, by ``backend`` (the module's resolved kernels), all-reduced
         (max) over ``reduce_group`` if set (and over ``held_reduce_group`` when sampling a held
         reference). ``x`` may be a function that makes the tensor (an operand the quantizer transforms
@@ -121,8 +130,9 @@ class ReferenceState:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return value
 
-    def get(self, name: str, x: torch.Tensor | Callable[[], torch.Tensor], *, training: bool,
-            backend: kernels.Backend) -> torch.Tensor | None:  # fmt: skip
+    def get(
+        self, name: str, x: torch.Tensor | Callable[[], torch.Tensor], *, training: bool, backend: kernels.Backend
+    ) -> torch.Tensor | None:
         """The reference to quantize ``x`` with (None: the quantizer measures it), refreshing the held
         value when it is due.
 
@@ -179,9 +189,11 @@ class ReferenceState:
         expected = {f"{r}.{f}" for r in refs for f in ("amax", "refresh_step")}
         unknown = sorted(set(state) ^ expected) + sorted(r for r in refs if not self.is_held(r))
         if unknown:
-            raise ValueError(f"held-reference state {sorted(state)} has key(s) {unknown} that match no held "
-                             f"reference {sorted(r for r in self.intervals if self.is_held(r))} of this module; "
-                             "it was saved for a different model or precision recipe")  # fmt: skip
+            raise ValueError(
+                f"held-reference state {sorted(state)} has key(s) {unknown} that match no held "
+                f"reference {sorted(r for r in self.intervals if self.is_held(r))} of this module; "
+                "it was saved for a different model or precision recipe"
+            )
         held = {}
         for ref in sorted(refs):
             refresh_step = int(state[f"{ref}.refresh_step"])

@@ -120,8 +120,11 @@ def cached_weights(model: nn.Module, enabled: bool = True) -> Iterator[None]:
 def held_amaxes(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every held tensor reference's amax as ``'<fqn>.<ref>'`` -> fp32 0-d, on its device and not
     copied (reading them costs no synchronization; checking them does), in module order."""
-    return {f"{fqn}.{ref}": held.amax for fqn, module in quant_linears(model)
-            for ref, held in sorted(module.references.held.items())}  # fmt: skip
+    return {
+        f"{fqn}.{ref}": held.amax
+        for fqn, module in quant_linears(model)
+        for ref, held in sorted(module.references.held.items())
+    }
 
 
 def reference_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -156,8 +159,10 @@ def load_reference_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor
     by_module = references_by_module(state)
     unknown = sorted(set(by_module) - set(modules))
     if unknown:
-        raise ValueError(f"references of {unknown[:3]}, which are not FP4 linears of this model; they were "
-                         "saved for a different model or precision recipe")  # fmt: skip
+        raise ValueError(
+            f"references of {unknown[:3]}, which are not FP4 linears of this model; they were "
+            "saved for a different model or precision recipe"
+        )
     for fqn, module in modules.items():
         module.set_extra_state(by_module.get(fqn, {}))
 
@@ -179,7 +184,9 @@ class QuantSnapshot:
 
 def snapshot(model: nn.Module) -> QuantSnapshot:
     """The held references and refresh intervals of every FP4 linear of ``model``, to :func:`restore`."""
-    return QuantSnapshot({fqn: (dict(m.references.held), dict(m.references.intervals)) for fqn, m in quant_linears(model)})
+    return QuantSnapshot(
+        {fqn: (dict(m.references.held), dict(m.references.intervals)) for fqn, m in quant_linears(model)}
+    )
 
 
 def restore(model: nn.Module, saved: QuantSnapshot) -> None:

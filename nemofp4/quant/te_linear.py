@@ -20,8 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["TE_RECIPES", "TELinear", "TENVFP4Linear", "TERecipe", "build_te_recipe", "fp8_gemm_any_layout",
-           "transformer_engine_status"]
+__all__ = [
+    "TE_RECIPES",
+    "TELinear",
+    "TENVFP4Linear",
+    "TERecipe",
+    "build_te_recipe",
+    "fp8_gemm_any_layout",
+    "transformer_engine_status",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,22 +50,40 @@ class TERecipe:
 
     def supports(self, capability: tuple[int, int]) -> bool:
         """Whether a GPU of compute ``capability`` (major, minor) runs it."""
-        return capability >= self.min_capability and (self.below_capability is None or capability < self.below_capability)
+        return capability >= self.min_capability and (
+            self.below_capability is None or capability < self.below_capability
+        )
 
 
 TE_RECIPES: dict[str, TERecipe] = {
     r.name: r
     for r in (
-        TERecipe(name="NVFP4BlockScaling", gemm="fp4", checker="is_nvfp4_available",
-                 needs="FP4 tensor cores (SM 10.x)", min_capability=(10, 0), below_capability=(11, 0)),
-        TERecipe(name="Float8CurrentScaling", gemm="fp8", checker="is_fp8_available",
-                 needs="FP8 tensor cores (SM 8.9 or newer: Ada, Hopper, Blackwell)", min_capability=(8, 9)),
-        TERecipe(name="MXFP8BlockScaling", gemm="fp8", checker="is_mxfp8_available",
-                 needs="MXFP8 tensor cores (SM 10.x: Blackwell)", min_capability=(10, 0), below_capability=(12, 0)),
+        TERecipe(
+            name="NVFP4BlockScaling",
+            gemm="fp4",
+            checker="is_nvfp4_available",
+            needs="FP4 tensor cores (SM 10.x)",
+            min_capability=(10, 0),
+            below_capability=(11, 0),
+        ),
+        TERecipe(
+            name="Float8CurrentScaling",
+            gemm="fp8",
+            checker="is_fp8_available",
+            needs="FP8 tensor cores (SM 8.9 or newer: Ada, Hopper, Blackwell)",
+            min_capability=(8, 9),
+        ),
+        TERecipe(
+            name="MXFP8BlockScaling",
+            gemm="fp8",
+            checker="is_mxfp8_available",
+            needs="MXFP8 tensor cores (SM 10.x: Blackwell)",
+            min_capability=(10, 0),
+            below_capability=(12, 0),
+        ),
     )
-}  # fmt: skip
+}
 """The TE recipes a part can name (``part.te_recipe``), by TE's class name."""
-
 
 
 def fp8_gemm_any_layout(capability: tuple[int, int]) -> bool:
@@ -134,9 +159,12 @@ def build_te_recipe(part):
 
     name = part.te_recipe
     if name == _NVFP4:
-        return _explicit(te_recipes.NVFP4BlockScaling, disable_rht=part.disable_rht,
-                         disable_stochastic_rounding=part.disable_stochastic_rounding,
-                         disable_2d_quantization=part.disable_2d_quantization)  # fmt: skip
+        return _explicit(
+            te_recipes.NVFP4BlockScaling,
+            disable_rht=part.disable_rht,
+            disable_stochastic_rounding=part.disable_stochastic_rounding,
+            disable_2d_quantization=part.disable_2d_quantization,
+        )
     fp8_format = getattr(te_recipes.Format, part.fp8_format.upper())
     if name == "MXFP8BlockScaling":
         return _explicit(te_recipes.MXFP8BlockScaling, fp8_format=fp8_format)
@@ -146,9 +174,11 @@ def build_te_recipe(part):
     qparams = getattr(te_recipes, "QParams", None)
     if qparams is None or not all(hasattr(recipe, q) for q in _QPARAMS):
         if part.power_of_two_scales:
-            raise ValueError("precision.power_of_two_scales=true: the installed Transformer Engine's "
-                             "Float8CurrentScaling has no power-of-two scale setting (QParams.power_2_scale); "
-                             "use power_of_two_scales=false")  # fmt: skip
+            raise ValueError(
+                "precision.power_of_two_scales=true: the installed Transformer Engine's "
+                "Float8CurrentScaling has no power-of-two scale setting (QParams.power_2_scale); "
+                "use power_of_two_scales=false"
+            )
         return recipe
     for q in _QPARAMS:
         setattr(recipe, q, qparams(power_2_scale=part.power_of_two_scales, amax_epsilon=0.0))

@@ -108,12 +108,25 @@ class QuantTraining:
     def load_problem(self, trainer_state: Mapping[str, Any], *, reads_model_state: bool) -> str | None:
         """Why a checkpoint's references cannot be read here, from its saved trainer state alone
         (:func:`~nemofp4.quant.checkpoint.references_layout_problem`); None when they can."""
-        return references_layout_problem(trainer_state, reads_model_state=reads_model_state,
-                                         restore=self.config.restore_references)  # fmt: skip
+        return references_layout_problem(
+            trainer_state, reads_model_state=reads_model_state, restore=self.config.restore_references
+        )
 
-    def read_checkpoint(self, state: dict[str, Any] | None, read: ReadState, *, trainer_state: Mapping[str, Any],
-                        rank_state: Mapping[str, Any]) -> None:  # fmt: skip
+    def read_checkpoint(
+        self,
+        state: dict[str, Any] | None,
+        read: ReadState,
+        *,
+        trainer_state: Mapping[str, Any],
+        rank_state: Mapping[str, Any],
+    ) -> None:
         """Read a checkpoint of any layout into ``state`` in the current layout, its references checked,
         or emptied for ``precision.restore_references=false`` (:func:`~nemofp4.quant.checkpoint.read_references`)."""
-        read_references(self.model, state, read, trainer_state=trainer_state, rank_state=rank_state,
-                        restore=self.config.restore_references)  # fmt: skip
+        read_references(
+            self.model,
+            state,
+            read,
+            trainer_state=trainer_state,
+            rank_state=rank_state,
+            restore=self.config.restore_references,
+        )

@@ -148,9 +148,14 @@ def apply_recipe(model: nn.Module, recipe: Recipe, *, log: bool = True) -> Layer
             FP32Linear.from_linear(linear)
         rows.append(
             LayerRow(
-                fqn=fqn, layer=layer, block_type=block_type, part=part_name, kind=part.kind,
-                rule=rule_index, detail=part.summary(),
-            )  # fmt: skip
+                fqn=fqn,
+                layer=layer,
+                block_type=block_type,
+                part=part_name,
+                kind=part.kind,
+                rule=rule_index,
+                detail=part.summary(),
+            )
         )
     used = dict.fromkeys(row.part for row in rows)
     details = {row.part: row.detail for row in rows}

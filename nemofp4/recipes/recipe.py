@@ -100,8 +100,10 @@ class TransformerEngineFP8:
         if self.fp8_format not in TE_FP8_FORMATS:
             raise ValueError(f"fp8_format={self.fp8_format!r}; valid: {', '.join(TE_FP8_FORMATS)}")
         if self.power_of_two_scales and self.scaling != "current":
-            raise ValueError("power_of_two_scales=True is for per-tensor current scaling (scaling='current'); "
-                             "MXFP8's E8M0 block scales are powers of two already")  # fmt: skip
+            raise ValueError(
+                "power_of_two_scales=True is for per-tensor current scaling (scaling='current'); "
+                "MXFP8's E8M0 block scales are powers of two already"
+            )
 
     @property
     def te_recipe(self) -> str:
@@ -149,7 +151,9 @@ class Recipe:
     def __post_init__(self) -> None:
         unknown = sorted({r.part for r in self.rules} - set(self.parts))
         if unknown:
-            raise ValueError(f"recipe {self.name!r}: rules name unknown parts {unknown}; parts are {sorted(self.parts)}")
+            raise ValueError(
+                f"recipe {self.name!r}: rules name unknown parts {unknown}; parts are {sorted(self.parts)}"
+            )
 
     @property
     def needs_transformer_engine(self) -> bool:

@@ -76,7 +76,9 @@ def _fp4_linear(
 def _bf16_tail_rules(num_bf16_last_layers: int, fp4_part: str = "fp4") -> tuple[Rule, ...]:
     rules = [Rule(pattern=LM_HEAD, part="fp32")]
     if num_bf16_last_layers:
-        rules.append(Rule(pattern=LAYER_ELIGIBLE, layers=last_layers(num_bf16_last_layers, at_most_fifth=True), part="bf16"))
+        rules.append(
+            Rule(pattern=LAYER_ELIGIBLE, layers=last_layers(num_bf16_last_layers, at_most_fifth=True), part="bf16")
+        )
     rules.append(Rule(pattern=ELIGIBLE, part=fp4_part))
     return tuple(rules)
 
@@ -85,8 +87,9 @@ _HIGH = {"bf16": HighPrecision(compute="model"), "fp32": HighPrecision(compute="
 
 
 def _recipe(config: PrecisionConfig, parts: dict, rules: tuple[Rule, ...]) -> Recipe:
-    return Recipe(name=config.name, description=description(type(config)), parts=parts, rules=rules,
-                  knobs=config.knobs())  # fmt: skip
+    return Recipe(
+        name=config.name, description=description(type(config)), parts=parts, rules=rules, knobs=config.knobs()
+    )
 
 
 @register_recipe
@@ -119,10 +122,15 @@ class _NVFP4Knobs(PrecisionConfig):
 
     def build(self) -> Recipe:
         fp4 = _fp4_linear(
-            scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr",
-            wgrad_hadamard=not self.disable_rht, scale_target=self.scale_target,
-            reference_interval=self.reference_interval, gemm=self.gemm,
-        )  # fmt: skip
+            scale_format="e4m3",
+            block_size=16,
+            two_d_weights=True,
+            dy_rounding="sr",
+            wgrad_hadamard=not self.disable_rht,
+            scale_target=self.scale_target,
+            reference_interval=self.reference_interval,
+            gemm=self.gemm,
+        )
         return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
 
 
@@ -199,8 +207,9 @@ class FP8TransformerEngine(PrecisionConfig):
     --num-layers-at-end-in-bf16``; at most a fifth of the layers)."""
 
     def build(self) -> Recipe:
-        part = TransformerEngineFP8(scaling="current", fp8_format=self.fp8_format,
-                                    power_of_two_scales=self.power_of_two_scales)  # fmt: skip
+        part = TransformerEngineFP8(
+            scaling="current", fp8_format=self.fp8_format, power_of_two_scales=self.power_of_two_scales
+        )
         return _recipe(self, {"fp8": part, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers, "fp8"))
 
 
@@ -255,10 +264,15 @@ class UE5M3(PrecisionConfig):
     def build(self) -> Recipe:
         def linear(target_dy_wgrad: float) -> LinearQuantConfig:
             config = _fp4_linear(
-                scale_format="ue5m3", block_size=self.block_size, two_d_weights=True, dy_rounding="sr8",
-                wgrad_hadamard=False, scale_target=self.scale_target, reference_interval=self.reference_interval,
+                scale_format="ue5m3",
+                block_size=self.block_size,
+                two_d_weights=True,
+                dy_rounding="sr8",
+                wgrad_hadamard=False,
+                scale_target=self.scale_target,
+                reference_interval=self.reference_interval,
                 gemm=self.gemm,
-            )  # fmt: skip
+            )
             if target_dy_wgrad == self.scale_target:
                 return config
             return replace(config, dy_wgrad=replace(config.dy_wgrad, scale_target=target_dy_wgrad))
@@ -301,9 +315,15 @@ class UE5M3TESettings(PrecisionConfig):
 
     def build(self) -> Recipe:
         fp4 = _fp4_linear(
-            scale_format="ue5m3", block_size=16, two_d_weights=True, dy_rounding="sr8", wgrad_hadamard=True,
-            scale_target=self.scale_target, reference_interval=self.reference_interval, gemm=self.gemm,
-        )  # fmt: skip
+            scale_format="ue5m3",
+            block_size=16,
+            two_d_weights=True,
+            dy_rounding="sr8",
+            wgrad_hadamard=True,
+            scale_target=self.scale_target,
+            reference_interval=self.reference_interval,
+            gemm=self.gemm,
+        )
         fp4 = replace(  # the transformed operands' amaxes are current, as the paper measures them
             fp4,
             x_wgrad=replace(fp4.x_wgrad, reference_interval=0),
@@ -331,9 +351,15 @@ class NVFP4AllFP4NoRHT(PrecisionConfig):
 
     def build(self) -> Recipe:
         fp4 = _fp4_linear(
-            scale_format="e4m3", block_size=16, two_d_weights=True, dy_rounding="sr", wgrad_hadamard=False,
-            scale_target=self.scale_target, reference_interval=self.reference_interval, gemm=self.gemm,
-        )  # fmt: skip
+            scale_format="e4m3",
+            block_size=16,
+            two_d_weights=True,
+            dy_rounding="sr",
+            wgrad_hadamard=False,
+            scale_target=self.scale_target,
+            reference_interval=self.reference_interval,
+            gemm=self.gemm,
+        )
         return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(0))
 
 
@@ -359,9 +385,15 @@ class MXFP4(PrecisionConfig):
     def build(self) -> Recipe:
         # No tensor reference (UE8M0 scales are absolute): no reference_interval or scale_target knob.
         fp4 = _fp4_linear(
-            scale_format="ue8m0", block_size=self.block_size, two_d_weights=False, dy_rounding="sr",
-            wgrad_hadamard=True, scale_target=448.0, reference_interval=0, gemm=self.gemm,
-        )  # fmt: skip
+            scale_format="ue8m0",
+            block_size=self.block_size,
+            two_d_weights=False,
+            dy_rounding="sr",
+            wgrad_hadamard=True,
+            scale_target=448.0,
+            reference_interval=0,
+            gemm=self.gemm,
+        )
         return _recipe(self, {"fp4": fp4, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers))
 
 
@@ -403,8 +435,13 @@ class FP8(PrecisionConfig):
     """'scaled' (FP8 operands, FP32 accumulation, the scale product after it) or 'decoded'."""
 
     def build(self) -> Recipe:
-        fp8 = _fp8_linear(scale_format="fp32", block_size=16, fp8_format=self.fp8_format, gemm=self.gemm,
-                          power_of_two_scale=self.power_of_two_scales)  # fmt: skip
+        fp8 = _fp8_linear(
+            scale_format="fp32",
+            block_size=16,
+            fp8_format=self.fp8_format,
+            gemm=self.gemm,
+            power_of_two_scale=self.power_of_two_scales,
+        )
         return _recipe(self, {"fp8": fp8, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers, "fp8"))
 
 
@@ -432,8 +469,13 @@ class MXFP8(PrecisionConfig):
     """'scaled' (block-scaled operands, FP32 accumulation) or 'decoded'."""
 
     def build(self) -> Recipe:
-        fp8 = _fp8_linear(scale_format="ue8m0", block_size=32, fp8_format=self.fp8_format, gemm=self.gemm,
-                          mx_scale_mode=self.mx_scale_mode)  # fmt: skip
+        fp8 = _fp8_linear(
+            scale_format="ue8m0",
+            block_size=32,
+            fp8_format=self.fp8_format,
+            gemm=self.gemm,
+            mx_scale_mode=self.mx_scale_mode,
+        )
         return _recipe(self, {"fp8": fp8, **_HIGH}, _bf16_tail_rules(self.num_bf16_last_layers, "fp8"))
 
 

@@ -229,8 +229,11 @@ def _files_owned_by(folder: Path, rank: int, world: int, written: list[str]) -> 
     metadata, extra files, DeepSpeed's), the only rank that lists the folder."""
     own = {f"rank/rank-{rank:05d}.pt", *written}
     if rank == 0:
-        own |= {str(p.relative_to(folder)) for p in folder.rglob("*")
-                if p.is_file() and _owner_of(str(p.relative_to(folder)), world) == 0}  # fmt: skip
+        own |= {
+            str(p.relative_to(folder))
+            for p in folder.rglob("*")
+            if p.is_file() and _owner_of(str(p.relative_to(folder)), world) == 0
+        }
     return [folder / name for name in sorted(own) if (folder / name).is_file()]
 
 
@@ -368,8 +371,11 @@ class CheckpointManager:
         source storage); pinned, and filled with non-blocking copies, on CUDA."""
         if self._stager is None:
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))  # fmt: skip
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                )
+            )
         return self._stager
 
     @property
@@ -399,8 +405,10 @@ class CheckpointManager:
             p
             for p in self.root.iterdir()
             if p.is_dir()
-            and (p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))
-                 or (is_step_name(p.name) and _marker_problem(p) is not None))
+            and (
+                p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))
+                or (is_step_name(p.name) and _marker_problem(p) is not None)
+            )
         )
 
     def recover(self) -> list[Path]:
@@ -428,15 +436,19 @@ class CheckpointManager:
         copy if its marker is valid, else the old one (which the marker check after this sets aside if
         its own marker is not)."""
         for old in sorted(self.root.glob(f"{_OLD_PREFIX}*")):
-            suffix = old.name[len(_OLD_PREFIX):]
+            suffix = old.name[len(_OLD_PREFIX) :]
             final, new = self.root / f"{STEP_PREFIX}{suffix}", self.root / f"{TMP_PREFIX}{suffix}"
             if not old.is_dir() or not is_step_name(final.name) or final.exists():
                 continue  # the replacement is in place: the old copy is a leftover
             source = new if new.is_dir() and _marker_problem(new) is None else old
             os.replace(source, final)
             _fsync_dir(self.root)
-            log.warning("a kill interrupted the re-save of %s between its two renames: restored it from %s (the %s copy)",
-                        final.name, source.name, "new" if source is new else "previous")  # fmt: skip
+            log.warning(
+                "a kill interrupted the re-save of %s between its two renames: restored it from %s (the %s copy)",
+                final.name,
+                source.name,
+                "new" if source is new else "previous",
+            )
 
     def _set_aside_unmarked(self) -> None:
         """Move each `step-N` folder without a valid marker to `step-N.incomplete`, saying so: it is never
@@ -447,15 +459,23 @@ class CheckpointManager:
             problem = _marker_problem(folder)
             if problem is not None:
                 aside = self._move_aside(folder, _INCOMPLETE)
-                log.warning("checkpoint %s has %s: moved it aside to %s; it is never loaded, and nothing was "
-                            "deleted (look at it, then remove it)", folder, problem, aside.name)
+                log.warning(
+                    "checkpoint %s has %s: moved it aside to %s; it is never loaded, and nothing was "
+                    "deleted (look at it, then remove it)",
+                    folder,
+                    problem,
+                    aside.name,
+                )
 
     def _remove_leftovers(self) -> list[Path]:
         """Delete what interrupted saves and deletions left: `.tmp-step-*` (never published),
         `.old-step-*` whose replacement is in place, `.deleting-*`."""
         removed = []
-        for path in sorted(p for p in self.root.iterdir()
-                           if p.is_dir() and p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))):  # fmt: skip
+        for path in sorted(
+            p
+            for p in self.root.iterdir()
+            if p.is_dir() and p.name.startswith((TMP_PREFIX, _OLD_PREFIX, _DISCARD_PREFIX))
+        ):
             if path.name.startswith(_DISCARD_PREFIX):
                 if self._janitor is None:
                     self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-delete")
@@ -500,8 +520,9 @@ class CheckpointManager:
         _on_rank_0(act, f"setting aside the checkpoints newer than {resumed}")
         return result[0], result[1]
 
-    def _set_aside_branch(self, resumed: Path, others: list[Path],
-                          keep: Callable[[Path], None] | None) -> tuple[Path, list[str]]:  # fmt: skip
+    def _set_aside_branch(
+        self, resumed: Path, others: list[Path], keep: Callable[[Path], None] | None
+    ) -> tuple[Path, list[str]]:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
         aside = _free_name(self.root / ABANDONED / f"{stamp}-from-{resumed.name}")
         staging = aside.with_name(f"{_STAGING_PREFIX}{aside.name}")
@@ -509,8 +530,11 @@ class CheckpointManager:
         staging.mkdir(parents=True)
         if keep is not None:
             keep(staging)
-        record = {"resumed_from": resumed.name, "time": time.time(),
-                  "checkpoints": {p.name: _marker_digest(p) for p in others}}  # fmt: skip
+        record = {
+            "resumed_from": resumed.name,
+            "time": time.time(),
+            "checkpoints": {p.name: _marker_digest(p) for p in others},
+        }
         _atomic_write_text(staging / _ABANDON_RECORD, json.dumps(record, indent=1, sort_keys=True))
         _fsync_dir(staging)
         os.replace(staging, aside)  # the commit: from here on a start finishes the move
@@ -542,15 +566,21 @@ class CheckpointManager:
             moved = []
             for name, digest in sorted(entries.items()):
                 source, target = self.root / name, record.parent / name
-                if (is_step_name(name) and not target.exists() and is_complete(source)
-                        and _marker_problem(source) is None and _marker_digest(source) == digest):
+                if (
+                    is_step_name(name)
+                    and not target.exists()
+                    and is_complete(source)
+                    and _marker_problem(source) is None
+                    and _marker_digest(source) == digest
+                ):
                     os.replace(source, target)
                     moved.append(name)
             if moved:
                 _fsync_dir(record.parent)
                 _fsync_dir(self.root)
-                log.warning("finished setting aside %s into %s (a kill had interrupted it)", ", ".join(moved),
-                            record.parent)
+                log.warning(
+                    "finished setting aside %s into %s (a kill had interrupted it)", ", ".join(moved), record.parent
+                )
                 newest = self.complete_checkpoints()
                 if newest:
                     _atomic_write_text(self.root / LATEST, newest[-1].name + "\n")
@@ -597,11 +627,20 @@ class CheckpointManager:
             if dcp_state is not None and self.cfg.async_save:
                 writer = _RecordingWriter(tmp, hold_s=hold_background_s)
                 if self._save_group is None:  # one process: DCP warns from the save's thread, out of a context's reach
-                    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning,
-                                            module=r"torch\.distributed\.checkpoint")
+                    warnings.filterwarnings(
+                        "ignore",
+                        message="torch.distributed is disabled",
+                        category=UserWarning,
+                        module=r"torch\.distributed\.checkpoint",
+                    )
                 with _single_process_quiet():
-                    written = dcp.async_save(dcp_state, storage_writer=writer, process_group=self._save_group,
-                                             async_stager=self._staging(), no_dist=self._save_group is None)
+                    written = dcp.async_save(
+                        dcp_state,
+                        storage_writer=writer,
+                        process_group=self._save_group,
+                        async_stager=self._staging(),
+                        no_dist=self._save_group is None,
+                    )
                 if self._checksummer is None:
                     self._checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemofp4-checkpoint-crc")
                 future = self._checksummer.submit(self._entries_after, written, tmp, writer)
@@ -634,8 +673,10 @@ class CheckpointManager:
         previous = self.latest()
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         if _is_disk_full(err):
-            return CheckpointError(f"checkpoint {tmp.name} could not be written: no space left on device (ENOSPC) "
-                                   f"under {self.root}; {kept}. {self._space_needed(previous, written)}")
+            return CheckpointError(
+                f"checkpoint {tmp.name} could not be written: no space left on device (ENOSPC) "
+                f"under {self.root}; {kept}. {self._space_needed(previous, written)}"
+            )
         return CheckpointError(f"checkpoint {tmp.name} could not be written under {self.root}: {err}; {kept}")
 
     def _space_needed(self, previous: Path | None, written: int) -> str:
@@ -643,14 +684,19 @@ class CheckpointManager:
         else at least what was written before the disk filled), and what the kept ones take."""
         complete = self.complete_checkpoints()
         size = _checkpoint_bytes(previous) if previous is not None else 0
-        need = (f"a checkpoint of this run takes {_format_bytes(size)}" if size
-                else f"a checkpoint of this run takes more than the {_format_bytes(written)} written before the disk filled")
+        need = (
+            f"a checkpoint of this run takes {_format_bytes(size)}"
+            if size
+            else f"a checkpoint of this run takes more than the {_format_bytes(written)} written before the disk filled"
+        )
         text = f"Free space for one more checkpoint: {need}"
         if complete:
             held = sum(_checkpoint_bytes(p) for p in complete)
-            text += (f" (the {len(complete)} kept take {_format_bytes(held)}; checkpoint.keep_last_k="
-                     f"{self.cfg.keep_last_k} prunes only after a save, so a lower value makes room for later "
-                     "saves, not for this one)")
+            text += (
+                f" (the {len(complete)} kept take {_format_bytes(held)}; checkpoint.keep_last_k="
+                f"{self.cfg.keep_last_k} prunes only after a save, so a lower value makes room for later "
+                "saves, not for this one)"
+            )
         return text
 
     def poll(self) -> Path | None:
@@ -702,16 +748,20 @@ class CheckpointManager:
         if rank == 0:
             previous = self.complete_checkpoints()
             save_index = 1 + max((_marker_int(p, "save_index") for p in previous), default=0)
-            marker = {"step": step, "save_index": save_index, "world_size": world, "time": time.time(),
-                      "files": files}
+            marker = {"step": step, "save_index": save_index, "world_size": world, "time": time.time(), "files": files}
             _atomic_write_text(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True))
             _fsync_dir(tmp)
             old = None
             problem = _marker_problem(final) if final.exists() else None
             if problem is not None:  # not a checkpoint of ours: set aside, never replaced or deleted
                 aside = self._move_aside(final, _INCOMPLETE)
-                log.warning("checkpoint %s has %s: moved it aside to %s before saving step %d there (nothing was "
-                            "deleted)", final, problem, aside.name, step)
+                log.warning(
+                    "checkpoint %s has %s: moved it aside to %s before saving step %d there (nothing was deleted)",
+                    final,
+                    problem,
+                    aside.name,
+                    step,
+                )
             elif final.exists():  # the same step saved again: keep the old folder until the new one is in place
                 old = self.root / f"{_OLD_PREFIX}{step}"
                 self._discard(old)  # a leftover of an earlier failure: moved aside, deleted in the background
@@ -789,8 +839,9 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {folder} could not be loaded: {_first_line(err)}") from err
         return trainer_state, rank_state, own
 
-    def read_tensors(self, folder: Path, dcp_state: dict[str, Any] | None, *,
-                     read_collective: Callable[[Path], None] | None = None) -> None:  # fmt: skip
+    def read_tensors(
+        self, folder: Path, dcp_state: dict[str, Any] | None, *, read_collective: Callable[[Path], None] | None = None
+    ) -> None:
         """Load `folder`'s DCP state into `dcp_state` in place (resharding as needed; None: none), then
         `read_collective(folder)` on every rank; a failure of either is one CheckpointError."""
         folder = Path(folder)

@@ -98,7 +98,9 @@ class TrainConfig:
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"train.nonfinite={self.nonfinite!r}; valid: {NONFINITE_POLICIES}")
         if self.kernels == "reference":
-            warnings.warn("train.kernels=reference is deprecated; it means train.kernels=eager", FutureWarning, stacklevel=2)
+            warnings.warn(
+                "train.kernels=reference is deprecated; it means train.kernels=eager", FutureWarning, stacklevel=2
+            )
             self.kernels = "eager"
         check_backend(self.kernels, "train.kernels")  # the one check of the knob
         if self.sync_debug not in SYNC_DEBUG_MODES:
@@ -182,7 +184,9 @@ def batch_layouts(train: TrainConfig, dp_size: int, *, ranks_per_node: int = 1) 
 
     def named(world: int) -> str:
         accum = f"{batch // (micro * world)} micro-batch(es) per rank"
-        return f"{world // ranks_per_node} nodes ({world} ranks, {accum})" if ranks_per_node > 1 else f"{world} ({accum})"
+        return (
+            f"{world // ranks_per_node} nodes ({world} ranks, {accum})" if ranks_per_node > 1 else f"{world} ({accum})"
+        )
 
     hints = []
     if below or above:
@@ -269,15 +273,21 @@ class JobConfig:
         self.precision = precision_config(self.precision)
         if self.train.head_tf32:  # the older spelling of model.head_precision=tf32
             if self.model.head_precision == "bf16":
-                raise ValueError("train.head_tf32=true asks for a TF32 head but model.head_precision=bf16; set one of "
-                                 "them (train.head_tf32 is the older spelling of model.head_precision=tf32)")
+                raise ValueError(
+                    "train.head_tf32=true asks for a TF32 head but model.head_precision=bf16; set one of "
+                    "them (train.head_tf32 is the older spelling of model.head_precision=tf32)"
+                )
             self.model = self.model.replace(head_precision="tf32")
         trained = self.model.trained_on(self.train.seq_len)
         if trained is not self.model:  # NoPE: no limit to enforce; the config says what was trained
-            log.info("train.seq_len=%d is longer than model.max_position_embeddings=%d: the model has no "
-                     "positional embedding, so it trains as given and records max_position_embeddings=%d "
-                     "(the run's config and an HF export carry it)", self.train.seq_len,
-                     self.model.max_position_embeddings, self.train.seq_len)
+            log.info(
+                "train.seq_len=%d is longer than model.max_position_embeddings=%d: the model has no "
+                "positional embedding, so it trains as given and records max_position_embeddings=%d "
+                "(the run's config and an HF export carry it)",
+                self.train.seq_len,
+                self.model.max_position_embeddings,
+                self.train.seq_len,
+            )
             self.model = trained
 
     @property

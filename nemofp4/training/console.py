@@ -119,10 +119,14 @@ def run_summary(
     ]
     if train:
         rate = tokens_here / loop_s if loop_s > 0 else math.nan
-        lines.append(f"  this run: {len(train)} steps, {tokens_here:,.0f} tokens in {format_duration(loop_s)} "
-                     f"of training steps, {rate:,.0f} tokens/s")
-        lines.append(f"  final train loss {train[-1]['loss']:.4f} (step {train[-1]['step']})"
-                     + (f", val loss {evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})" if evals else ""))
+        lines.append(
+            f"  this run: {len(train)} steps, {tokens_here:,.0f} tokens in {format_duration(loop_s)} "
+            f"of training steps, {rate:,.0f} tokens/s"
+        )
+        lines.append(
+            f"  final train loss {train[-1]['loss']:.4f} (step {train[-1]['step']})"
+            + (f", val loss {evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})" if evals else "")
+        )
     lines.append(f"  run directory: {run_dir.resolve()}")
     if checkpoint is not None:
         lines.append(f"  last checkpoint: {checkpoint.resolve()}")

@@ -48,8 +48,9 @@ class DeepSpeedEngine:
         """The learning rate only: DeepSpeed's boundary step zeroed the gradients."""
         set_lr(self._engine.optimizer, lr)
 
-    def forward_backward(self, loss_of: Callable[[Callable[..., Any]], torch.Tensor], *,
-                         micro_batch: int) -> torch.Tensor:  # fmt: skip
+    def forward_backward(
+        self, loss_of: Callable[[Callable[..., Any]], torch.Tensor], *, micro_batch: int
+    ) -> torch.Tensor:
         """DeepSpeed's backward (it scales by 1/grad_accum itself); before the last micro-batch, its
         ``step()`` too, which there only counts the micro-batch (DeepSpeed finds its accumulation boundary
         by that count), so the last micro-batch's backward is the boundary's, which reduces."""
@@ -59,8 +60,9 @@ class DeepSpeedEngine:
             self._engine.step()
         return loss
 
-    def finish_step(self, loss: torch.Tensor, *,
-                    sync_free: Callable[[], AbstractContextManager]) -> tuple[torch.Tensor, bool]:  # fmt: skip
+    def finish_step(
+        self, loss: torch.Tensor, *, sync_free: Callable[[], AbstractContextManager]
+    ) -> tuple[torch.Tensor, bool]:
         """DeepSpeed's fused boundary step (norm, clipping, update, zeroing), then the norm it measured
         before its update, and whether it and ``loss`` are finite."""
         assert self._engine.is_gradient_accumulation_boundary(), "DeepSpeed's micro-batch count left the step's"
@@ -89,8 +91,9 @@ def zero_stage(backend: str) -> int:
     return int(backend.removeprefix("deepspeed_zero"))
 
 
-def deepspeed_config(*, stage: int, micro_batch: int, grad_accum: int, world_size: int, grad_clip: float,
-                     bf16: bool) -> dict[str, Any]:
+def deepspeed_config(
+    *, stage: int, micro_batch: int, grad_accum: int, world_size: int, grad_clip: float, bf16: bool
+) -> dict[str, Any]:
     return {
         "train_batch_size": micro_batch * grad_accum * world_size,
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -112,9 +115,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[
     try:
         import deepspeed
     except ImportError as err:
-        raise ValueError(
-            "distributed.backend=deepspeed_zero* needs DeepSpeed: pip install -e '.[deepspeed]'"
-        ) from err
+        raise ValueError("distributed.backend=deepspeed_zero* needs DeepSpeed: pip install -e '.[deepspeed]'") from err
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -124,8 +125,9 @@ def save(engine, folder: Path) -> None:
 
 
 def load(engine, folder: Path) -> None:
-    path, _ = engine.load_checkpoint(str(folder / DS_SUBDIR), tag=DS_TAG, load_optimizer_states=True,
-                                     load_lr_scheduler_states=False)
+    path, _ = engine.load_checkpoint(
+        str(folder / DS_SUBDIR), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
     if path is None:
         raise FileNotFoundError(f"no DeepSpeed state under {folder / DS_SUBDIR}")
 

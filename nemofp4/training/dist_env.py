@@ -344,8 +344,9 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def init_distributed(env: DistEnv, *, backend: str | None = None,
-                     timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> DistEnv:
+def init_distributed(
+    env: DistEnv, *, backend: str | None = None, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+) -> DistEnv:
     """Initialize the default process group described by ``env`` (idempotent) and return ``env``.
 
     Picks NCCL when CUDA is available and gloo otherwise, and binds the CUDA device (from the local
@@ -385,9 +386,15 @@ def init_distributed(env: DistEnv, *, backend: str | None = None,
             os.environ.setdefault(name, value)
         logger.info(
             "init process group: backend=%s rank=%d/%d local_rank=%d node=%d master=%s:%d (from %s)",
-            backend, env.rank, env.world_size, env.local_rank, env.node_rank,
-            env.master_addr, env.master_port, env.source,
-        )  # fmt: skip
+            backend,
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            env.node_rank,
+            env.master_addr,
+            env.master_port,
+            env.source,
+        )
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{_format_host(env.master_addr)}:{env.master_port}",
@@ -483,8 +490,11 @@ def stop_with_launcher(environ: Mapping[str, str] = os.environ) -> bool:
     try:
         _request_parent_death_signal(int(signal.SIGKILL))
     except (OSError, AttributeError) as err:  # AttributeError: a C library without prctl
-        logger.warning("could not ask to be stopped with the launcher (prctl: %s); if torchrun is killed, this "
-                       "worker keeps running", err)
+        logger.warning(
+            "could not ask to be stopped with the launcher (prctl: %s); if torchrun is killed, this "
+            "worker keeps running",
+            err,
+        )
         return False
     if launcher == 1 or os.getppid() != launcher:
         sys.exit(f"the launcher that started this worker (torchrun, pid {launcher}) is gone; this worker exits")

@@ -90,8 +90,16 @@ class TorchEngine:
     write_collective = None
     read_collective = None
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, distributed: DistributedConfig,
-                 grad_accum: int, world_size: int, grad_clip: float):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        distributed: DistributedConfig,
+        grad_accum: int,
+        world_size: int,
+        grad_clip: float,
+    ):
         self.model = self.forward = model
         self.optimizer = optimizer
         self._distributed = distributed
@@ -146,23 +154,45 @@ class TorchEngine:
         return without_quant_state(state)  # the weights alone: held references are not weights
 
 
-def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: JobConfig, *, grad_accum: int,
-                 world_size: int, device_type: str, rank: int) -> TrainEngine:  # fmt: skip
+def build_engine(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: JobConfig,
+    *,
+    grad_accum: int,
+    world_size: int,
+    device_type: str,
+    rank: int,
+) -> TrainEngine:
     """The engine of ``cfg.distributed.backend`` (:attr:`~nemofp4.training.parallel.DistributedConfig.engine`),
     refusing the settings it cannot honour."""
     dist_cfg = cfg.distributed
     if dist_cfg.engine != "deepspeed":
-        return TorchEngine(model, optimizer, distributed=dist_cfg, grad_accum=grad_accum, world_size=world_size,
-                           grad_clip=cfg.train.grad_clip)  # fmt: skip
+        return TorchEngine(
+            model,
+            optimizer,
+            distributed=dist_cfg,
+            grad_accum=grad_accum,
+            world_size=world_size,
+            grad_clip=cfg.train.grad_clip,
+        )
     if cfg.train.nonfinite == "skip":
-        raise ValueError("train.nonfinite=skip is not supported with DeepSpeed (its step cannot be "
-                         "undone after the fact); use train.nonfinite=stop")
+        raise ValueError(
+            "train.nonfinite=skip is not supported with DeepSpeed (its step cannot be "
+            "undone after the fact); use train.nonfinite=stop"
+        )
     if cfg.checkpoint.async_save and rank == 0:
-        log.warning("checkpoint.async_save=true has no effect with distributed.backend=%s: DeepSpeed writes "
-                    "its checkpoints synchronously", dist_cfg.backend)
+        log.warning(
+            "checkpoint.async_save=true has no effect with distributed.backend=%s: DeepSpeed writes "
+            "its checkpoints synchronously",
+            dist_cfg.backend,
+        )
     config = deepspeed_engine.deepspeed_config(
-        stage=deepspeed_engine.zero_stage(dist_cfg.backend), micro_batch=cfg.train.micro_batch, grad_accum=grad_accum,
-        world_size=world_size, grad_clip=cfg.train.grad_clip,
+        stage=deepspeed_engine.zero_stage(dist_cfg.backend),
+        micro_batch=cfg.train.micro_batch,
+        grad_accum=grad_accum,
+        world_size=world_size,
+        grad_clip=cfg.train.grad_clip,
         bf16=cfg.train.dtype == "bfloat16" and device_type == "cuda",
-    )  # fmt: skip
+    )
     return DeepSpeedEngine(model, optimizer, config, grad_accum=grad_accum)

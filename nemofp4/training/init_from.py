@@ -149,11 +149,17 @@ def check_compatible(source: InitSource, model: NemotronHConfig, data: DataConfi
             + "; ".join(mismatches)
             + ". Choose the model preset the weights were trained with, or override those fields"
         )
-    differing = [f"{name}: {getattr(source.model, name)!r} -> {getattr(model, name)!r}"
-                 for name in INIT_ONLY_FIELDS if getattr(source.model, name) != getattr(model, name)]
+    differing = [
+        f"{name}: {getattr(source.model, name)!r} -> {getattr(model, name)!r}"
+        for name in INIT_ONLY_FIELDS
+        if getattr(source.model, name) != getattr(model, name)
+    ]
     if differing:
-        log.info("%s: fields that do not change what the weights compute differ, the run's values are used: %s",
-                 where, "; ".join(differing))
+        log.info(
+            "%s: fields that do not change what the weights compute differ, the run's values are used: %s",
+            where,
+            "; ".join(differing),
+        )
     eod = data.eod_token or None
     if source.tokenizer is None or not (source.tokenizer.is_file() or (source.tokenizer / "tokenizer.json").is_file()):
         if source.kind == "hf":
@@ -161,8 +167,13 @@ def check_compatible(source: InitSource, model: NemotronHConfig, data: DataConfi
                 f"{where} has no tokenizer.json, so the data's tokenizer cannot be checked against the model's; "
                 "copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) into the folder"
             )
-        log.warning("%s: the source run's tokenizer %s is not found; the data's tokenizer %s is taken to be the "
-                    "one the weights were trained with", where, source.tokenizer, data.tokenizer)
+        log.warning(
+            "%s: the source run's tokenizer %s is not found; the data's tokenizer %s is taken to be the "
+            "one the weights were trained with",
+            where,
+            source.tokenizer,
+            data.tokenizer,
+        )
         return
     try:
         theirs = load_tokenizer(source.tokenizer, eod_token=eod)
@@ -266,13 +277,21 @@ def load_initial_weights(model: nn.Module, source: InitSource) -> None:
 
             headers = hf_tensor_headers(source.path)
             names = hf_names(without_quant_state(state), source.model, headers)
-            problems = [f"{ours}: {headers[hf][0]} in the folder, {tuple(state[ours].shape)} in the model"
-                        for ours, hf in names.items() if headers[hf][0] != tuple(state[ours].shape)]
-            problems += [f"{hf}: dtype {headers[hf][1]}" for hf in sorted(set(names.values()))
-                         if headers[hf][1] not in _FLOAT_DTYPES]
+            problems = [
+                f"{ours}: {headers[hf][0]} in the folder, {tuple(state[ours].shape)} in the model"
+                for ours, hf in names.items()
+                if headers[hf][0] != tuple(state[ours].shape)
+            ]
+            problems += [
+                f"{hf}: dtype {headers[hf][1]}"
+                for hf in sorted(set(names.values()))
+                if headers[hf][1] not in _FLOAT_DTYPES
+            ]
             if problems:
-                raise ValueError(f"train.init_from={source.path}: tensors that do not fit the model (valid dtypes: "
-                                 f"{', '.join(_FLOAT_DTYPES)}): " + "; ".join(problems))
+                raise ValueError(
+                    f"train.init_from={source.path}: tensors that do not fit the model (valid dtypes: "
+                    f"{', '.join(_FLOAT_DTYPES)}): " + "; ".join(problems)
+                )
             by_hf_name = {}
             for ours, hf in names.items():
                 by_hf_name.setdefault(hf, state[ours])  # a tied head shares the embedding's tensor
@@ -285,15 +304,18 @@ def load_initial_weights(model: nn.Module, source: InitSource) -> None:
     set_model_state_dict(model, state)
 
 
-def initialize_from(model: nn.Module, init_from: str, *, model_config: NemotronHConfig, data: DataConfig,
-                    run_dir: Path) -> dict[str, Any]:
+def initialize_from(
+    model: nn.Module, init_from: str, *, model_config: NemotronHConfig, data: DataConfig, run_dir: Path
+) -> dict[str, Any]:
     """Check, hash and load ``init_from`` into the built model (collective); returns the source's record."""
     started = time.perf_counter()
     source = resolve_source(init_from)
     check_compatible(source, model_config, data)
     check_recorded_source(run_dir, source)
     if source.kind == "nemofp4":
-        CheckpointManager(source.path.parent, CheckpointConfig()).verify(source.path)  # sizes and CRC32s, split over ranks
+        CheckpointManager(source.path.parent, CheckpointConfig()).verify(
+            source.path
+        )  # sizes and CRC32s, split over ranks
     record = source_identity(source, init_from)
     check_recorded_source(run_dir, source, record)
     try:
@@ -303,8 +325,12 @@ def initialize_from(model: nn.Module, init_from: str, *, model_config: NemotronH
     except Exception as err:  # DCP raises several types for a damaged file
         raise CheckpointError(f"train.init_from={source.path} could not be read: {str(err).splitlines()[0]}") from err
     if _rank_world()[0] == 0:
-        log.info("initial weights from %s (%s, weights sha256 %s) in %.1f s; optimizer, schedule and quantizer "
-                 "state start fresh", source.path, source.kind, record["weights_sha256"][:12],
-                 time.perf_counter() - started)
+        log.info(
+            "initial weights from %s (%s, weights sha256 %s) in %.1f s; optimizer, schedule and quantizer "
+            "state start fresh",
+            source.path,
+            source.kind,
+            record["weights_sha256"][:12],
+            time.perf_counter() - started,
+        )
     return record
-

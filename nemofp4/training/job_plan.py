@@ -58,21 +58,28 @@ def recorded_policy(run_dir: Path) -> str | None:
     return None if policy in (None, AC_AUTO) else str(policy)
 
 
-def log_plan_in_background(planner: JobPlanner | None, cfg: JobConfig, *, rank: int, world_size: int,
-                           device: torch.device) -> threading.Thread | None:  # fmt: skip
+def log_plan_in_background(
+    planner: JobPlanner | None, cfg: JobConfig, *, rank: int, world_size: int, device: torch.device
+) -> threading.Thread | None:
     """Rank 0 logs the memory plan of a configured policy (seconds of meta-device tracing at 8B) in a
     thread, while every rank builds, shards and loads: the others never wait for it in a collective.
     (``auto`` logs the plan that chose its policy instead.) The caller joins the thread, if any."""
     if rank != 0 or planner is None or cfg.distributed.activation_checkpointing == AC_AUTO:
         return None
-    thread = threading.Thread(target=planner.log_plan, args=(cfg,), name="nemofp4-memory-plan", daemon=True,
-                              kwargs={"world_size": world_size, "device": device, "log": log})  # fmt: skip
+    thread = threading.Thread(
+        target=planner.log_plan,
+        args=(cfg,),
+        name="nemofp4-memory-plan",
+        daemon=True,
+        kwargs={"world_size": world_size, "device": device, "log": log},
+    )
     thread.start()
     return thread
 
 
-def resolve_activation_checkpointing(cfg: JobConfig, planner: JobPlanner | None, *, rank: int, world_size: int,
-                                     device: torch.device) -> JobConfig:  # fmt: skip
+def resolve_activation_checkpointing(
+    cfg: JobConfig, planner: JobPlanner | None, *, rank: int, world_size: int, device: torch.device
+) -> JobConfig:
     """``cfg`` with ``activation_checkpointing=auto`` replaced by a policy (any other value: ``cfg``).
 
     Rank 0 decides and broadcasts, so every rank wraps the same blocks: the policy the run recorded
@@ -86,8 +93,10 @@ def resolve_activation_checkpointing(cfg: JobConfig, planner: JobPlanner | None,
         if recorded is not None:
             decision[:2] = recorded, f"kept from {Path(cfg.run_dir) / RUN_CONFIG}: the run started with it"
         elif planner is None:
-            decision[2] = ("distributed.activation_checkpointing=auto needs the job's planner (nemofp4-train passes "
-                           "one); name a policy instead (none, full, mamba, ...)")  # fmt: skip
+            decision[2] = (
+                "distributed.activation_checkpointing=auto needs the job's planner (nemofp4-train passes "
+                "one); name a policy instead (none, full, mamba, ...)"
+            )
         else:
             try:
                 plan = planner.choose(cfg, world_size=world_size, device=device)

@@ -123,8 +123,9 @@ def first_step_memory(cfg: JobConfig, *, world_size: int, device: torch.device) 
     host = 3 * cfg.eval.num_sequences * (train.seq_len + 1) * _TOKEN_ID
     if host:
         parts["validation batches"] = host
-    return FirstStepMemory(device=sum(v for k, v in parts.items() if k != "validation batches"), host=host,
-                           parts=parts, what=what)  # fmt: skip
+    return FirstStepMemory(
+        device=sum(v for k, v in parts.items() if k != "validation batches"), host=host, parts=parts, what=what
+    )
 
 
 def _mamba_ssm_available() -> bool:
@@ -205,8 +206,9 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def check_first_step_fits(cfg: JobConfig, *, world_size: int, local_world_size: int, device: torch.device,
-                          rank: int = 0) -> None:  # fmt: skip
+def check_first_step_fits(
+    cfg: JobConfig, *, world_size: int, local_world_size: int, device: torch.device, rank: int = 0
+) -> None:
     """ValueError, on every rank, when the first step of ``cfg`` cannot be allocated on some rank's host
     or device (collective with more than one rank: the ranks agree, so none waits for another that
     stopped). The ranks of one host share its memory."""
@@ -220,11 +222,14 @@ def check_first_step_fits(cfg: JobConfig, *, world_size: int, local_world_size: 
     if device.type == "cuda" and free is not None and need.device > free:
         problem = f"needs about {_gib(need.device)} for the first step{parts}; {device} has {_gib(free)} free"
     elif host is not None and on_host * local_world_size > host:
-        problem = (f"needs about {_gib(on_host)} for the first step{ranks_here}{parts}; this host has {_gib(host)} "
-                   "available")
+        problem = (
+            f"needs about {_gib(on_host)} for the first step{ranks_here}{parts}; this host has {_gib(host)} available"
+        )
     if problem is not None:
-        problem = (f"{need.what} {problem}. Lower train.seq_len or train.micro_batch; train.head_chunk_tokens=1024 "
-                   "and distributed.activation_checkpointing=full also need less")
+        problem = (
+            f"{need.what} {problem}. Lower train.seq_len or train.micro_batch; train.head_chunk_tokens=1024 "
+            "and distributed.activation_checkpointing=full also need less"
+        )
         if world_size > 1:
             problem = f"rank {rank}: {problem}"
     if world_size > 1 and dist.is_initialized():

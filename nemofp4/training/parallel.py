@@ -108,11 +108,16 @@ class DistributedConfig:
         if self.replicate_degree < 1:
             raise ValueError(f"distributed.replicate_degree={self.replicate_degree}; must be >= 1")
         if self.keep_head_gathered and self.backend != "fsdp":
-            warnings.warn(f"distributed.keep_head_gathered=true has no effect with distributed.backend={self.backend} "
-                          "(it keeps FSDP2's head group gathered)", stacklevel=2)
+            warnings.warn(
+                f"distributed.keep_head_gathered=true has no effect with distributed.backend={self.backend} "
+                "(it keeps FSDP2's head group gathered)",
+                stacklevel=2,
+            )
         if self.replicate_degree > 1 and self.backend != "fsdp":
-            raise ValueError(f"distributed.replicate_degree={self.replicate_degree} needs distributed.backend=fsdp "
-                             f"(HSDP), got backend={self.backend!r}")
+            raise ValueError(
+                f"distributed.replicate_degree={self.replicate_degree} needs distributed.backend=fsdp "
+                f"(HSDP), got backend={self.backend!r}"
+            )
         for name in ("startup_timeout_s", "collective_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -151,9 +156,11 @@ def ac_policy(value: str | bool) -> str:
         if kinds and set(kinds) <= set(AC_BLOCK_TYPES) and len(set(kinds)) == len(kinds):
             return "+".join(t for t in AC_BLOCK_TYPES if t in kinds)
     unresolved = " (auto is resolved at start-up, before anything is checkpointed)" if text == AC_AUTO else ""
-    raise ValueError(f"distributed.activation_checkpointing={value!r}{unresolved}; valid: none, full, block types "
-                     f"joined by '+' ({', '.join(AC_BLOCK_TYPES)}; e.g. mamba+mlp), every_<k> (k >= 1), true/false, "
-                     "or auto (in a config)")
+    raise ValueError(
+        f"distributed.activation_checkpointing={value!r}{unresolved}; valid: none, full, block types "
+        f"joined by '+' ({', '.join(AC_BLOCK_TYPES)}; e.g. mamba+mlp), every_<k> (k >= 1), true/false, "
+        "or auto (in a config)"
+    )
 
 
 def checkpointed_blocks(policy: str, block_types: list[str]) -> list[bool]:
@@ -181,8 +188,12 @@ def apply_activation_checkpointing(model: nn.Module, policy: str = "full") -> No
     for i, block in enumerate(model.layers):
         if chosen[i]:
             model.layers[i] = checkpoint_block(block)
-    log.info("activation checkpointing (%s): %d of %d blocks recompute in backward", ac_policy(policy), sum(chosen),
-             len(chosen))
+    log.info(
+        "activation checkpointing (%s): %d of %d blocks recompute in backward",
+        ac_policy(policy),
+        sum(chosen),
+        len(chosen),
+    )
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -199,8 +210,10 @@ def data_parallel_mesh(cfg: DistributedConfig, *, device_type: str):
     if replicate == 1:
         return init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     if world % replicate:
-        raise ValueError(f"distributed.replicate_degree={replicate} does not divide the world size {world}; "
-                         f"valid: a divisor of {world} (e.g. the number of nodes)")
+        raise ValueError(
+            f"distributed.replicate_degree={replicate} does not divide the world size {world}; "
+            f"valid: a divisor of {world} (e.g. the number of nodes)"
+        )
     return init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
 
 
@@ -213,7 +226,9 @@ def set_gradient_sync(model: nn.Module, cfg: DistributedConfig, *, micro_batch: 
         model.set_requires_gradient_sync(micro_batch == grad_accum - 1)
 
 
-def apply_fsdp(model: nn.Module, cfg: DistributedConfig, *, device_type: str, mixed_precision: bool | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module, cfg: DistributedConfig, *, device_type: str, mixed_precision: bool | None = None
+) -> None:
     """FSDP2 (HSDP with replicate_degree > 1) per block, then the root. Mixed precision
     (``param_dtype``/``reduce_dtype``) applies on GPU only, CPU runs keep float32; ``mixed_precision=True``
     applies the GPU policy on any device (the planner's simulation of a GPU run on CPU)."""
@@ -273,8 +288,9 @@ def attach_head_loss(model: nn.Module) -> None:
     register_fsdp_forward_method(head, HEAD_LOSS_METHOD)  # no-op unless head is an FSDP module
 
 
-def parallelize_and_materialize(model: nn.Module, cfg: DistributedConfig, *, device: torch.device, seed: int,
-                                full_init: bool) -> nn.Module:  # fmt: skip
+def parallelize_and_materialize(
+    model: nn.Module, cfg: DistributedConfig, *, device: torch.device, seed: int, full_init: bool
+) -> nn.Module:
     """:func:`parallelize` a meta-device model and give it weights on ``device`` (initialized from
     ``seed``). With ``full_init`` and FSDP2 (``init_full_model``) the whole model is initialized before
     sharding, so the initial weights do not depend on the number of ranks; otherwise (and always when
@@ -291,8 +307,9 @@ def parallelize_and_materialize(model: nn.Module, cfg: DistributedConfig, *, dev
     return model
 
 
-def parallelize(model: nn.Module, cfg: DistributedConfig, *, device_type: str,
-                mixed_precision: bool | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, cfg: DistributedConfig, *, device_type: str, mixed_precision: bool | None = None
+) -> nn.Module:
     """Apply AC, compile and FSDP2 as configured; returns the model (wrapped in place).
     ``mixed_precision``: see :func:`apply_fsdp`."""
     if cfg.activation_checkpointing != "none":

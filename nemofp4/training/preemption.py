@@ -229,8 +229,7 @@ class PreemptionHandler:
         writer.setblocking(False)
         self._previous_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         self._wakeup = (reader, writer)
-        self._watchdog = threading.Thread(target=self._watch, args=(reader,), name="nemofp4-exit-watchdog",
-                                          daemon=True)  # fmt: skip
+        self._watchdog = threading.Thread(target=self._watch, args=(reader,), name="nemofp4-exit-watchdog", daemon=True)
         self._watchdog.start()
 
     def _stop_watchdog(self) -> None:
@@ -266,8 +265,9 @@ class PreemptionHandler:
         else:
             logger.info(
                 "received %s: this process exits within %g s, after its checkpoint if one is under way",
-                sig.name, self.exit_grace_s,
-            )  # fmt: skip
+                sig.name,
+                self.exit_grace_s,
+            )
         deadline = time.monotonic() + self.exit_grace_s
         while time.monotonic() < deadline:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
@@ -276,8 +276,10 @@ class PreemptionHandler:
         code = self.exit_code if self.exit_code is not None else code
         logger.error(
             "still running %g s after %s (a collective whose peer is gone?); stacks follow; exiting with status %d",
-            self.exit_grace_s, sig.name, code,
-        )  # fmt: skip
+            self.exit_grace_s,
+            sig.name,
+            code,
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         flush_and_exit(code)
 
@@ -316,8 +318,13 @@ class PreemptionHandler:
 
     # ---------------------------------------------------------------- requeue
 
-    def requeue_and_exit_code(self, group: dist.ProcessGroup | None = None, *, checkpoint: str | os.PathLike | None = None,
-                              step: int | None = None) -> int:
+    def requeue_and_exit_code(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        checkpoint: str | os.PathLike | None = None,
+        step: int | None = None,
+    ) -> int:
         """Requeue the SLURM job (rank 0 only) and return the status every rank should exit with.
 
         Call it after the checkpoint is complete: ``scontrol requeue`` ends the running job, so the
@@ -351,9 +358,11 @@ class PreemptionHandler:
         if is_rank0:
             logger.info(
                 "preempted%s by %s; %s; exiting with status %d",
-                f" at step {step}" if step is not None else "", cause.name if cause else "a stop request",
-                f"checkpoint {checkpoint}" if checkpoint else "no checkpoint written", code,
-            )  # fmt: skip
+                f" at step {step}" if step is not None else "",
+                cause.name if cause else "a stop request",
+                f"checkpoint {checkpoint}" if checkpoint else "no checkpoint written",
+                code,
+            )
         return code
 
     def _requeue(self, checkpoint: str | os.PathLike | None = None) -> bool:
@@ -395,8 +404,12 @@ class PreemptionHandler:
         except OSError as error:
             logger.warning("cannot leave the requeue request %s for the batch script: %s", path, error)
             return False
-        logger.info("asked the batch script to requeue SLURM job %s once the step has ended (%s); it resumes from %s",
-                    job_id, path, resumes_from)  # fmt: skip
+        logger.info(
+            "asked the batch script to requeue SLURM job %s once the step has ended (%s); it resumes from %s",
+            job_id,
+            path,
+            resumes_from,
+        )
         return True
 
 

@@ -113,12 +113,16 @@ class ResumableState:
             raise ValueError(problem)
         try:
             self.quant.read_checkpoint(
-                state, lambda state: ckpt.read_tensors(folder, state, read_collective=self.engine.read_collective),
-                trainer_state=saved.trainer_state, rank_state=saved.rank_state,
-            )  # fmt: skip
+                state,
+                lambda state: ckpt.read_tensors(folder, state, read_collective=self.engine.read_collective),
+                trainer_state=saved.trainer_state,
+                rank_state=saved.rank_state,
+            )
         except ValueError as err:
-            raise ValueError(f"checkpoint {folder}: {err}; resume from another checkpoint (resume=<path>) or without "
-                             "its references (precision.restore_references=false)") from None
+            raise ValueError(
+                f"checkpoint {folder}: {err}; resume from another checkpoint (resume=<path>) or without "
+                "its references (precision.restore_references=false)"
+            ) from None
         if state is not None:
             self.engine.load_dcp_state(state)
         self.progress.load_state_dict(saved.trainer_state)
@@ -126,12 +130,22 @@ class ResumableState:
         if saved.own:
             self.rng.load_state_dict(saved.rank_state["rng"])
         else:
-            log.warning("rank %d is new to this run (checkpoint written by %d ranks): its generators keep the "
-                        "seed's state", self.rank, saved.trainer_state["world_size"])
+            log.warning(
+                "rank %d is new to this run (checkpoint written by %d ranks): its generators keep the seed's state",
+                self.rank,
+                saved.trainer_state["world_size"],
+            )
 
 
-def load_resume_checkpoint(ckpt: CheckpointManager, resume: str, *, run_dir: Path, rank: int, state: Resumable,
-                           refuse: Callable[[Mapping[str, Any], Path], None]) -> Path | None:  # fmt: skip
+def load_resume_checkpoint(
+    ckpt: CheckpointManager,
+    resume: str,
+    *,
+    run_dir: Path,
+    rank: int,
+    state: Resumable,
+    refuse: Callable[[Mapping[str, Any], Path], None],
+) -> Path | None:
     """Load the checkpoint to resume from into ``state`` (collective); returns its folder, or None when
     the run starts fresh. ``refuse(trainer_state, folder)`` reads a candidate's saved metadata and raises
     to refuse it, changing nothing, before any of its tensors is read."""
@@ -160,8 +174,12 @@ def load_resume_checkpoint(ckpt: CheckpointManager, resume: str, *, run_dir: Pat
         for damaged in failures:  # only once another one loaded: if none does, the refusal lists them in place
             aside = ckpt.set_aside(damaged)
             if rank == 0:
-                log.warning("moved the damaged checkpoint %s aside to %s: it is not tried again and "
-                            "checkpoint.keep_last_k does not count it (nothing was deleted)", damaged, aside)
+                log.warning(
+                    "moved the damaged checkpoint %s aside to %s: it is not tried again and "
+                    "checkpoint.keep_last_k does not count it (nothing was deleted)",
+                    damaged,
+                    aside,
+                )
         _set_aside_other_branches(ckpt, folder, run_dir=run_dir)
         return folder
     if failures:
@@ -193,10 +211,19 @@ def _set_aside_other_branches(ckpt: CheckpointManager, folder: Path, *, run_dir:
     (:meth:`CheckpointManager.abandon`); one log line names them. Collective."""
     step, metrics = step_of(folder), Path(run_dir) / METRICS_FILE
     rows: list[int] = []
-    aside, names = ckpt.abandon(folder, keep=lambda into: rows.append(copy_rows_after(metrics, step, into / METRICS_FILE)))
+    aside, names = ckpt.abandon(
+        folder, keep=lambda into: rows.append(copy_rows_after(metrics, step, into / METRICS_FILE))
+    )
     if not names:
         return
     truncate_after(metrics, step)  # the live file follows the branch that resumed
-    log.warning("resumed from %s, older than this run's newest checkpoints: set aside %s and %d metrics rows past "
-                "step %d in %s, so resume=auto continues from %s (nothing was deleted)",
-                folder.name, ", ".join(names), sum(rows), step, aside, folder.name)  # fmt: skip
+    log.warning(
+        "resumed from %s, older than this run's newest checkpoints: set aside %s and %d metrics rows past "
+        "step %d in %s, so resume=auto continues from %s (nothing was deleted)",
+        folder.name,
+        ", ".join(names),
+        sum(rows),
+        step,
+        aside,
+        folder.name,
+    )

@@ -37,9 +37,24 @@ __all__ = [
     "validate_accept_list",
 ]
 
-SAFE_KEYS = ("name", "run_dir", "resume", "resume_accept", "overwrite", "logging", "eval", "checkpoint", "debug",
-             "train.micro_batch", "train.max_skipped_steps", "train.head_chunk_tokens", "train.kernels", "train.weight_cache",
-             "train.sync_debug", "distributed")
+SAFE_KEYS = (
+    "name",
+    "run_dir",
+    "resume",
+    "resume_accept",
+    "overwrite",
+    "logging",
+    "eval",
+    "checkpoint",
+    "debug",
+    "train.micro_batch",
+    "train.max_skipped_steps",
+    "train.head_chunk_tokens",
+    "train.kernels",
+    "train.weight_cache",
+    "train.sync_debug",
+    "distributed",
+)
 """Keys (or sections) that change how a run is observed, saved or laid out over processes, not what it
 trains. Checkpoints reshard between world sizes and between one process and FSDP2, so `distributed`
 and `train.micro_batch` (another world size with the same global batch) may change: only the order of
@@ -130,8 +145,11 @@ def config_changes(saved: Any, current: Any) -> list[ConfigChange]:
     if dataclasses.is_dataclass(current):
         saved = _with_schema_defaults(saved, type(current))
     a, b = flatten_config(saved), flatten_config(current)
-    return [ConfigChange(k, a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(set(a) | set(b))
-            if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
+    return [
+        ConfigChange(k, a.get(k, _ABSENT), b.get(k, _ABSENT))
+        for k in sorted(set(a) | set(b))
+        if a.get(k, _ABSENT) != b.get(k, _ABSENT)
+    ]
 
 
 def validate_accept_list(accept: list[str], current: Any) -> None:
@@ -139,11 +157,15 @@ def validate_accept_list(accept: list[str], current: Any) -> None:
     keys = flatten_config(current)
     for entry in accept:
         if not any(k == entry or k.startswith(entry + ".") for k in keys):
-            raise ValueError(f"resume_accept names {entry!r}, which is no key of the training config "
-                             "(use dotted keys such as optim.lr or a section such as schedule)")
+            raise ValueError(
+                f"resume_accept names {entry!r}, which is no key of the training config "
+                "(use dotted keys such as optim.lr or a section such as schedule)"
+            )
         if _matches(entry, FIXED_KEYS) or any(_matches(f, [entry]) for f in FIXED_KEYS):
-            raise ValueError(f"resume_accept names {entry!r}, which defines what the run trains (fixed: "
-                             f"{', '.join(FIXED_KEYS)}); a change there is a new run: use another run_dir")
+            raise ValueError(
+                f"resume_accept names {entry!r}, which defines what the run trains (fixed: "
+                f"{', '.join(FIXED_KEYS)}); a change there is a new run: use another run_dir"
+            )
 
 
 def refused_changes(changes: list[ConfigChange], accept: list[str]) -> tuple[list[ConfigChange], list[ConfigChange]]:
@@ -170,19 +192,22 @@ def describe_refusal(where: str, refused: list[ConfigChange]) -> str:
     lines = [f"{where} was trained with a different configuration; resuming would mix two runs. Changed keys:"]
     lines += [f"  {c}" for c in refused]
     if fixed:
-        lines.append("Recipe, model, data, seed, batch layout, initial weights and checkpoint format cannot change within a run "
-                     f"({', '.join(c.key for c in fixed)}): restore them, or start a new run in another run_dir "
-                     "(or pass overwrite=true to move this run aside).")
+        lines.append(
+            "Recipe, model, data, seed, batch layout, initial weights and checkpoint format cannot change within a run "
+            f"({', '.join(c.key for c in fixed)}): restore them, or start a new run in another run_dir "
+            "(or pass overwrite=true to move this run aside)."
+        )
     init = next((c for c in refused if c.key == "train.init_from"), None)
     if init is not None:
-        lines.append(f"The run started from train.init_from={init.saved!r}; this start names {init.current!r}. A resume "
-                     "reads the run's own checkpoint, never the source: restore the original value (the folder need "
-                     "not exist any more), or start the new source in another run_dir.")
+        lines.append(
+            f"The run started from train.init_from={init.saved!r}; this start names {init.current!r}. A resume "
+            "reads the run's own checkpoint, never the source: restore the original value (the folder need "
+            "not exist any more), or start the new source in another run_dir."
+        )
     if other:
         names = ",".join(c.key for c in other)
         lines.append(f"To continue with the new values of the other keys, pass resume_accept=[{names}].")
     return "\n".join(lines)
-
 
 
 def describe_budget_change(schedule: Any, step: int, old_total: int, new_total: int) -> str:
@@ -191,8 +216,10 @@ def describe_budget_change(schedule: Any, step: int, old_total: int, new_total: 
 
     at = max(step, 1)
     before, after = lr_multiplier(schedule, at, old_total), lr_multiplier(schedule, at, new_total)
-    text = (f"the budget changed from {old_total} to {new_total} steps: the {schedule.name} schedule is recomputed "
-            f"for {new_total} steps, so the lr multiplier at step {at} goes from {before:.4g} to {after:.4g}")
+    text = (
+        f"the budget changed from {old_total} to {new_total} steps: the {schedule.name} schedule is recomputed "
+        f"for {new_total} steps, so the lr multiplier at step {at} goes from {before:.4g} to {after:.4g}"
+    )
     if schedule.name == "wsd":
         old_start = old_total - round(schedule.decay_fraction * old_total)
         new_start = new_total - round(schedule.decay_fraction * new_total)
@@ -202,8 +229,9 @@ def describe_budget_change(schedule: Any, step: int, old_total: int, new_total: 
     return text
 
 
-def check_resume_config(saved: Any, current: Any, *, step: int, saved_total: int | None, new_total: int, where: str,
-                        log_notes: bool = True) -> list[ConfigChange]:
+def check_resume_config(
+    saved: Any, current: Any, *, step: int, saved_total: int | None, new_total: int, where: str, log_notes: bool = True
+) -> list[ConfigChange]:
     """Compare a run's saved config with the current one for a resume at `step`; raise ValueError naming
     every refused key, log what accepted and budget changes do; return the accepted changes."""
     accept = list(current.resume_accept)
@@ -211,9 +239,11 @@ def check_resume_config(saved: Any, current: Any, *, step: int, saved_total: int
     refused, accepted = refused_changes(changes, accept)
     budget = [c for c in changes if _matches(c.key, BUDGET_KEYS)]
     if step and new_total < step:
-        raise ValueError(f"{where} is at step {step}, but the budget now ends at step {new_total} "
-                         f"({', '.join(map(str, budget)) or 'train.max_steps/train.tokens'}); raise the budget "
-                         "or start a new run")
+        raise ValueError(
+            f"{where} is at step {step}, but the budget now ends at step {new_total} "
+            f"({', '.join(map(str, budget)) or 'train.max_steps/train.tokens'}); raise the budget "
+            "or start a new run"
+        )
     if saved_total is not None and new_total < saved_total and not any(_matches(c.key, accept) for c in budget):
         refused += budget
     if refused:

@@ -78,8 +78,14 @@ def cuda_sync_debug(mode: str):
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], *, device: torch.device,
-             autocast: Any, head_chunk_tokens: int = 0) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    autocast: Any,
+    head_chunk_tokens: int = 0,
+) -> dict[str, float]:
     """The model's validation NLL in eval mode (:func:`~nemofp4.evaluation.nll.validation_nll`,
     data-parallel over the ranks)."""
     was_training = model.training
@@ -129,8 +135,11 @@ class Trainer:
         self.device = local_device(self.env)
         self.sync_debug = cfg.train.sync_debug if self.device.type == "cuda" else "off"
         if cfg.train.sync_debug != "off" and self.device.type != "cuda" and self.rank == 0:
-            log.warning("train.sync_debug=%s has no effect on %s: it checks CUDA host synchronizations",
-                        cfg.train.sync_debug, self.device.type)
+            log.warning(
+                "train.sync_debug=%s has no effect on %s: it checks CUDA host synchronizations",
+                cfg.train.sync_debug,
+                self.device.type,
+            )
         self.run_dir = Path(cfg.run_dir)
         self.budget = compute_budget(cfg.train, self.world)
         validate_accept_list(cfg.resume_accept, cfg)
@@ -140,12 +149,19 @@ class Trainer:
                 log.warning(
                     "train.tokens=%g is not a whole number of steps of %d tokens: %d tokens are left over and "
                     "will not be trained on (%d steps)",
-                    cfg.train.tokens, self.budget.tokens_per_step, self.budget.budget_remainder_tokens,
+                    cfg.train.tokens,
+                    self.budget.tokens_per_step,
+                    self.budget.budget_remainder_tokens,
                     self.budget.total_steps,
                 )
             # before anything large is allocated: a step that cannot fit stops here, with one line
-            check_first_step_fits(cfg, world_size=self.world, local_world_size=self.env.local_world_size,
-                                  device=self.device, rank=self.rank)
+            check_first_step_fits(
+                cfg,
+                world_size=self.world,
+                local_world_size=self.env.local_world_size,
+                device=self.device,
+                rank=self.rank,
+            )
             self._build()
         except BaseException:
             self.run_directory.abandon()  # release the lock; leave no empty run directory behind
@@ -157,58 +173,92 @@ class Trainer:
         seed_everything(cfg.train.seed)
         # data
         check_model_vocab(cfg.data, cfg.model.vocab_size)
-        self.loader = build_train_loader(cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
-                                         micro_batch=cfg.train.micro_batch, seed=cfg.train.seed, dp_rank=self.rank,
-                                         dp_size=self.world, num_samples=self.budget.total_steps * cfg.train.global_batch)
-        self.val_batches = build_validation_batches(
-            cfg.data, seq_len=cfg.train.seq_len, num_sequences=cfg.eval.num_sequences, batch_size=cfg.eval.batch_size,
-        ) if cfg.eval.num_sequences else []  # fmt: skip
+        self.loader = build_train_loader(
+            cfg.data,
+            seq_len=cfg.train.seq_len,
+            global_batch=cfg.train.global_batch,
+            micro_batch=cfg.train.micro_batch,
+            seed=cfg.train.seed,
+            dp_rank=self.rank,
+            dp_size=self.world,
+            num_samples=self.budget.total_steps * cfg.train.global_batch,
+        )
+        self.val_batches = (
+            build_validation_batches(
+                cfg.data,
+                seq_len=cfg.train.seq_len,
+                num_sequences=cfg.eval.num_sequences,
+                batch_size=cfg.eval.batch_size,
+            )
+            if cfg.eval.num_sequences
+            else []
+        )
         # the model on meta, its linears swapped by the recipe
         model = build_model(cfg.model, device="meta")
         self.recipe = cfg.recipe
         self.layer_table = apply_recipe(model, self.recipe, log=self.rank == 0)  # logs the per-layer table
         plan = log_plan_in_background(self.planner, cfg, rank=self.rank, world_size=self.world, device=self.device)
         # auto becomes a policy here, before anything is wrapped; the config and checkpoints record it
-        cfg = self.cfg = resolve_activation_checkpointing(cfg, self.planner, rank=self.rank, world_size=self.world,
-                                                          device=self.device)  # fmt: skip
+        cfg = self.cfg = resolve_activation_checkpointing(
+            cfg, self.planner, rank=self.rank, world_size=self.world, device=self.device
+        )
         if self.rank == 0 and self.layer_table.count("fp4"):
             log.info("%s", kernels.describe(self.device, cfg.train.kernels))
         # parallelized, with weights
         dist_cfg = cfg.distributed
         require_process_group(dist_cfg.backend, self.env)
         # with train.init_from the weights are the source's: materialize shards only, never the whole model
-        model = parallelize_and_materialize(model, dist_cfg, device=self.device, seed=cfg.train.seed,
-                                            full_init=not cfg.train.init_from)  # fmt: skip
+        model = parallelize_and_materialize(
+            model, dist_cfg, device=self.device, seed=cfg.train.seed, full_init=not cfg.train.init_from
+        )
         self.init_record: dict[str, Any] | None = None  # the source of the initial weights, when not random
         if cfg.train.init_from and starts_fresh(cfg.resume, self.run_dir, used=describe_used(self.run_dir) is not None):
-            self.init_record = initialize_from(model, cfg.train.init_from, model_config=cfg.model, data=cfg.data,
-                                               run_dir=self.run_dir)
+            self.init_record = initialize_from(
+                model, cfg.train.init_from, model_config=cfg.model, data=cfg.data, run_dir=self.run_dir
+            )
         self.model = model
         # the FP4 linears, converted once (kernels, the reduction of held references, every quantizer knob);
         # then optimizer, engine, checkpoints
-        self.quant = QuantTraining(model, QuantTrainingConfig(
-            kernels=cfg.train.kernels, seed=cfg.train.seed, rank=self.rank,
-            held_reduce_group=dist.group.WORLD if self.world > 1 and dist_cfg.reduce_references else None,
-            stats_interval=cfg.logging.quant_stats_interval,
-            weight_cache=cfg.train.weight_cache and self.budget.grad_accum > 1,
-            restore_references=cfg.precision.restore_references,
-        ))  # fmt: skip
+        self.quant = QuantTraining(
+            model,
+            QuantTrainingConfig(
+                kernels=cfg.train.kernels,
+                seed=cfg.train.seed,
+                rank=self.rank,
+                held_reduce_group=dist.group.WORLD if self.world > 1 and dist_cfg.reduce_references else None,
+                stats_interval=cfg.logging.quant_stats_interval,
+                weight_cache=cfg.train.weight_cache and self.budget.grad_accum > 1,
+                restore_references=cfg.precision.restore_references,
+            ),
+        )
         self.optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
-        self.engine = build_engine(model, self.optimizer, cfg, grad_accum=self.budget.grad_accum, world_size=self.world,
-                                   device_type=self.device.type, rank=self.rank)  # fmt: skip
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint,
-                                      group_timeout_s=cfg.distributed.startup_timeout_s)
+        self.engine = build_engine(
+            model,
+            self.optimizer,
+            cfg,
+            grad_accum=self.budget.grad_accum,
+            world_size=self.world,
+            device_type=self.device.type,
+            rank=self.rank,
+        )
+        self.ckpt = CheckpointManager(
+            self.run_dir / "checkpoints", cfg.checkpoint, group_timeout_s=cfg.distributed.startup_timeout_s
+        )
         self.ckpt.recover()  # interrupted saves repaired or removed, unmarked folders set aside
-        self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16)
-                         if cfg.train.dtype == "bfloat16" else contextlib.nullcontext)  # fmt: skip
+        self.autocast = (
+            functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16)
+            if cfg.train.dtype == "bfloat16"
+            else contextlib.nullcontext
+        )
         self._steady = False  # past the first step: the short collective timeout applies
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
         self.wandb_id: str | None = None
         # the resume (every piece of resumable state, one stateful object each), then the run's records
-        self.resumable = ResumableState(engine=self.engine, quant=self.quant, progress=_Progress(self),
-                                        loader=self.loader, rank=self.rank)  # fmt: skip
+        self.resumable = ResumableState(
+            engine=self.engine, quant=self.quant, progress=_Progress(self), loader=self.loader, rank=self.rank
+        )
         self._maybe_resume()
         self.faults = Faults(cfg.debug, resumed=self.resumed_from is not None)  # the one seam of debug.*
         if self.rank == 0:
@@ -224,23 +274,38 @@ class Trainer:
         return self.resumable.dcp_state()
 
     def _maybe_resume(self) -> None:
-        self.resumed_from = load_resume_checkpoint(self.ckpt, self.cfg.resume, run_dir=self.run_dir, rank=self.rank,
-                                                   state=self.resumable, refuse=self._refuse)  # fmt: skip
+        self.resumed_from = load_resume_checkpoint(
+            self.ckpt, self.cfg.resume, run_dir=self.run_dir, rank=self.rank, state=self.resumable, refuse=self._refuse
+        )
         if self.resumed_from is not None and self.rank == 0:
             log.info("resumed from %s at step %d (%d tokens seen)", self.resumed_from, self.step, self.tokens_seen)
         saved = self.run_dir / RUN_CONFIG
         if self.resumed_from is None and saved.is_file():  # an earlier start of this run that never wrote a checkpoint
-            check_resume_config(read_saved_config(saved), self.cfg, step=0, saved_total=None,
-                                new_total=self.budget.total_steps, where=f"run_dir {self.run_dir}",
-                                log_notes=self.rank == 0)  # fmt: skip
+            check_resume_config(
+                read_saved_config(saved),
+                self.cfg,
+                step=0,
+                saved_total=None,
+                new_total=self.budget.total_steps,
+                where=f"run_dir {self.run_dir}",
+                log_notes=self.rank == 0,
+            )
 
     def _refuse(self, trainer_state: Mapping[str, Any], folder: Path) -> None:
         """Refuse a checkpoint trained with another configuration, from its saved trainer state alone."""
         if "config" not in trainer_state:
-            raise CheckpointError(f"checkpoint {folder}: its trainer state has no config; it was not written by nemofp4")
-        check_resume_config(trainer_state["config"], self.cfg, step=int(trainer_state["step"]),
-                            saved_total=trainer_state.get("total_steps"), new_total=self.budget.total_steps,
-                            where=f"checkpoint {folder}", log_notes=self.rank == 0)
+            raise CheckpointError(
+                f"checkpoint {folder}: its trainer state has no config; it was not written by nemofp4"
+            )
+        check_resume_config(
+            trainer_state["config"],
+            self.cfg,
+            step=int(trainer_state["step"]),
+            saved_total=trainer_state.get("total_steps"),
+            new_total=self.budget.total_steps,
+            where=f"checkpoint {folder}",
+            log_notes=self.rank == 0,
+        )
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -266,8 +331,12 @@ class Trainer:
         if unhealthy is not None:
             if self.rank == 0:
                 last = self.ckpt.latest()
-                log.error("step %d: not checkpointing: %s is not finite; the last healthy checkpoint is %s",
-                          self.step, unhealthy, last if last else "none (no checkpoint yet)")
+                log.error(
+                    "step %d: not checkpointing: %s is not finite; the last healthy checkpoint is %s",
+                    self.step,
+                    unhealthy,
+                    last if last else "none (no checkpoint yet)",
+                )
             return None
         weights = self.full_model_state_dict() if final and self.cfg.checkpoint.export_safetensors else None
 
@@ -314,9 +383,17 @@ class Trainer:
         timeout = self.cfg.distributed.collective_timeout_s if self._steady else self.cfg.distributed.startup_timeout_s
         name = "distributed.collective_timeout_s" if self._steady else "distributed.startup_timeout_s"
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        log.error("rank %d of %d: %s timed out after %g s (%s) at step %d: a rank it waits for is stuck or gone; "
-                  "this process exits now [%s]", self.rank, self.world, operation, timeout, name, self.step,
-                  first_line)  # fmt: skip
+        log.error(
+            "rank %d of %d: %s timed out after %g s (%s) at step %d: a rank it waits for is stuck or gone; "
+            "this process exits now [%s]",
+            self.rank,
+            self.world,
+            operation,
+            timeout,
+            name,
+            self.step,
+            first_line,
+        )
         # no clean-up: the group is broken, and a background save's thread may wait in it for its own timeout
         flush_and_exit(COLLECTIVE_TIMEOUT_EXIT_CODE)
 
@@ -329,17 +406,26 @@ class Trainer:
         timeout = self.cfg.distributed.collective_timeout_s
         set_collective_timeout(timeout, keep=[self.ckpt.save_group])
         if self.rank == 0:
-            log.info("collective timeout: %g s from now on (distributed.collective_timeout_s; start-up and the first "
-                     "step had %g s)", timeout, self.cfg.distributed.startup_timeout_s)  # fmt: skip
+            log.info(
+                "collective timeout: %g s from now on (distributed.collective_timeout_s; start-up and the first "
+                "step had %g s)",
+                timeout,
+                self.cfg.distributed.startup_timeout_s,
+            )
 
     def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         total = self.budget.total_steps
         first_step = self.step
         self.metrics = MetricsLogger(
-            self.run_dir, cfg.logging, rank=self.rank, run_name=cfg.name,
-            config=OmegaConf.to_container(OmegaConf.structured(cfg)), total_steps=total,
-            resume_step=self.step, wandb_id=self.wandb_id,
+            self.run_dir,
+            cfg.logging,
+            rank=self.rank,
+            run_name=cfg.name,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            total_steps=total,
+            resume_step=self.step,
+            wandb_id=self.wandb_id,
         )
         if self.rank == 0:
             print(f"run directory: {self.run_dir.resolve()}", flush=True)
@@ -383,17 +469,28 @@ class Trainer:
             self.metrics.close()
             exit_code = (
                 preemption.requeue_and_exit_code(checkpoint=self.ckpt.latest(), step=self.step)
-                if stop_reason == "preempted" else 0
-            )  # fmt: skip
+                if stop_reason == "preempted"
+                else 0
+            )
         plot = None
         if self.rank == 0 and cfg.logging.plots:
             plot = plot_run(self.run_dir, title=f"{cfg.name}: {cfg.precision.name}")
         if self.rank == 0 and cfg.logging.console:
-            print(run_summary(
-                run_dir=self.run_dir, records=read_metrics(self.run_dir), first_step=first_step, step=self.step,
-                total_steps=total, tokens_seen=self.tokens_seen, wall_s=time.perf_counter() - self._started,
-                stop_reason=stop_reason, checkpoint=self.ckpt.latest(), plot=plot,
-            ), flush=True)  # fmt: skip
+            print(
+                run_summary(
+                    run_dir=self.run_dir,
+                    records=read_metrics(self.run_dir),
+                    first_step=first_step,
+                    step=self.step,
+                    total_steps=total,
+                    tokens_seen=self.tokens_seen,
+                    wall_s=time.perf_counter() - self._started,
+                    stop_reason=stop_reason,
+                    checkpoint=self.ckpt.latest(),
+                    plot=plot,
+                ),
+                flush=True,
+            )
         return {"step": self.step, "stop_reason": stop_reason, "exit_code": exit_code, **last_eval}
 
     def _eval(self) -> dict[str, float]:
@@ -403,8 +500,13 @@ class Trainer:
         logged = logged[0]
         if logged is not None:  # evaluated before (a rerun of a finished run): the same weights, the same result
             return {k: v for k, v in logged.items() if k not in ("kind", "step")}
-        result = evaluate(self.model, self.val_batches, device=self.device, autocast=self.autocast,
-                          head_chunk_tokens=self.cfg.train.head_chunk_tokens)
+        result = evaluate(
+            self.model,
+            self.val_batches,
+            device=self.device,
+            autocast=self.autocast,
+            head_chunk_tokens=self.cfg.train.head_chunk_tokens,
+        )
         self.metrics.log("eval", self.step, result)
         return result
 
@@ -428,8 +530,13 @@ class Trainer:
 
                 def loss_of(forward, input_ids=input_ids, labels=labels):
                     with self.autocast():
-                        loss = lm_loss(forward, input_ids, labels, head_chunk_tokens=cfg.train.head_chunk_tokens,
-                                       head_precision=cfg.model.head_precision)
+                        loss = lm_loss(
+                            forward,
+                            input_ids,
+                            labels,
+                            head_chunk_tokens=cfg.train.head_chunk_tokens,
+                            head_precision=cfg.model.head_precision,
+                        )
                     return self.faults.loss(step, loss)
 
                 loss_sum += self.engine.forward_backward(loss_of, micro_batch=micro).detach()
@@ -473,15 +580,24 @@ class Trainer:
         if self.cfg.train.nonfinite == "skip":
             self.skipped_steps += 1
             self.quant.discard_nonfinite()  # a reference first sampled in this step samples again
-            log.warning("step %d: non-finite loss %s / grad norm %s; update skipped (%d so far)",
-                        self.step, loss.item(), grad_norm.item(), self.skipped_steps)
+            log.warning(
+                "step %d: non-finite loss %s / grad norm %s; update skipped (%d so far)",
+                self.step,
+                loss.item(),
+                grad_norm.item(),
+                self.skipped_steps,
+            )
             if self.skipped_steps <= self.cfg.train.max_skipped_steps:
                 return
         where = where_nonfinite_starts(self.model, batch[0], self.world)
         raise NonFiniteError(
             f"step {self.step}: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}); "
             f"first non-finite value: {where}"
-            + (f"; {self.skipped_steps} steps were skipped, above train.max_skipped_steps" if self.skipped_steps else "")
+            + (
+                f"; {self.skipped_steps} steps were skipped, above train.max_skipped_steps"
+                if self.skipped_steps
+                else ""
+            )
         )
 
     def close(self) -> None:

@@ -82,8 +82,10 @@ def main() -> None:
     dist.barrier()
     model, optimizer = _model(args.layers, args.width)
     params = sum(p.numel() for p in model.parameters())
-    managers = {kind: CheckpointManager(args.root / kind, CheckpointConfig(async_save=kind == "async", keep_last_k=1))
-                for kind in ("sync", "async")}  # fmt: skip
+    managers = {
+        kind: CheckpointManager(args.root / kind, CheckpointConfig(async_save=kind == "async", keep_last_k=1))
+        for kind in ("sync", "async")
+    }
     thread_s: dict[str, list[float]] = {"sync": [], "async": []}
     step_s: dict[str, list[float]] = {"sync": [], "async": []}
     step = 0
@@ -91,8 +93,12 @@ def main() -> None:
         for kind, mgr in managers.items():
             step += 1
             start = time.perf_counter()
-            mgr.save(step, dcp_state=_state(model, optimizer), trainer_state={"step": step},
-                     rank_state={"rank": torch.tensor(rank)})  # fmt: skip
+            mgr.save(
+                step,
+                dcp_state=_state(model, optimizer),
+                trainer_state={"step": step},
+                rank_state={"rank": torch.tensor(rank)},
+            )
             blocked = time.perf_counter() - start
             published = not mgr.pending
             for _ in range(args.steps_between_saves):
@@ -119,10 +125,14 @@ def main() -> None:
 
         print(f"nemofp4 from {Path(nemofp4.__file__).parent}")
         shard_mb = sum(p.to_local().numel() for p in model.parameters()) * 4 * 3 / 2**20
-        print(f"{params / 1e6:.1f}M parameters on {world} ranks: {shard_mb:.0f} MiB of weights + AdamW state per rank; "
-              f"{args.rounds} saves of each kind, keep_last_k=1")
-        print("| save | training-thread s per save, median (rank 0 / rank 1) | all saves (rank 0) | "
-              "step stand-in s, median |")
+        print(
+            f"{params / 1e6:.1f}M parameters on {world} ranks: {shard_mb:.0f} MiB of weights + AdamW state per rank; "
+            f"{args.rounds} saves of each kind, keep_last_k=1"
+        )
+        print(
+            "| save | training-thread s per save, median (rank 0 / rank 1) | all saves (rank 0) | "
+            "step stand-in s, median |"
+        )
         print("|---|---|---|---|")
         for kind in ("sync", "async"):
             medians = " / ".join(f"{statistics.median(g['thread'][kind]):.3f}" for g in gathered)

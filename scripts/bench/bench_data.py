@@ -68,14 +68,26 @@ def write_manifest(prefix: Path, shard_prefixes: list[Path], shard_tokens: list[
 
     records = []
     for shard, tokens, docs in zip(shard_prefixes, shard_tokens, shard_docs):
-        records.append({
-            "prefix": shard.name, "documents": docs, "tokens": tokens, "max_token_id": 131071,
-            "bin_bytes": os.path.getsize(f"{shard}.bin"), "idx_bytes": os.path.getsize(f"{shard}.idx"),
-            "bin_sha256": "not-computed (sparse synthetic file)", "idx_sha256": file_sha256(f"{shard}.idx"),
-        })
+        records.append(
+            {
+                "prefix": shard.name,
+                "documents": docs,
+                "tokens": tokens,
+                "max_token_id": 131071,
+                "bin_bytes": os.path.getsize(f"{shard}.bin"),
+                "idx_bytes": os.path.getsize(f"{shard}.idx"),
+                "bin_sha256": "not-computed (sparse synthetic file)",
+                "idx_sha256": file_sha256(f"{shard}.idx"),
+            }
+        )
     manifest = {
-        "format": "nemofp4-token-manifest", "version": 1, "dtype": "int32", "tokenizer": {"hash": None},
-        "documents": sum(shard_docs), "tokens": sum(shard_tokens), "shards": records,
+        "format": "nemofp4-token-manifest",
+        "version": 1,
+        "dtype": "int32",
+        "tokenizer": {"hash": None},
+        "documents": sum(shard_docs),
+        "tokens": sum(shard_tokens),
+        "shards": records,
     }
     Path(f"{prefix}.manifest.json").write_text(json.dumps(manifest))
 
@@ -129,7 +141,10 @@ def bench_index(workdir: Path, total_tokens: float, num_shards: int) -> dict:
     shutil.rmtree(cache, ignore_errors=True)
     out = subprocess.run(
         [sys.executable, "-c", INDEX_CHILD, str(prefix), str(cache), str(num_samples), str(SEQ_LEN)],
-        capture_output=True, text=True, check=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     result["setup_s"] = setup_s
@@ -179,9 +194,26 @@ def bench_ranks(workdir: Path, total_tokens: float, num_shards: int, ranks: int)
     results = []
     for phase in ("cold cache", "warm cache"):
         out = workdir / "rank-result"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
-                        str(child), str(prefix), str(cache), str(num_samples), str(SEQ_LEN), str(out)],
-                       check=True, cwd=REPO, env=env, capture_output=True, text=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={ranks}",
+                "--standalone",
+                str(child),
+                str(prefix),
+                str(cache),
+                str(num_samples),
+                str(SEQ_LEN),
+                str(out),
+            ],
+            check=True,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         for rank in range(ranks):
             results.append({"phase": phase, "rank": rank, **json.loads(Path(f"{out}.rank{rank}.json").read_text())})
     return results
@@ -207,14 +239,19 @@ def bench_loader(workdir: Path, loader_tokens: float, repeats: int) -> dict:
         from tokenizers import Tokenizer, models
 
         Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")).save(str(tokenizer_dir / "tokenizer.json"))
-    cfg = DataConfig(sources=[DataSourceConfig(prefix=str(prefix))], tokenizer=str(tokenizer_dir),
-                     cache_dir=str(workdir / "real" / "cache"), verify="sizes")
+    cfg = DataConfig(
+        sources=[DataSourceConfig(prefix=str(prefix))],
+        tokenizer=str(tokenizer_dir),
+        cache_dir=str(workdir / "real" / "cache"),
+        verify="sizes",
+    )
     micro, global_batch = 4, 32
     num_samples = int(loader_tokens * 0.99) // SEQ_LEN // global_batch * global_batch
 
     def one_pass() -> tuple[int, float]:
-        loader = build_train_loader(cfg, seq_len=SEQ_LEN, global_batch=global_batch, micro_batch=micro,
-                                    num_samples=num_samples, seed=0)
+        loader = build_train_loader(
+            cfg, seq_len=SEQ_LEN, global_batch=global_batch, micro_batch=micro, num_samples=num_samples, seed=0
+        )
         start, served = time.perf_counter(), 0
         for batch in loader:
             served += batch["input_ids"].numel()
@@ -253,15 +290,25 @@ def bench_tokenize(workdir: Path, repeat: int, rounds: int) -> list[dict]:
         for workers in (1, 2):
             out = workdir / "tok" / f"w{workers}"
             shutil.rmtree(out, ignore_errors=True)
-            manifest = preprocess(PreprocessConfig(
-                input=str(bigger), tokenizer=str(REPO / "data" / "tokenizer"), output_prefix=str(out / "x"),
-                workers=workers, progress=False,
-            ))
+            manifest = preprocess(
+                PreprocessConfig(
+                    input=str(bigger),
+                    tokenizer=str(REPO / "data" / "tokenizer"),
+                    output_prefix=str(out / "x"),
+                    workers=workers,
+                    progress=False,
+                )
+            )
             rates[workers].append(manifest["throughput_tokens_per_s"])
             tokens = manifest["tokens"]
     return [
-        {"workers": w, "tokens": tokens, "tokens_per_s": float(np.median(r)), "per_worker": float(np.median(r)) / w,
-         "documents": len(docs) * repeat}
+        {
+            "workers": w,
+            "tokens": tokens,
+            "tokens_per_s": float(np.median(r)),
+            "per_worker": float(np.median(r)) / w,
+            "documents": len(docs) * repeat,
+        }
         for w, r in rates.items()
     ]
 
@@ -284,27 +331,46 @@ def main() -> None:
         if "index" not in args.skip:
             r = bench_index(workdir, args.tokens, args.shards)
             rows += [
-                ("synthetic corpus", f"{r['tokens'] / 1e9:.2f}B tokens, {r['documents'] / 1e6:.1f}M documents, "
-                                     f"{args.shards} shards, .idx {r['idx_bytes'] / 2**30:.2f} GiB"),
-                ("samples (seq 8192)", f"{r['samples']:,} built ({r['epochs']} epoch(s)), cache {r['cache_bytes'] / 2**30:.2f} GiB"),
+                (
+                    "synthetic corpus",
+                    f"{r['tokens'] / 1e9:.2f}B tokens, {r['documents'] / 1e6:.1f}M documents, "
+                    f"{args.shards} shards, .idx {r['idx_bytes'] / 2**30:.2f} GiB",
+                ),
+                (
+                    "samples (seq 8192)",
+                    f"{r['samples']:,} built ({r['epochs']} epoch(s)), cache {r['cache_bytes'] / 2**30:.2f} GiB",
+                ),
                 ("index build time", f"{r['build_s']:.1f} s (target <= 120 s); open {r['open_s']:.1f} s"),
                 ("index build peak RSS", f"{r['peak_rss'] / 2**30:.2f} GiB (target <= 4 GB)"),
             ]
         if "loader" not in args.skip:
             r = bench_loader(workdir, args.loader_tokens, args.repeats)
-            rows.append(("loader throughput", f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s (target >= 10M), median of "
-                                              f"{[round(x / 1e6, 1) for x in r['rates']]}M over {r['tokens'] / 1e6:.0f}M tokens"))
+            rows.append(
+                (
+                    "loader throughput",
+                    f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s (target >= 10M), median of "
+                    f"{[round(x / 1e6, 1) for x in r['rates']]}M over {r['tokens'] / 1e6:.0f}M tokens",
+                )
+            )
         if args.ranks:
             for r in bench_ranks(workdir, args.tokens, args.shards, args.ranks):
-                rows.append((f"start-up, {r['phase']}, rank {r['rank']}",
-                             f"{r['total_s']:.1f} s wall (open + verify {r['open_s']:.1f} s), "
-                             f"{r['cpu_s']:.1f} s CPU (process total, with the imports), peak RSS "
-                             f"{r['peak_rss'] / 2**30:.2f} GiB, {r['samples']:,} samples"))
+                rows.append(
+                    (
+                        f"start-up, {r['phase']}, rank {r['rank']}",
+                        f"{r['total_s']:.1f} s wall (open + verify {r['open_s']:.1f} s), "
+                        f"{r['cpu_s']:.1f} s CPU (process total, with the imports), peak RSS "
+                        f"{r['peak_rss'] / 2**30:.2f} GiB, {r['samples']:,} samples",
+                    )
+                )
         if "tokenize" not in args.skip:
             for r in bench_tokenize(workdir, args.tokenize_repeat, args.repeats):
-                rows.append((f"tokenize, workers={r['workers']}",
-                             f"{r['tokens_per_s'] / 1e3:.0f}k tokens/s ({r['per_worker'] / 1e3:.0f}k per worker), "
-                             f"{r['tokens'] / 1e6:.1f}M tokens, {r['documents']:,} documents"))
+                rows.append(
+                    (
+                        f"tokenize, workers={r['workers']}",
+                        f"{r['tokens_per_s'] / 1e3:.0f}k tokens/s ({r['per_worker'] / 1e3:.0f}k per worker), "
+                        f"{r['tokens'] / 1e6:.1f}M tokens, {r['documents']:,} documents",
+                    )
+                )
         width = max(len(name) for name, _ in rows)
         print(f"{'measure'.ljust(width)} | result")
         print(f"{'-' * width}-|-{'-' * 60}")

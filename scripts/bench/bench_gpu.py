@@ -102,11 +102,17 @@ def quantize_section(copy_gbs: float, quick: bool) -> None:
         ("UE5M3 1x16, held, no statistics", q(scale_format="ue5m3", tensor_amax=g, stats=False)),
         ("UE5M3 1x16 sr8 (dY), held", q(scale_format="ue5m3", tensor_amax=g, rounding="sr8")),
         ("UE5M3 1x16 + x.T (X and X^T, one launch)", q(scale_format="ue5m3", tensor_amax=g, transposed=True)),
-        ("UE5M3 sr8 + x.T (dY and dY^T, one launch)", q(scale_format="ue5m3", tensor_amax=g, rounding="sr8", transposed=True)),
+        (
+            "UE5M3 sr8 + x.T (dY and dY^T, one launch)",
+            q(scale_format="ue5m3", tensor_amax=g, rounding="sr8", transposed=True),
+        ),
         ("NVFP4 e4m3 16x16 tiles (weights), amax given", q(scale_format="e4m3", tensor_amax=g, two_d=True)),
         ("MXFP4 ue8m0 1x32", q(scale_format="ue8m0")),
-        ("UE5M3 1x16 held + fp32 scaled values (QuantLinear operand)", q(scale_format="ue5m3", tensor_amax=g, scaled_dtype=torch.float32)),
-    ]  # fmt: skip
+        (
+            "UE5M3 1x16 held + fp32 scaled values (QuantLinear operand)",
+            q(scale_format="ue5m3", tensor_amax=g, scaled_dtype=torch.float32),
+        ),
+    ]
     for name, fn in variants:
         ms = cuda_time_ms(fn)
         gbs = read_gb / ms * 1e3
@@ -134,11 +140,23 @@ def quantize_section(copy_gbs: float, quick: bool) -> None:
         )
     # a small sweep of tile shapes (BM x BK, warps) for the main kernels
     sweeps = {
-        "UE5M3 1x16 held": (dict(scale_format="ue5m3", tensor_amax=g), [(16, 128, 4), (32, 128, 8), (32, 128, 4), (16, 256, 8), (8, 256, 4), (64, 128, 8)]),
-        "UE5M3 + x.T held": (dict(scale_format="ue5m3", tensor_amax=g, transposed=True), [(16, 128, 4), (32, 64, 8), (16, 256, 8), (32, 128, 8), (64, 64, 8)]),
-        "UE5M3 sr8 held": (dict(scale_format="ue5m3", tensor_amax=g, rounding="sr8"), [(16, 128, 4), (32, 128, 8), (16, 256, 8), (32, 64, 4)]),
-        "e4m3 16x16 tiles": (dict(scale_format="e4m3", tensor_amax=g, two_d=True), [(16, 128, 4), (32, 128, 4), (16, 256, 8)]),
-    }  # fmt: skip
+        "UE5M3 1x16 held": (
+            dict(scale_format="ue5m3", tensor_amax=g),
+            [(16, 128, 4), (32, 128, 8), (32, 128, 4), (16, 256, 8), (8, 256, 4), (64, 128, 8)],
+        ),
+        "UE5M3 + x.T held": (
+            dict(scale_format="ue5m3", tensor_amax=g, transposed=True),
+            [(16, 128, 4), (32, 64, 8), (16, 256, 8), (32, 128, 8), (64, 64, 8)],
+        ),
+        "UE5M3 sr8 held": (
+            dict(scale_format="ue5m3", tensor_amax=g, rounding="sr8"),
+            [(16, 128, 4), (32, 128, 8), (16, 256, 8), (32, 64, 4)],
+        ),
+        "e4m3 16x16 tiles": (
+            dict(scale_format="e4m3", tensor_amax=g, two_d=True),
+            [(16, 128, 4), (32, 128, 4), (16, 256, 8)],
+        ),
+    }
     for name, (kwargs, configs) in sweeps.items():
         best = None
         for bm, bk, warps in configs[: 2 if quick else None]:
@@ -229,9 +247,7 @@ def step_section(seq: int, steps: int, deadline: float) -> None:
         if "ms" not in result:
             continue
         ratio = f"{result['ms'] / base:.2f}x bf16 step time" if base else ""
-        value = (
-            f"{result['tokens_per_s']:,.0f} tok/s ({result['ms']:.1f} ms, peak {result['peak_gib']:.1f} GiB)"
-        )
+        value = f"{result['tokens_per_s']:,.0f} tok/s ({result['ms']:.1f} ms, peak {result['peak_gib']:.1f} GiB)"
         add_row(f"step: {label}", value, ratio)
 
 
@@ -260,9 +276,7 @@ def main() -> int:
         "triton": triton.__version__,
         "python": platform.python_version(),
     }
-    print(
-        f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}"
-    )
+    print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     copy_gbs, _ = ceilings()
     sections = [
         ("quantize", lambda: quantize_section(copy_gbs, args.quick)),

@@ -93,8 +93,15 @@ def worker(approach: str, folder: Path, out: Path) -> None:
         digest.update(name.encode())
         digest.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
     shard_bytes = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
-    result = {"approach": approach, "rank": rank, "rss_before_kib": before, "peak_kib": peak, "wall_s": wall,
-              "shard_bytes": shard_bytes, "shard_sha256": digest.hexdigest()}
+    result = {
+        "approach": approach,
+        "rank": rank,
+        "rss_before_kib": before,
+        "peak_kib": peak,
+        "wall_s": wall,
+        "shard_bytes": shard_bytes,
+        "shard_sha256": digest.hexdigest(),
+    }
     (out / f"{approach}-rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -122,19 +129,32 @@ def main() -> None:
     from nemofp4.models.nemotron_h import from_hf_config, read_hf_config
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-init-from-"))
-    folder = make_tiny_hf_model(work / "hf", preset="small", hybrid_layer_pattern=args.pattern,
-                                max_shard_size=args.max_shard_size)
+    folder = make_tiny_hf_model(
+        work / "hf", preset="small", hybrid_layer_pattern=args.pattern, max_shard_size=args.max_shard_size
+    )
     params = from_hf_config(read_hf_config(folder)).num_parameters()
     files = sorted(folder.glob("*.safetensors"))
-    print(f"model: {params / 1e6:.1f}M parameters, {sum(f.stat().st_size for f in files) / 2**20:.0f} MiB of bf16 "
-          f"safetensors in {len(files)} files; {args.ranks} gloo ranks; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"model: {params / 1e6:.1f}M parameters, {sum(f.stat().st_size for f in files) / 2**20:.0f} MiB of bf16 "
+        f"safetensors in {len(files)} files; {args.ranks} gloo ranks; load average {os.getloadavg()[0]:.1f}"
+    )
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for approach in APPROACHES:
         out = work / "results"
         out.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
-               f"--master_port={_free_port()}", str(Path(__file__).resolve()), "--worker", approach, str(folder), str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={args.ranks}",
+            f"--master_port={_free_port()}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            approach,
+            str(folder),
+            str(out),
+        ]
         subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
         results += [json.loads((out / f"{approach}-rank{r}.json").read_text()) for r in range(args.ranks)]
     for rank in range(args.ranks):
@@ -144,8 +164,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in results:
         mib = lambda kib: kib / 1024
-        print(f"| {r['approach']} | {r['rank']} | {mib(r['rss_before_kib']):.0f} MiB | {mib(r['peak_kib']):.0f} MiB | "
-              f"{mib(r['peak_kib'] - r['rss_before_kib']):.0f} MiB | {r['wall_s']:.2f} s |")
+        print(
+            f"| {r['approach']} | {r['rank']} | {mib(r['rss_before_kib']):.0f} MiB | {mib(r['peak_kib']):.0f} MiB | "
+            f"{mib(r['peak_kib'] - r['rss_before_kib']):.0f} MiB | {r['wall_s']:.2f} s |"
+        )
     shard = results[0]["shard_bytes"] / 2**20
     print(f"\nown FP32 shard per rank: {shard:.0f} MiB; every approach loaded the same bytes on every rank")
 

@@ -86,8 +86,10 @@ def tiny_step(repeats: int, chunk_tokens: int) -> None:
     labels = ids.roll(-1, dims=1)
 
     # (row, head_chunk_tokens, head_precision): the tiny preset's own unchunked FP32 head first
-    variants = [("fp32, unchunked (the tiny preset)", 0, "fp32"),
-                *((f"{p}, chunks of {chunk_tokens}", chunk_tokens, p) for p in HEAD_PRECISIONS)]  # fmt: skip
+    variants = [
+        ("fp32, unchunked (the tiny preset)", 0, "fp32"),
+        *((f"{p}, chunks of {chunk_tokens}", chunk_tokens, p) for p in HEAD_PRECISIONS),
+    ]
 
     def head_loss(h: torch.Tensor, chunk: int, precision: str) -> torch.Tensor:
         """What lm_loss runs after the final norm: the head module and the full FP32 logits' loss, or the
@@ -95,8 +97,7 @@ def tiny_step(repeats: int, chunk_tokens: int) -> None:
         if chunk == 0 and precision == "fp32":
             logits = model.lm_head(h)
             return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        return model.lm_head.chunked_cross_entropy(h, labels, chunk_tokens=chunk or labels.numel(),
-                                                   precision=precision)  # fmt: skip
+        return model.lm_head.chunked_cross_entropy(h, labels, chunk_tokens=chunk or labels.numel(), precision=precision)
 
     def step(chunk: int, precision: str) -> tuple[float, float]:
         """One training step cut at the final hidden states, so the head is timed inside it: (step s,
@@ -120,23 +121,30 @@ def tiny_step(repeats: int, chunk_tokens: int) -> None:
             step_s, head_s = step(chunk, precision)
             times[row]["step"].append(step_s)
             times[row]["head"].append(head_s)
-    print(f"tiny model ({cfg.model.hidden_size} wide, vocab {cfg.model.vocab_size}), {batch} x {seq} tokens, CPU "
-          f"({torch.get_num_threads()} threads), {repeats} interleaved rounds")
-    print("| head | step s (median) | head + loss s (median) | head share of the step (median of rounds) "
-          "| head + loss / the tiny preset's (median of rounds) |")
+    print(
+        f"tiny model ({cfg.model.hidden_size} wide, vocab {cfg.model.vocab_size}), {batch} x {seq} tokens, CPU "
+        f"({torch.get_num_threads()} threads), {repeats} interleaved rounds"
+    )
+    print(
+        "| head | step s (median) | head + loss s (median) | head share of the step (median of rounds) "
+        "| head + loss / the tiny preset's (median of rounds) |"
+    )
     print("|---|---|---|---|---|")
     before = times[variants[0][0]]["head"]  # what every run had before model.head_precision
     for row, _, _ in variants:
         step_s, head_s = times[row]["step"], times[row]["head"]
         share = statistics.median(h / t for h, t in zip(head_s, step_s))
         ratio = statistics.median(h / b for h, b in zip(head_s, before))
-        print(f"| {row} | {statistics.median(step_s):.3f} | {statistics.median(head_s):.3f} | {share:.1%} "
-              f"| {ratio:.2f} |")
+        print(
+            f"| {row} | {statistics.median(step_s):.3f} | {statistics.median(head_s):.3f} | {share:.1%} | {ratio:.2f} |"
+        )
     for name, seq_len in (("tiny", seq), ("nemotron_h_8b_paper", 8192)):
         model_cfg = cfg.model if name == "tiny" else get_model_config(name)
         per_token, share = head_flops_share(model_cfg, seq_len)
-        print(f"{name} at seq {seq_len}: head {per_token / 1e9:.3f} GFLOP per token (chunked), {share:.1%} of the "
-              f"step's FLOPs; {per_token * 8192 / 1e12:.1f} TFLOP per 8192-token micro-batch")
+        print(
+            f"{name} at seq {seq_len}: head {per_token / 1e9:.3f} GFLOP per token (chunked), {share:.1%} of the "
+            f"step's FLOPs; {per_token * 8192 / 1e12:.1f} TFLOP per 8192-token micro-batch"
+        )
 
 
 def main() -> None:
@@ -158,13 +166,19 @@ def main() -> None:
     w = (torch.randn(args.vocab, args.width, generator=g) * 0.02).to(args.device).requires_grad_()
     labels = torch.randint(0, args.vocab, (args.tokens,), generator=g).to(args.device)
     logits_bytes = args.tokens * args.vocab * 4
-    print(f"tokens {args.tokens}, width {args.width}, vocab {args.vocab}, device {args.device}; "
-          f"one FP32 logits tensor = {logits_bytes / 2**20:.1f} MiB")
+    print(
+        f"tokens {args.tokens}, width {args.width}, vocab {args.vocab}, device {args.device}; "
+        f"one FP32 logits tensor = {logits_bytes / 2**20:.1f} MiB"
+    )
     print("| loss | peak bytes (MiB) | peak / FP32 logits | seconds |")
     print("|---|---|---|---|")
-    rows = [("plain F.cross_entropy", _plain),
-            (f"chunked, {args.chunk_tokens} tokens a chunk",
-             lambda a, b, c: chunked_cross_entropy(a, b, c, chunk_tokens=args.chunk_tokens))]
+    rows = [
+        ("plain F.cross_entropy", _plain),
+        (
+            f"chunked, {args.chunk_tokens} tokens a chunk",
+            lambda a, b, c: chunked_cross_entropy(a, b, c, chunk_tokens=args.chunk_tokens),
+        ),
+    ]
     for name, fn in rows:
         measure(fn, h, w, labels)  # warm-up
         seconds, peak = measure(fn, h, w, labels)

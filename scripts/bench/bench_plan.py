@@ -32,48 +32,94 @@ def main() -> None:
     parser.add_argument("--mamba-scan", default="mamba_ssm")
     parser.add_argument("--simulate", action="store_true")
     parser.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every preset")
-    parser.add_argument("--head-precisions", nargs="+", default=["config"],
-                        help="project the LM head's GEMMs in these precisions too (config, fp32, tf32, bf16)")
-    parser.add_argument("--tokens", type=float, default=189e9,
-                        help="training tokens for the GPU-hours column (default: the paper's 189B-token run)")
-    parser.add_argument("--efficiency", default="achieved", choices=EFFICIENCY_MODES,
-                        help="achieved (the prediction) or peak (the roofline, a lower bound on the step time)")
+    parser.add_argument(
+        "--head-precisions",
+        nargs="+",
+        default=["config"],
+        help="project the LM head's GEMMs in these precisions too (config, fp32, tf32, bf16)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=float,
+        default=189e9,
+        help="training tokens for the GPU-hours column (default: the paper's 189B-token run)",
+    )
+    parser.add_argument(
+        "--efficiency",
+        default="achieved",
+        choices=EFFICIENCY_MODES,
+        help="achieved (the prediction) or peak (the roofline, a lower bound on the step time)",
+    )
     args = parser.parse_args()
     memory_rows, cost_rows = [], []
     for preset in args.presets:
         job = compose_job_config([f"experiment={preset}", *args.overrides])
         if job.distributed.activation_checkpointing == "auto":  # the policy the trainer's start-up picks here
-            policy, _ = planning.choose_checkpointing(job, world_size=args.world_size, memory_gib=args.device_memory_gib,
-                                                      reserve_gib=job.distributed.memory_reserve_gib,
-                                                      mamba_scan=args.mamba_scan)  # fmt: skip
+            policy, _ = planning.choose_checkpointing(
+                job,
+                world_size=args.world_size,
+                memory_gib=args.device_memory_gib,
+                reserve_gib=job.distributed.memory_reserve_gib,
+                mamba_scan=args.mamba_scan,
+            )
             job = replace(job, distributed=replace(job.distributed, activation_checkpointing=policy))
         started = time.perf_counter()
-        plan = planning.plan_for_job(job, world_size=args.world_size, device_memory_gib=args.device_memory_gib,
-                                     mamba_scan=args.mamba_scan)  # fmt: skip
+        plan = planning.plan_for_job(
+            job, world_size=args.world_size, device_memory_gib=args.device_memory_gib, mamba_scan=args.mamba_scan
+        )
         plan_s = time.perf_counter() - started
-        row = [preset, job.distributed.activation_checkpointing, f"{plan.peak.total / GIB:.2f}", plan.peak.describe(),
-               f"{plan_s:.0f}"]  # fmt: skip
+        row = [
+            preset,
+            job.distributed.activation_checkpointing,
+            f"{plan.peak.total / GIB:.2f}",
+            plan.peak.describe(),
+            f"{plan_s:.0f}",
+        ]
         if args.simulate:
             started = time.perf_counter()
             sim = planning.simulate_for_job(job, world_size=args.world_size, mamba_scan=args.mamba_scan)
             same = plan.moment(sim.peak_phase, sim.peak_group, sim.peak_micro_batch)
             worst = max(abs(same.items[k] - v) / v for k, v in sim.categories.items() if v > 0.01 * sim.peak_bytes)
-            row += [f"{sim.peak_bytes / GIB:.2f}", f"{sim.peak_phase} of {sim.peak_group}, {sim.peak_micro_batch}",
-                    f"{worst * 100:.1f}%", f"{time.perf_counter() - started:.0f}"]  # fmt: skip
-            print(f"{preset}: simulated by item (GiB):", {k: round(v / GIB, 2) for k, v in sim.categories.items()},
-                  flush=True)  # fmt: skip
+            row += [
+                f"{sim.peak_bytes / GIB:.2f}",
+                f"{sim.peak_phase} of {sim.peak_group}, {sim.peak_micro_batch}",
+                f"{worst * 100:.1f}%",
+                f"{time.perf_counter() - started:.0f}",
+            ]
+            print(
+                f"{preset}: simulated by item (GiB):",
+                {k: round(v / GIB, 2) for k, v in sim.categories.items()},
+                flush=True,
+            )
         memory_rows.append(row)
         for device_name, head in ((d, h) for d in args.devices for h in args.head_precisions):
             device = planning.get_device(device_name)
             efficiency = get_efficiency(args.efficiency, device_name.strip().lower())
-            cost = planning.cost_for_job(job, world_size=args.world_size, gpus_per_node=device.gpus_per_node,
-                                         head_precision=None if head == "config" else head)  # fmt: skip
+            cost = planning.cost_for_job(
+                job,
+                world_size=args.world_size,
+                gpus_per_node=device.gpus_per_node,
+                head_precision=None if head == "config" else head,
+            )
             for layout in cost.collectives:
                 p = cost.project(device, layout, efficiency)
-                cost_rows.append([preset, cost.precision["head and loss"], device.name, layout, f"{cost.total_flops / 1e12:,.0f}",
-                                  f"{sum(p.compute_s.values()):.2f}", f"{p.quant_s:.2f}", f"{p.comm_s:.2f}",
-                                  f"{p.step_s:.2f}", f"{p.mfu * 100:.1f}%", f"{cost.tokens / p.step_s:,.0f}",
-                                  f"{p.body_tokens_per_s:,.0f}", f"{args.tokens * p.step_s / cost.tokens / 3600:,.0f}"])  # fmt: skip
+                cost_rows.append(
+                    [
+                        preset,
+                        cost.precision["head and loss"],
+                        device.name,
+                        layout,
+                        f"{cost.total_flops / 1e12:,.0f}",
+                        f"{sum(p.compute_s.values()):.2f}",
+                        f"{p.quant_s:.2f}",
+                        f"{p.comm_s:.2f}",
+                        f"{p.step_s:.2f}",
+                        f"{p.mfu * 100:.1f}%",
+                        f"{cost.tokens / p.step_s:,.0f}",
+                        f"{p.body_tokens_per_s:,.0f}",
+                        f"{args.tokens * p.step_s / cost.tokens / 3600:,.0f}",
+                    ]
+                )
         print(f"{preset}: done", flush=True)
     header = ["preset", "activation checkpointing", "planned peak GiB", "planned peak at", "plan s"]
     if args.simulate:
@@ -81,9 +127,21 @@ def main() -> None:
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in memory_rows:
         print("| " + " | ".join(row) + " |")
-    header = ["preset", "head GEMMs", "device", "layout", "TFLOP per rank", "compute s", "quantization s",
-              "communication s", "step s", "MFU", "tokens/s per GPU", "body tokens/s per GPU",
-              f"GPU-hours for {args.tokens / 1e9:g}B tokens"]  # fmt: skip
+    header = [
+        "preset",
+        "head GEMMs",
+        "device",
+        "layout",
+        "TFLOP per rank",
+        "compute s",
+        "quantization s",
+        "communication s",
+        "step s",
+        "MFU",
+        "tokens/s per GPU",
+        "body tokens/s per GPU",
+        f"GPU-hours for {args.tokens / 1e9:g}B tokens",
+    ]
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in cost_rows:
         print("| " + " | ".join(row) + " |")

@@ -79,10 +79,19 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="the input's dtype (a CPU training step quantizes float32 operands)")
-    parser.add_argument("--kernels", nargs="+", choices=list(BACKENDS), default=["auto"],
-                        help="the cases on each of these kernel settings, in the same run")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the input's dtype (a CPU training step quantizes float32 operands)",
+    )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=list(BACKENDS),
+        default=["auto"],
+        help="the cases on each of these kernel settings, in the same run",
+    )
     args = parser.parse_args()
 
     logging.disable(logging.WARNING)  # torchao logs about its optional CUDA extensions

@@ -75,8 +75,17 @@ from nemofp4.quant import set_quant_backend, set_quant_stats, set_step
 from nemofp4.quant.linear_op import register_ops
 from nemofp4.recipes import apply_recipe, get_recipe, recipe_knobs
 
-RECIPES = ["bf16", "ue5m3", "ue5m3_te_settings", "nvfp4", "nvfp4_delayed", "nvfp4_all_fp4_no_rht", "mxfp4", "fp8",
-           "mxfp8"]
+RECIPES = [
+    "bf16",
+    "ue5m3",
+    "ue5m3_te_settings",
+    "nvfp4",
+    "nvfp4_delayed",
+    "nvfp4_all_fp4_no_rht",
+    "mxfp4",
+    "fp8",
+    "mxfp8",
+]
 
 
 def _recipe(name: str, bf16_last_layers: int | None):
@@ -199,9 +208,11 @@ def time_tiny(args) -> tuple[dict[str, float], dict[str, float], dict[str, float
                     times[name].append(time.perf_counter() - start)
                     shares[name].append((spent[0] - quantizing) / times[name][-1])
                     faults[name].append(_minor_faults() - faulted)
-    return ({name: statistics.median(t) for name, t in times.items()},
-            {name: statistics.median(s) for name, s in shares.items()},
-            {name: statistics.median(f) for name, f in faults.items()})  # fmt: skip
+    return (
+        {name: statistics.median(t) for name, t in times.items()},
+        {name: statistics.median(s) for name, s in shares.items()},
+        {name: statistics.median(f) for name, f in faults.items()},
+    )
 
 
 def time_run(args) -> None:
@@ -221,8 +232,10 @@ def time_run(args) -> None:
     median = statistics.median(rest)
     slowest = max(range(len(rest)), key=rest.__getitem__)
     label = args.recipe + (f" ({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else "")
-    print(f"\n## {label}: {args.run_steps} training steps of the tiny model, {args.batch}x{args.seq_len} tokens, "
-          f"statistics every {args.stats_interval} steps")
+    print(
+        f"\n## {label}: {args.run_steps} training steps of the tiny model, {args.batch}x{args.seq_len} tokens, "
+        f"statistics every {args.stats_interval} steps"
+    )
     print("| step 1 s | median s (steps 2+) | slowest step | slowest s | slowest / median |")
     print("|---|---|---|---|---|")
     print(f"| {times[0]:.3f} | {median:.3f} | {slowest + 2} | {rest[slowest]:.3f} | {rest[slowest] / median:.2f}x |")
@@ -268,8 +281,11 @@ def _linear_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, tuple[int, 
 
         return hook
 
-    handles = [module.register_forward_pre_hook(record(fqn))
-               for fqn, module in model.named_modules() if isinstance(module, nn.Linear)]  # fmt: skip
+    handles = [
+        module.register_forward_pre_hook(record(fqn))
+        for fqn, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    ]
     with torch.no_grad():
         model(ids)
     for handle in handles:
@@ -294,13 +310,23 @@ def time_linears(args) -> dict[str, tuple[int, float, float, float, float]]:
     inputs = {}
     for fqn, shape in shapes.items():
         out_features = models["bf16"][0].get_submodule(fqn).out_features
-        inputs[fqn] = (torch.randn(shape, generator=g).requires_grad_(),
-                       torch.randn(*shape[:-1], out_features, generator=g))  # fmt: skip
+        inputs[fqn] = (
+            torch.randn(shape, generator=g).requires_grad_(),
+            torch.randn(*shape[:-1], out_features, generator=g),
+        )
 
     def through_ops(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The FP4 linear called through its custom ops, as compiled graphs and dispatch modes call it."""
-        return register_ops().forward(x, linear.weight, linear.bias, linear.quant_state, True, x.dtype,
-                                      x.requires_grad, linear.weight.requires_grad)[0]  # fmt: skip
+        return register_ops().forward(
+            x,
+            linear.weight,
+            linear.bias,
+            linear.quant_state,
+            True,
+            x.dtype,
+            x.requires_grad,
+            linear.weight.requires_grad,
+        )[0]
 
     def run(model: nn.Module, fqns: list[str], step: int, ops: bool = False) -> float:
         set_step(model, step)
@@ -333,21 +359,34 @@ def time_linears(args) -> dict[str, tuple[int, float, float, float, float]]:
                     op_times[name].append(ops)
                     bf16_times[name].append(bf16)
                     shares[name].append(quantizing)
-    return {name: (len(models[name][1]), statistics.median(times[name]), statistics.median(op_times[name]),
-                   statistics.median(bf16_times[name]), statistics.median(shares[name]))
-            for name in fp4_names}  # fmt: skip
+    return {
+        name: (
+            len(models[name][1]),
+            statistics.median(times[name]),
+            statistics.median(op_times[name]),
+            statistics.median(bf16_times[name]),
+            statistics.median(shares[name]),
+        )
+        for name in fp4_names
+    }
 
 
 def print_linears(args) -> None:
     linears = time_linears(args)
-    print(f"\n## the tiny model's FP4 linears alone, {args.batch}x{args.seq_len} tokens, forward + backward "
-          f"(median of {args.repeats})")
-    print("| recipe | FP4 linears | FP4 ms | through the custom ops ms | same linears in bf16 ms | vs bf16 | FP4 adds ms "
-          "| of which quantizing ms |")
+    print(
+        f"\n## the tiny model's FP4 linears alone, {args.batch}x{args.seq_len} tokens, forward + backward "
+        f"(median of {args.repeats})"
+    )
+    print(
+        "| recipe | FP4 linears | FP4 ms | through the custom ops ms | same linears in bf16 ms | vs bf16 | FP4 adds ms "
+        "| of which quantizing ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, (count, fp4, ops, bf16, quantizing) in linears.items():
-        print(f"| {name} | {count} | {fp4 * 1e3:.1f} | {ops * 1e3:.1f} | {bf16 * 1e3:.1f} | {fp4 / bf16:.2f}x "
-              f"| {(fp4 - bf16) * 1e3:.1f} | {quantizing * 1e3:.1f} |")
+        print(
+            f"| {name} | {count} | {fp4 * 1e3:.1f} | {ops * 1e3:.1f} | {bf16 * 1e3:.1f} | {fp4 / bf16:.2f}x "
+            f"| {(fp4 - bf16) * 1e3:.1f} | {quantizing * 1e3:.1f} |"
+        )
 
 
 def time_linear(args) -> dict[str, float]:
@@ -436,15 +475,25 @@ def main() -> None:
     parser.add_argument("--memory-tokens", type=int, default=64)
     parser.add_argument("--tiny-bf16-last-layers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--kernels", choices=list(BACKENDS), default="auto",
-                        help="FP4 kernels backend, as train.kernels (eager: the torch program run op by op)")
-    parser.add_argument("--stats", action="store_true",
-                        help="collect quantization statistics every step (the trainer does so only on logging steps)")
+    parser.add_argument(
+        "--kernels",
+        choices=list(BACKENDS),
+        default="auto",
+        help="FP4 kernels backend, as train.kernels (eager: the torch program run op by op)",
+    )
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="collect quantization statistics every step (the trainer does so only on logging steps)",
+    )
     parser.add_argument("--run-steps", type=int, default=0, help="time every step of one run of this many steps")
     parser.add_argument("--recipe", choices=RECIPES, default="ue5m3", help="the recipe of --run-steps")
     parser.add_argument("--stats-interval", type=int, default=50, help="statistics steps of --run-steps")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="glibc's malloc keeps freed memory (mallopt), to measure what page faults cost")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc's malloc keeps freed memory (mallopt), to measure what page faults cost",
+    )
     parser.add_argument("--profile", action="store_true", help="profile one tiny-model step of --recipe instead")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops listed by --profile")
     parser.add_argument("--linears", action="store_true", help="time the tiny model's FP4 linears alone instead")
@@ -453,10 +502,12 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     if args.keep_freed_memory:
         keep_freed_memory()
-    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}, "
-          f"kernels={args.kernels}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, "
-          f"{'freed memory kept (mallopt), ' if args.keep_freed_memory else ''}"
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={args.threads}, "
+        f"kernels={args.kernels}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, "
+        f"{'freed memory kept (mallopt), ' if args.keep_freed_memory else ''}"
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     if args.run_steps:
         time_run(args)
         return
@@ -475,8 +526,10 @@ def main() -> None:
     linear_mem = memory(lambda n: build_linear(n, args.width), torch.randn(args.memory_tokens, args.width))
 
     print(f"\n## tiny model, {args.batch}x{args.seq_len} tokens, training step (median of {args.repeats})")
-    print("| recipe | FP4 linears | step s | vs bf16 | quantizing | page faults | saved MiB (all) | saved MiB (linears) "
-          "| FP4 linears vs bf16 |")
+    print(
+        "| recipe | FP4 linears | step s | vs bf16 | quantizing | page faults | saved MiB (all) | saved MiB (linears) "
+        "| FP4 linears vs bf16 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in RECIPES:
         _, table, knobs = build_tiny(name, args.tiny_bf16_last_layers)
@@ -486,8 +539,10 @@ def main() -> None:
             f"| {label} | {table.count('fp4')} | {tiny_time[name]:.3f} | {tiny_time[name] / tiny_time['bf16']:.2f}x | "
             f"{tiny_share[name]:.0%} | {tiny_faults[name]:.0f} | {total / 2**20:.2f} | {lin / 2**20:.2f} | {_fp4_ratio(tiny_mem, name)} |"
         )
-    print(f"\n## one {args.width}x{args.width} linear, {args.linear_tokens} tokens, forward+backward "
-          f"(memory at {args.memory_tokens} tokens)")
+    print(
+        f"\n## one {args.width}x{args.width} linear, {args.linear_tokens} tokens, forward+backward "
+        f"(memory at {args.memory_tokens} tokens)"
+    )
     print("| recipe | fwd+bwd s | vs bf16 | saved KiB | vs bf16 |")
     print("|---|---|---|---|---|")
     for name in RECIPES:

@@ -74,10 +74,15 @@ def main() -> None:
         parser.error("--before is required: the checkout to compare against")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {
-        label: subprocess.Popen([sys.executable, __file__, "--worker", str(root), "--recipes", args.recipes],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        label: subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(root), "--recipes", args.recipes],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for label, root in (("before", args.before), ("after", args.after))
-    }  # fmt: skip
+    }
     for label, proc in procs.items():
         if proc.stdout.readline().strip() != "ready":
             raise SystemExit(f"the {label} worker did not start (see its error above)")
@@ -92,9 +97,13 @@ def main() -> None:
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
-    medians = {label: {name: statistics.median(r[name] for r in rows) for name in rows[0]} for label, rows in times.items()}
+    medians = {
+        label: {name: statistics.median(r[name] for r in rows) for name in rows[0]} for label, rows in times.items()
+    }
     before, after = medians["before"], medians["after"]
-    print(f"| tiny model, {BATCH}x{SEQ_LEN} tokens | before: step s | before: vs bf16 | after: step s | after: vs bf16 | after / before |")  # noqa: E501
+    print(
+        f"| tiny model, {BATCH}x{SEQ_LEN} tokens | before: step s | before: vs bf16 | after: step s | after: vs bf16 | after / before |"
+    )  # noqa: E501
     print("|---|---|---|---|---|---|")
     for name in after:
         b, a = before[name], after[name]

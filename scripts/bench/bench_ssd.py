@@ -51,9 +51,17 @@ def theirs_fn():
 
     def theirs(cfg, x, dt_raw, dt_bias, A, B, C, D):
         return hf.mamba2_chunk_scan(
-            x, dt_raw, A, B, C, chunk_size=cfg.chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True,
+            x,
+            dt_raw,
+            A,
+            B,
+            C,
+            chunk_size=cfg.chunk_size,
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=True,
             dt_limit=(cfg.time_step_min, float("inf")),
-        )  # fmt: skip
+        )
 
     return theirs
 

@@ -65,8 +65,10 @@ def main() -> None:
         times = {False: [], True: []}
         for step in range(1, args.repeats + 2):
             generator = torch.Generator().manual_seed(step)
-            batches = [torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=generator)
-                       for _ in range(args.grad_accum)]  # fmt: skip
+            batches = [
+                torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=generator)
+                for _ in range(args.grad_accum)
+            ]
             for cache in (False, True) if step % 2 else (True, False):  # alternate which goes first
                 elapsed = _step(models[cache], optimizers[cache], batches, step=step, cache=cache)
                 if step > 1:  # the first step of each compiles
@@ -74,9 +76,11 @@ def main() -> None:
         before, after = statistics.median(times[False]), statistics.median(times[True])
         rows.append([preset, args.recipe, f"{before:.3f}", f"{after:.3f}", f"{after / before:.3f}"])
         print(f"{preset}: per micro-batch {before:.3f} s, once per step {after:.3f} s", flush=True)
-    print(f"\n{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
-          f"grad_accum {args.grad_accum} x micro-batch {args.micro_batch} x seq {args.seq_len}, "
-          f"median of {args.repeats} steps, kernels={args.kernels}")  # fmt: skip
+    print(
+        f"\n{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
+        f"grad_accum {args.grad_accum} x micro-batch {args.micro_batch} x seq {args.seq_len}, "
+        f"median of {args.repeats} steps, kernels={args.kernels}"
+    )
     print("| preset | recipe | step s, weights quantized per micro-batch | step s, once per step | ratio |")
     print("|---|---|---|---|---|")
     for row in rows:

@@ -31,10 +31,24 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, KILL_AT = 30, 20
-TRAIN = ["experiment=tiny_ue5m3", f"train.max_steps={STEPS}", "checkpoint.interval=10", "eval.interval=0",
-         "logging.wandb=false", "logging.plots=false", "logging.log_interval=10", "train.sync_debug=error"]  # fmt: skip
-REHEARSAL = ["train.seq_len=64", "train.global_batch=2", "train.micro_batch=2", "eval.num_sequences=4",
-             "eval.batch_size=4", "train.kernels=eager"]  # fmt: skip
+TRAIN = [
+    "experiment=tiny_ue5m3",
+    f"train.max_steps={STEPS}",
+    "checkpoint.interval=10",
+    "eval.interval=0",
+    "logging.wandb=false",
+    "logging.plots=false",
+    "logging.log_interval=10",
+    "train.sync_debug=error",
+]
+REHEARSAL = [
+    "train.seq_len=64",
+    "train.global_batch=2",
+    "train.micro_batch=2",
+    "eval.num_sequences=4",
+    "eval.batch_size=4",
+    "train.kernels=eager",
+]
 """The CPU rehearsal's smaller steps, on the eager quantizer (nemofp4.kernels takes Triton for CUDA tensors only;
 the kernels equal it bit for bit, which tests/unit/test_kernels.py checks under the interpreter)."""
 SYNC_ERROR = "called a synchronizing CUDA operation"
@@ -55,8 +69,13 @@ def run(name: str, args: list[str], work: Path, deadline: float) -> tuple[int, f
     start = time.monotonic()
     with open(work / f"{name}.log", "w") as log:
         try:
-            rc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=max(deadline - time.monotonic(), 1)).returncode  # fmt: skip
+            rc = subprocess.run(
+                [sys.executable, "-m", *args],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=max(deadline - time.monotonic(), 1),
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, time.monotonic() - start
@@ -109,42 +128,72 @@ def main() -> int:
     results["train"] = {"rc": rc, "wall_s": seconds, "steps": len(records), "overrides": overrides}
     if records:
         last = records[max(records)]
-        results["train"].update(loss=last["loss"], median_step_s=statistics.median(times) if times else None,
-                                tokens_per_s=last["tokens_per_s"])  # fmt: skip
-    detail = (f"{device}, {len(records)} steps in {seconds:.0f} s, loss {records[max(records)]['loss']:.4f}, "
-              f"median step {1e3 * statistics.median(times):.1f} ms" if rc == 0 and times else
-              f"exit {rc}: {last_error(work, 'train')}")  # fmt: skip
+        results["train"].update(
+            loss=last["loss"],
+            median_step_s=statistics.median(times) if times else None,
+            tokens_per_s=last["tokens_per_s"],
+        )
+    detail = (
+        f"{device}, {len(records)} steps in {seconds:.0f} s, loss {records[max(records)]['loss']:.4f}, "
+        f"median step {1e3 * statistics.median(times):.1f} ms"
+        if rc == 0 and times
+        else f"exit {rc}: {last_error(work, 'train')}"
+    )
     mode = "warn" if "host_syncs" in results else "error"
     row(f"train {STEPS} steps, sync_debug={mode} from step 2", rc == 0 and len(records) == STEPS, detail)
 
-    rc_kill, _ = run("train_killed", ["nemofp4.train", *overrides, f"run_dir={resumed}", f"debug.sigkill_at_step={KILL_AT}"],
-                     work, deadline)  # fmt: skip
+    rc_kill, _ = run(
+        "train_killed",
+        ["nemofp4.train", *overrides, f"run_dir={resumed}", f"debug.sigkill_at_step={KILL_AT}"],
+        work,
+        deadline,
+    )
     killed = rc_kill in (-9, 137) and (resumed / "checkpoints" / f"step-{KILL_AT}").is_dir()
-    row(f"killed after step {KILL_AT}", killed,
-        f"exit {rc_kill}, checkpoint step-{KILL_AT}" if killed else f"exit {rc_kill}: {last_error(work, 'train_killed')}")
+    row(
+        f"killed after step {KILL_AT}",
+        killed,
+        f"exit {rc_kill}, checkpoint step-{KILL_AT}"
+        if killed
+        else f"exit {rc_kill}: {last_error(work, 'train_killed')}",
+    )
     rc_resume, seconds = run("train_resumed", ["nemofp4.train", *overrides, f"run_dir={resumed}"], work, deadline)
     again = train_records(resumed)
-    row(f"resumed {KILL_AT} -> {STEPS}", rc_resume == 0 and max(again, default=0) == STEPS,
-        f"{seconds:.0f} s" if rc_resume == 0 else f"exit {rc_resume}: {last_error(work, 'train_resumed')}")
+    row(
+        f"resumed {KILL_AT} -> {STEPS}",
+        rc_resume == 0 and max(again, default=0) == STEPS,
+        f"{seconds:.0f} s" if rc_resume == 0 else f"exit {rc_resume}: {last_error(work, 'train_resumed')}",
+    )
     pairs = [(records[s], again[s]) for s in range(1, STEPS + 1) if s in records and s in again]
     same = [a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in pairs]
     first_diff = next((s for s, ok in zip(range(1, STEPS + 1), same) if not ok), None)
     max_diff = max((abs(a["loss"] - b["loss"]) for a, b in pairs), default=float("nan"))
-    results["resume"] = {"kill_rc": rc_kill, "resume_rc": rc_resume, "steps_compared": len(pairs),
-                         "bitwise_equal_steps": sum(same), "first_differing_step": first_diff,
-                         "max_abs_loss_diff": max_diff}  # fmt: skip
-    row("resume exact (loss, grad norm)", len(pairs) == STEPS and all(same),
-        f"{sum(same)}/{STEPS} steps bitwise equal" + (f"; first differs at {first_diff}, max |dloss| {max_diff:.3g}"
-                                                      if first_diff else ""))  # fmt: skip
+    results["resume"] = {
+        "kill_rc": rc_kill,
+        "resume_rc": rc_resume,
+        "steps_compared": len(pairs),
+        "bitwise_equal_steps": sum(same),
+        "first_differing_step": first_diff,
+        "max_abs_loss_diff": max_diff,
+    }
+    row(
+        "resume exact (loss, grad norm)",
+        len(pairs) == STEPS and all(same),
+        f"{sum(same)}/{STEPS} steps bitwise equal"
+        + (f"; first differs at {first_diff}, max |dloss| {max_diff:.3g}" if first_diff else ""),
+    )
 
     out = work / "eval.json"
     kernels = ["kernels=eager"] if args.rehearse else []
-    rc, seconds = run("eval", ["nemofp4.cli.evaluate", f"checkpoint={full}", *EVAL, *kernels, f"out={out}"], work,
-                      deadline)  # fmt: skip
+    rc, seconds = run(
+        "eval", ["nemofp4.cli.evaluate", f"checkpoint={full}", *EVAL, *kernels, f"out={out}"], work, deadline
+    )
     evaluation = json.loads(out.read_text()) if rc == 0 and out.exists() else {}
     results["eval"] = {"rc": rc, "wall_s": seconds, "results": evaluation}
-    row("nemofp4-eval (policy=current)", rc == 0 and bool(evaluation),
-        f"{seconds:.0f} s, {summarize_eval(evaluation)}" if rc == 0 else f"exit {rc}: {last_error(work, 'eval')}")
+    row(
+        "nemofp4-eval (policy=current)",
+        rc == 0 and bool(evaluation),
+        f"{seconds:.0f} s, {summarize_eval(evaluation)}" if rc == 0 else f"exit {rc}: {last_error(work, 'eval')}",
+    )
     return finish(args.json, results)
 
 

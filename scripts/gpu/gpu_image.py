@@ -20,7 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-IMAGE = frozenset("""
+IMAGE = frozenset(
+    """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
 cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
@@ -40,7 +41,8 @@ sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server 
 tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm
 transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel
 wrapt xarray xxhash yarl zipp
-""".split())
+""".split()
+)
 """Distributions of the device image's python3 (Python 3.12, torch 2.11 + CUDA 13, Triton 3.6), as its
 package list was read on 2026-11-17."""
 

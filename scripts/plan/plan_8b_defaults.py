@@ -29,8 +29,11 @@ FORMER = "full"
 
 
 def _with(job, policy: str, weight_cache: bool):
-    return replace(job, distributed=replace(job.distributed, activation_checkpointing=policy),
-                   train=replace(job.train, weight_cache=weight_cache))
+    return replace(
+        job,
+        distributed=replace(job.distributed, activation_checkpointing=policy),
+        train=replace(job.train, weight_cache=weight_cache),
+    )
 
 
 def main() -> None:
@@ -40,11 +43,27 @@ def main() -> None:
     parser.add_argument("--devices", nargs="+", default=["h100", "h200"])
     parser.add_argument("--mamba-scan", default="mamba_ssm", help="the scan the GPU runs take (the gpu extra's)")
     parser.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every preset")
-    parser.add_argument("--efficiency", default="achieved", choices=EFFICIENCY_MODES,
-                        help="achieved (the prediction) or peak (the roofline, a lower bound on the step time)")
+    parser.add_argument(
+        "--efficiency",
+        default="achieved",
+        choices=EFFICIENCY_MODES,
+        help="achieved (the prediction) or peak (the roofline, a lower bound on the step time)",
+    )
     args = parser.parse_args()
-    header = ["preset", "device", "auto picks", "recompute", "planned GiB per GPU", "weight cache GiB",
-              "step s before", "MFU before", "step s after", "MFU after", "tokens/s per GPU after", "plan s"]  # fmt: skip
+    header = [
+        "preset",
+        "device",
+        "auto picks",
+        "recompute",
+        "planned GiB per GPU",
+        "weight cache GiB",
+        "step s before",
+        "MFU before",
+        "step s after",
+        "MFU after",
+        "tokens/s per GPU after",
+        "plan s",
+    ]
     rows = []
     for preset in args.presets:
         job = compose_job_config([f"experiment={preset}", *args.overrides])
@@ -54,21 +73,34 @@ def main() -> None:
             efficiency = get_efficiency(args.efficiency, name.strip().lower())
             started = time.perf_counter()
             policy, recommendation = planning.choose_checkpointing(
-                job, world_size=args.world_size, memory_gib=device.memory_gib,
-                reserve_gib=job.distributed.memory_reserve_gib, mamba_scan=args.mamba_scan,
+                job,
+                world_size=args.world_size,
+                memory_gib=device.memory_gib,
+                reserve_gib=job.distributed.memory_reserve_gib,
+                mamba_scan=args.mamba_scan,
             )
             plan_s = time.perf_counter() - started
             _, total, recompute, _ = next(r for r in recommendation.rows if r[0] == policy)
             projected = []
             for chosen, weight_cache in ((FORMER, False), (policy, True)):
-                cost = planning.cost_for_job(_with(job, chosen, weight_cache), world_size=args.world_size,
-                                             gpus_per_node=device.gpus_per_node)  # fmt: skip
+                cost = planning.cost_for_job(
+                    _with(job, chosen, weight_cache), world_size=args.world_size, gpus_per_node=device.gpus_per_node
+                )
                 p = cost.project(device, cost.configured, efficiency)
                 projected += [f"{p.step_s:.2f}", f"{p.mfu * 100:.1f}%"]
             projected.append(f"{cost.tokens / p.step_s:,.0f}")
-            rows.append([preset, device.name, policy, f"+{recompute * 100:.1f}% FLOPs", f"{total / GIB:.1f}",
-                         f"{cache / GIB:.2f}", *projected,
-                         f"{plan_s:.0f}"])  # fmt: skip
+            rows.append(
+                [
+                    preset,
+                    device.name,
+                    policy,
+                    f"+{recompute * 100:.1f}% FLOPs",
+                    f"{total / GIB:.1f}",
+                    f"{cache / GIB:.2f}",
+                    *projected,
+                    f"{plan_s:.0f}",
+                ]
+            )
             print(f"{preset} on {device.name}: {policy}", flush=True)
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:

@@ -19,20 +19,27 @@ from nemofp4.planning.published import PUBLISHED_RUNS, SPEED_UPS, predict
 def table(efficiency: str = "achieved") -> str:
     """The Markdown tables docs/planning.md holds (tests/unit/test_plan_published.py checks them): the runs, and
     the FP8-over-BF16 speed-ups."""
-    lines = ["| run | source | GPUs | precision (our recipe) | parallelism | seq | global / micro batch | "
-             "measured tokens/s/GPU | predicted tokens/s/GPU | body tokens/s/GPU | predicted / measured |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| run | source | GPUs | precision (our recipe) | parallelism | seq | global / micro batch | "
+        "measured tokens/s/GPU | predicted tokens/s/GPU | body tokens/s/GPU | predicted / measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     predicted = {}
     for run in PUBLISHED_RUNS:
         p = predict(run, efficiency=efficiency)
         predicted[run.name] = p["tokens_per_s_per_gpu"]
-        lines.append(f"| {run.name} | {run.source} | {run.gpus}x {run.device} | {run.recipe} | {run.parallelism} | "
-                     f"{run.seq_len} | {run.global_batch} / {run.micro_batch} | {run.measured_tokens_per_s_per_gpu:,.0f} | "
-                     f"{p['tokens_per_s_per_gpu']:,.0f} | {p['body_tokens_per_s_per_gpu']:,.0f} | "
-                     f"{p['tokens_per_s_per_gpu'] / run.measured_tokens_per_s_per_gpu:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {run.name} | {run.source} | {run.gpus}x {run.device} | {run.recipe} | {run.parallelism} | "
+            f"{run.seq_len} | {run.global_batch} / {run.micro_batch} | {run.measured_tokens_per_s_per_gpu:,.0f} | "
+            f"{p['tokens_per_s_per_gpu']:,.0f} | {p['body_tokens_per_s_per_gpu']:,.0f} | "
+            f"{p['tokens_per_s_per_gpu'] / run.measured_tokens_per_s_per_gpu:.2f} |"
+        )
     measured = {run.name: run.measured_tokens_per_s_per_gpu for run in PUBLISHED_RUNS}
-    lines += ["", "| FP8 run over BF16 run | measured speed-up | predicted speed-up | predicted / measured |",
-              "|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| FP8 run over BF16 run | measured speed-up | predicted speed-up | predicted / measured |",
+        "|---|---|---|---|",
+    ]
     for bf16, fp8 in SPEED_UPS:
         m, p = measured[fp8] / measured[bf16], predicted[fp8] / predicted[bf16]
         lines.append(f"| {fp8} over {bf16} | {m:.3f}x | {p:.3f}x | {p / m:.3f} |")

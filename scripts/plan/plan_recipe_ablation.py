@@ -26,13 +26,22 @@ def main() -> None:
     parser.add_argument("--devices", nargs="+", default=["gb200", "b200", "h200"])
     parser.add_argument("--recipe", default=None, help="nvfp4_te or nvfp4 (default: nvfp4_te where the device has FP4)")
     parser.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides")
-    parser.add_argument("--efficiency", default="achieved", choices=EFFICIENCY_MODES,
-                        help="achieved (the prediction) or peak (the roofline, a lower bound on the step time)")
+    parser.add_argument(
+        "--efficiency",
+        default="achieved",
+        choices=EFFICIENCY_MODES,
+        help="achieved (the prediction) or peak (the roofline, a lower bound on the step time)",
+    )
     args = parser.parse_args()
     job = compose_job_config([f"experiment={args.experiment}", *args.overrides])
     for name in args.devices:
-        ablation = recipe_ablation(job, device=planning.get_device(name), world_size=args.world_size, recipe=args.recipe,
-                                   efficiency=get_efficiency(args.efficiency, name.strip().lower()))
+        ablation = recipe_ablation(
+            job,
+            device=planning.get_device(name),
+            world_size=args.world_size,
+            recipe=args.recipe,
+            efficiency=get_efficiency(args.efficiency, name.strip().lower()),
+        )
         print(ablation.format(), end="\n\n", flush=True)
 
 

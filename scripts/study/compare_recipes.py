@@ -56,32 +56,54 @@ PAPER_ORDER = "bf16 < ue5m3_te_settings < ue5m3 ~ nvfp4 < nvfp4_all_fp4_no_rht"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--study", default="tiny", help="study name: the output folder <out>/<study>")
     p.add_argument("--preset", default="tiny", help="experiment preset: runs use experiment=<preset>_<recipe>")
     p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES))
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--steps", type=int, default=200, help="train.max_steps of every run (the budget)")
-    p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra trainer override for every run (repeatable), e.g. train.seq_len=128")
+    p.add_argument(
+        "--train-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra trainer override for every run (repeatable), e.g. train.seq_len=128",
+    )
     p.add_argument("--runs-root", type=Path, default=REPO_ROOT / "runs" / "compare")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results")
-    p.add_argument("--launcher", choices=("local", "slurm", "none"), default="local",
-                   help="local: train missing runs here, one after another; slurm: submit them with nemofp4-launch "
-                        "and stop; none: only collect runs that exist")
-    p.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra nemofp4-launch override (repeatable), e.g. slurm.partition=batch")
+    p.add_argument(
+        "--launcher",
+        choices=("local", "slurm", "none"),
+        default="local",
+        help="local: train missing runs here, one after another; slurm: submit them with nemofp4-launch "
+        "and stop; none: only collect runs that exist",
+    )
+    p.add_argument(
+        "--slurm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra nemofp4-launch override (repeatable), e.g. slurm.partition=batch",
+    )
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
     p.add_argument("--delay", type=int, default=50, help="delayed policy: D (inference batches)")
     p.add_argument("--calibration-sequences", type=int, default=64, help="calibrated policy: C")
     p.add_argument("--window", type=int, default=10, help="final train loss: mean of this many last logged losses")
-    p.add_argument("--spike-after", type=int, default=0, help="count spikes after this step (0: a quarter of the budget)")
+    p.add_argument(
+        "--spike-after", type=int, default=0, help="count spikes after this step (0: a quarter of the budget)"
+    )
     p.add_argument("--loss-threshold", type=float, default=0.0, help="loss spike threshold (0: see module doc)")
     p.add_argument("--grad-norm-threshold", type=float, default=1.0)
     p.add_argument("--smooth", type=int, default=10, help="moving-average width of the plotted training curves")
     p.add_argument("--threads", type=int, default=0, help="OMP/torch threads of local runs (0: leave as is)")
-    p.add_argument("--replot", type=Path, metavar="RESULTS_JSON",
-                   help="only redraw the plots of a finished study from its results.json, into the same folder")
+    p.add_argument(
+        "--replot",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="only redraw the plots of a finished study from its results.json, into the same folder",
+    )
     args = p.parse_args(argv)
     if "bf16" not in args.recipes:
         p.error("--recipes must include bf16 (the baseline every gap is relative to)")
@@ -100,30 +122,49 @@ def train_overrides(args, recipe: str, seed: int) -> list[str]:
     from nemofp4.recipes import recipe_knobs
 
     knobs = {*recipe_knobs(recipe), "name", "restore_references"}
-    shared = [o for o in args.train_override
-              if not o.startswith("precision.") or o.split("=", 1)[0].removeprefix("precision.") in knobs]  # fmt: skip
-    return [f"experiment={args.preset}_{recipe}", f"train.seed={seed}", f"train.max_steps={args.steps}",
-            "logging.wandb=false", "logging.console=false", *shared]  # fmt: skip
+    shared = [
+        o
+        for o in args.train_override
+        if not o.startswith("precision.") or o.split("=", 1)[0].removeprefix("precision.") in knobs
+    ]
+    return [
+        f"experiment={args.preset}_{recipe}",
+        f"train.seed={seed}",
+        f"train.max_steps={args.steps}",
+        "logging.wandb=false",
+        "logging.console=false",
+        *shared,
+    ]
 
 
 def train_local(args, recipe: str, seed: int) -> None:
     path = run_dir(args, recipe, seed)
-    status = study_common.train_local(path, train_overrides(args, recipe, seed), label=f"{recipe} seed {seed}",
-                                      threads=args.threads)  # fmt: skip
+    status = study_common.train_local(
+        path, train_overrides(args, recipe, seed), label=f"{recipe} seed {seed}", threads=args.threads
+    )
     if status != 0:
         raise SystemExit(f"training {recipe} seed {seed} failed (exit {status}); see {path / 'train.log'}")
 
 
 def submit_slurm(args, recipe: str, seed: int) -> None:
-    study_common.submit_slurm(run_dir(args, recipe, seed), train_overrides(args, recipe, seed),
-                              job_name=f"{args.study}-{recipe}-s{seed}", slurm_args=args.slurm_arg)  # fmt: skip
+    study_common.submit_slurm(
+        run_dir(args, recipe, seed),
+        train_overrides(args, recipe, seed),
+        job_name=f"{args.study}-{recipe}-s{seed}",
+        slurm_args=args.slurm_arg,
+    )
 
 
 # ----------------------------------------------------------------------------------------- metrics
 def evaluate_run(args, path: Path) -> dict[str, float]:
     """Held-out NLL of the final checkpoint under each policy (cached in the run folder)."""
-    return study_common.evaluate_checkpoint(path, step=args.steps, policies=args.policies, delay=args.delay,
-                                            calibration_sequences=args.calibration_sequences)  # fmt: skip
+    return study_common.evaluate_checkpoint(
+        path,
+        step=args.steps,
+        policies=args.policies,
+        delay=args.delay,
+        calibration_sequences=args.calibration_sequences,
+    )
 
 
 def spike_start(args, warmup: int) -> int:
@@ -182,8 +223,12 @@ def aggregate(args, runs: list[dict]) -> dict:
             gaps = [(r["nll"]["current"] - bf16_nll) / bf16_nll for r in rs]
             row["gap_to_bf16"] = mean_std(gaps)
         table[recipe] = row
-    return {"spike_after_step": start, "loss_threshold": threshold if counted else None,
-            "grad_norm_threshold": args.grad_norm_threshold, "table": table}  # fmt: skip
+    return {
+        "spike_after_step": start,
+        "loss_threshold": threshold if counted else None,
+        "grad_norm_threshold": args.grad_norm_threshold,
+        "table": table,
+    }
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -196,13 +241,24 @@ def _pm(value: tuple[float, float] | None, fmt: str) -> str:
 
 def markdown_table(args, summary: dict) -> str:
     policies = args.policies
-    header = ["recipe", "final train loss", *[f"NLL {p}" for p in policies], "gap to BF16 (current)",
-              "loss spikes", "grad-norm spikes"]  # fmt: skip
+    header = [
+        "recipe",
+        "final train loss",
+        *[f"NLL {p}" for p in policies],
+        "gap to BF16 (current)",
+        "loss spikes",
+        "grad-norm spikes",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for recipe, row in summary["table"].items():
-        cells = [f"`{recipe}`", _pm(row["final_loss"], ".4f"), *[_pm(row["nll"][p], ".4f") for p in policies],
-                 _pm(tuple(100 * v for v in row["gap_to_bf16"]), ".2f") + " %" if "gap_to_bf16" in row else "",
-                 _pm(row["loss_spikes"], ".1f"), _pm(row["grad_norm_spikes"], ".1f")]  # fmt: skip
+        cells = [
+            f"`{recipe}`",
+            _pm(row["final_loss"], ".4f"),
+            *[_pm(row["nll"][p], ".4f") for p in policies],
+            _pm(tuple(100 * v for v in row["gap_to_bf16"]), ".2f") + " %" if "gap_to_bf16" in row else "",
+            _pm(row["loss_spikes"], ".1f"),
+            _pm(row["grad_norm_spikes"], ".1f"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -215,9 +271,13 @@ def ordering(summary: dict, policy: str = "current") -> list[tuple[str, float, f
 def plot(args, runs: list[dict], folder: Path) -> list[str]:
     plt = study_common.pyplot()
     written = []
+
     def relative(curve_x, curve_y, reference):  # percent above a (smoothed) BF16 curve, where it has the step
-        return [(x_, 100 * (y / reference[x_] - 1)) for x_, y in zip(curve_x, moving_average(curve_y, smooth))
-                if x_ in reference]
+        return [
+            (x_, 100 * (y / reference[x_] - 1))
+            for x_, y in zip(curve_x, moving_average(curve_y, smooth))
+            if x_ in reference
+        ]
 
     for xkey, ykey, name, ylabel, smooth in (
         ("steps", "loss", "training_loss.png", "training loss", args.smooth),
@@ -228,8 +288,9 @@ def plot(args, runs: list[dict], folder: Path) -> list[str]:
         base = dict(zip(base_x, moving_average(base_y, smooth)))
         # Seed s of a recipe is compared with BF16's seed s: the same data order and initial weights, so
         # the band shows what the recipe changes, not how much the seeds' data orders differ.
-        bf16_by_seed = {r["seed"]: dict(zip(r[xkey], moving_average(r[ykey], smooth)))
-                        for r in runs if r["recipe"] == "bf16"}
+        bf16_by_seed = {
+            r["seed"]: dict(zip(r[xkey], moving_average(r[ykey], smooth))) for r in runs if r["recipe"] == "bf16"
+        }
         for recipe in args.recipes:
             rs = [r for r in runs if r["recipe"] == recipe]
             x, mean, lo, hi = mean_curve(rs, xkey, ykey)
@@ -240,11 +301,18 @@ def plot(args, runs: list[dict], folder: Path) -> list[str]:
                 ax_abs.fill_between(x, moving_average(lo, smooth), moving_average(hi, smooth), color=color, alpha=0.15)
             rel = relative(x, mean, base)
             ax_rel.plot([a for a, _ in rel], [b for _, b in rel], label=recipe, color=color, lw=1.2)
-            paired = [dict(relative(r[xkey], r[ykey], bf16_by_seed[r["seed"]])) for r in rs if r["seed"] in bf16_by_seed]
+            paired = [
+                dict(relative(r[xkey], r[ykey], bf16_by_seed[r["seed"]])) for r in rs if r["seed"] in bf16_by_seed
+            ]
             if len(paired) > 1:
                 steps = [a for a, _ in rel if all(a in c for c in paired)]
-                ax_rel.fill_between(steps, [min(c[a] for c in paired) for a in steps],
-                                    [max(c[a] for c in paired) for a in steps], color=color, alpha=0.15)
+                ax_rel.fill_between(
+                    steps,
+                    [min(c[a] for c in paired) for a in steps],
+                    [max(c[a] for c in paired) for a in steps],
+                    color=color,
+                    alpha=0.15,
+                )
         seeds = ", ".join(str(s) for s in args.seeds)
         ax_abs.set(xlabel="step", ylabel=ylabel)
         ax_abs.set_title(f"{ylabel}: mean of seeds {seeds}, band min-max", fontsize=10)
@@ -273,8 +341,14 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     plots = plot(args, runs, folder)
     order = ordering(summary) if "current" in args.policies else []
     command = "python scripts/study/compare_recipes.py " + shlex.join(argv)
-    results = {"command": command, "args": {k: display_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "summary": summary, "runs": runs, "ordering_current": order, "paper_ordering": PAPER_ORDER}  # fmt: skip
+    results = {
+        "command": command,
+        "args": {k: display_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "summary": summary,
+        "runs": runs,
+        "ordering_current": order,
+        "paper_ordering": PAPER_ORDER,
+    }
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     lines = [
         f"# Recipe comparison: `{args.study}`",
@@ -282,11 +356,13 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
         f"Preset `{args.preset}`, {args.steps} steps per run, seeds {args.seeds}, recipes {', '.join(args.recipes)}.",
         f"Held-out NLL of each final checkpoint under the inference policies {', '.join(args.policies)} "
         f"(delayed: D = {args.delay} batches; calibrated: C = {args.calibration_sequences} sequences).",
-        (f"Spikes are counted after step {summary['spike_after_step']}: losses above {summary['loss_threshold']:.4f}, "
-         f"gradient norms above {summary['grad_norm_threshold']:g}. Mean ± sample std over seeds."
-         if summary["loss_threshold"] is not None else
-         f"Spikes are not counted (n/a): counting starts after step {summary['spike_after_step']} (the warmup or a "
-         f"quarter of the budget), at or beyond the {args.steps}-step budget. Mean ± sample std over seeds."),
+        (
+            f"Spikes are counted after step {summary['spike_after_step']}: losses above {summary['loss_threshold']:.4f}, "
+            f"gradient norms above {summary['grad_norm_threshold']:g}. Mean ± sample std over seeds."
+            if summary["loss_threshold"] is not None
+            else f"Spikes are not counted (n/a): counting starts after step {summary['spike_after_step']} (the warmup or a "
+            f"quarter of the budget), at or beyond the {args.steps}-step budget. Mean ± sample std over seeds."
+        ),
         "",
         "Command:",
         "",

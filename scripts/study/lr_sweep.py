@@ -51,34 +51,65 @@ DIVERGED = "diverged.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--study", default="lr_sweep", help="study name: the output folder <out>/<study>")
     p.add_argument("--preset", default="tiny", help="experiment preset: runs use experiment=<preset>_<recipe>")
     p.add_argument("--recipes", nargs="+", required=True)
     p.add_argument("--lrs", nargs="+", type=float, required=True, help="the learning-rate grid (optim.lr)")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2], help="seeds trained at every learning rate")
-    p.add_argument("--extreme-seeds", nargs="*", type=int, default=[],
-                   help="further seeds trained only at the grid's smallest and largest learning rates: the seed "
-                        "spread where a recipe is slow and where it becomes unstable, at a fraction of a full seed's cost")
+    p.add_argument(
+        "--extreme-seeds",
+        nargs="*",
+        type=int,
+        default=[],
+        help="further seeds trained only at the grid's smallest and largest learning rates: the seed "
+        "spread where a recipe is slow and where it becomes unstable, at a fraction of a full seed's cost",
+    )
     p.add_argument("--steps", type=int, default=150, help="train.max_steps of every run (the budget)")
-    p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra trainer override for every run (repeatable), e.g. train.seq_len=128")
+    p.add_argument(
+        "--train-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra trainer override for every run (repeatable), e.g. train.seq_len=128",
+    )
     p.add_argument("--runs-root", type=Path, default=REPO_ROOT / "runs" / "lr_sweep")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results")
-    p.add_argument("--launcher", choices=("local", "slurm", "none"), default="local",
-                   help="local: train missing runs here, --workers at a time; slurm: submit them with nemofp4-launch "
-                        "and stop; none: only collect runs that exist")
+    p.add_argument(
+        "--launcher",
+        choices=("local", "slurm", "none"),
+        default="local",
+        help="local: train missing runs here, --workers at a time; slurm: submit them with nemofp4-launch "
+        "and stop; none: only collect runs that exist",
+    )
     p.add_argument("--workers", type=int, default=1, help="local runs trained at the same time")
     p.add_argument("--threads", type=int, default=0, help="OMP/torch threads of each local run (0: leave as is)")
-    p.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra nemofp4-launch override (repeatable), e.g. slurm.partition=batch")
-    p.add_argument("--staleness-recipes", nargs="*", default=[],
-                   help="recipes of the delayed-scaling comparison (staleness.png), e.g. ue5m3 nvfp4_delayed nvfp4")
-    p.add_argument("--staleness-lr", type=float, default=None, help="LR of the staleness comparison (default: the grid's smallest)")
+    p.add_argument(
+        "--slurm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra nemofp4-launch override (repeatable), e.g. slurm.partition=batch",
+    )
+    p.add_argument(
+        "--staleness-recipes",
+        nargs="*",
+        default=[],
+        help="recipes of the delayed-scaling comparison (staleness.png), e.g. ue5m3 nvfp4_delayed nvfp4",
+    )
+    p.add_argument(
+        "--staleness-lr", type=float, default=None, help="LR of the staleness comparison (default: the grid's smallest)"
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.workers < 1:
         p.error(f"--steps and --workers must be >= 1, got {args.steps} and {args.workers}")
-    for name, values in (("--recipes", args.recipes), ("--lrs", args.lrs), ("--seeds", args.seeds + args.extreme_seeds)):
+    for name, values in (
+        ("--recipes", args.recipes),
+        ("--lrs", args.lrs),
+        ("--seeds", args.seeds + args.extreme_seeds),
+    ):
         if len(set(values)) != len(values):
             p.error(f"{name} has a repeated value: {values}" + (" (with --extreme-seeds)" if name == "--seeds" else ""))
     if any(not (lr > 0 and math.isfinite(lr)) for lr in args.lrs):
@@ -87,8 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     presets = REPO_ROOT / "configs" / "experiment"
     absent = [r for r in args.recipes if not (presets / f"{args.preset}_{r}.yaml").is_file()]
     if absent:
-        p.error(f"no experiment preset {', '.join(f'{args.preset}_{r}' for r in absent)} in configs/experiment "
-                f"(runs use experiment=<preset>_<recipe>); presets there: {sorted(f.stem for f in presets.glob('*.yaml'))}")
+        p.error(
+            f"no experiment preset {', '.join(f'{args.preset}_{r}' for r in absent)} in configs/experiment "
+            f"(runs use experiment=<preset>_<recipe>); presets there: {sorted(f.stem for f in presets.glob('*.yaml'))}"
+        )
     unknown = sorted(set(args.staleness_recipes) - set(args.recipes))
     if unknown:
         p.error(f"--staleness-recipes {unknown} are not in --recipes {args.recipes}")
@@ -103,8 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def grid(args) -> list[tuple[str, float, int]]:
     """Every (recipe, LR, seed) of the study: ``--seeds`` at every LR, ``--extreme-seeds`` at the two ends."""
     ends = sorted({args.lrs[0], args.lrs[-1]})
-    return [(r, lr, s) for r in args.recipes for lr in args.lrs
-            for s in [*args.seeds, *(args.extreme_seeds if lr in ends else [])]]  # fmt: skip
+    return [
+        (r, lr, s)
+        for r in args.recipes
+        for lr in args.lrs
+        for s in [*args.seeds, *(args.extreme_seeds if lr in ends else [])]
+    ]
 
 
 def run_dir(args, recipe: str, lr: float, seed: int) -> Path:
@@ -113,8 +150,18 @@ def run_dir(args, recipe: str, lr: float, seed: int) -> Path:
 
 def train_overrides(args, recipe: str, lr: float, seed: int) -> list[str]:
     """The comparison study's overrides of (recipe, seed), with the learning rate."""
-    base = compare_recipes.parse_args(["--preset", args.preset, "--steps", str(args.steps), "--recipes", "bf16", recipe,
-                                       *[a for o in args.train_override for a in ("--train-override", o)]])  # fmt: skip
+    base = compare_recipes.parse_args(
+        [
+            "--preset",
+            args.preset,
+            "--steps",
+            str(args.steps),
+            "--recipes",
+            "bf16",
+            recipe,
+            *[a for o in args.train_override for a in ("--train-override", o)],
+        ]
+    )
     return [*compare_recipes.train_overrides(base, recipe, seed), f"optim.lr={lr!r}"]
 
 
@@ -163,12 +210,17 @@ def collect_run(args, recipe: str, lr: float, seed: int) -> dict:
     if final is not None and not math.isfinite(final):
         final = None
     return {
-        "recipe": recipe, "lr": lr, "seed": seed, "run_dir": display_path(path),
+        "recipe": recipe,
+        "lr": lr,
+        "seed": seed,
+        "run_dir": display_path(path),
         "status": "diverged" if diverged else "finished",
-        "init_nll": evals[0], "final_nll": final,
+        "init_nll": evals[0],
+        "final_nll": final,
         "final_loss": statistics.fmean(r["loss"] for r in train[-10:]) if train else None,
-        "steps": len(train), "train_time_s": math.fsum(r["step_time_s"] for r in train),
-    }  # fmt: skip
+        "steps": len(train),
+        "train_time_s": math.fsum(r["step_time_s"] for r in train),
+    }
 
 
 def capped_nll(run: dict) -> float:
@@ -190,17 +242,25 @@ def aggregate(args, runs: list[dict]) -> dict:
         for lr in args.lrs:
             at = [r for r in rs if r["lr"] == lr]
             nll = [capped_nll(r) for r in at]
-            per_lr[f"{lr:g}"] = {"nll": mean_std(nll), "seeds": len(at), "spread": max(nll) - min(nll),
-                                 "diverged": sum(r["status"] == "diverged" for r in at)}  # fmt: skip
+            per_lr[f"{lr:g}"] = {
+                "nll": mean_std(nll),
+                "seeds": len(at),
+                "spread": max(nll) - min(nll),
+                "diverged": sum(r["status"] == "diverged" for r in at),
+            }
         sensitivities = []
         for seed in args.seeds:  # only seeds with the whole grid have a sensitivity
             at = {r["lr"]: capped_nll(r) for r in rs if r["seed"] == seed}
             init = next(r["init_nll"] for r in rs if r["seed"] == seed)
             sensitivities.append(lr_sensitivity(at, init))
         best = min(args.lrs, key=lambda lr: per_lr[f"{lr:g}"]["nll"][0])
-        table[recipe] = {"per_lr": per_lr, "best_lr": best, "best_nll": per_lr[f"{best:g}"]["nll"],
-                         "sensitivity_per_seed": dict(zip(map(str, args.seeds), sensitivities)),
-                         "sensitivity": mean_std(sensitivities)}  # fmt: skip
+        table[recipe] = {
+            "per_lr": per_lr,
+            "best_lr": best,
+            "best_nll": per_lr[f"{best:g}"]["nll"],
+            "sensitivity_per_seed": dict(zip(map(str, args.seeds), sensitivities)),
+            "sensitivity": mean_std(sensitivities),
+        }
     return {"table": table}
 
 
@@ -218,7 +278,9 @@ def markdown_table(args, summary: dict) -> str:
         cells = [f"`{recipe}`"]
         for lr in args.lrs:
             cell = row["per_lr"][f"{lr:g}"]
-            cells.append(_pm(cell["nll"], cell["seeds"]) + (f" ({cell['diverged']} diverged)" if cell["diverged"] else ""))
+            cells.append(
+                _pm(cell["nll"], cell["seeds"]) + (f" ({cell['diverged']} diverged)" if cell["diverged"] else "")
+            )
         cells += [f"{row['best_lr']:g}", _pm(row["sensitivity"], len(args.seeds))]
         if args.extreme_seeds:
             cells += [f"{row['per_lr'][f'{lr:g}']['spread']:.4f}" for lr in (args.lrs[0], args.lrs[-1])]
@@ -260,7 +322,9 @@ def plot(args, runs: list[dict], summary: dict, folder: Path) -> list[str]:
     ax.set_xticks(range(len(args.recipes)), args.recipes, rotation=20, fontsize=8)
     ax.set_ylabel("LR sensitivity (nats)")
     lrs = f"{args.lrs[0]:g}..{args.lrs[-1]:g}"
-    ax.set_title(f"mean over lr in [{lrs}] of min(NLL, NLL_init) - best NLL; bar: seed mean ± std, dots: seeds", fontsize=9)
+    ax.set_title(
+        f"mean over lr in [{lrs}] of min(NLL, NLL_init) - best NLL; bar: seed mean ± std, dots: seeds", fontsize=9
+    )
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(folder / "lr_sensitivity.png", dpi=110)
@@ -268,7 +332,9 @@ def plot(args, runs: list[dict], summary: dict, folder: Path) -> list[str]:
     written = ["nll_vs_lr.png", "lr_sensitivity.png"]
     if args.staleness_recipes:
         seed = args.seeds[0]
-        rows = {r: plot_quant_stats.quant_rows(run_dir(args, r, args.staleness_lr, seed)) for r in args.staleness_recipes}
+        rows = {
+            r: plot_quant_stats.quant_rows(run_dir(args, r, args.staleness_lr, seed)) for r in args.staleness_recipes
+        }
         title = f"delayed-scaling comparison at lr {args.staleness_lr:g}, seed {seed}"
         written.append(plot_quant_stats.plot_staleness(rows, folder, title=title).name)
     return written
@@ -300,22 +366,36 @@ def write_report(args, runs: list[dict], summary: dict, argv: list[str], elapsed
     results = {"command": command, "args": saved_args, "summary": summary, "runs": runs}
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     lines = [
-        f"# Learning-rate sweep: `{args.study}`", "",
+        f"# Learning-rate sweep: `{args.study}`",
+        "",
         f"Preset `{args.preset}`, {args.steps} steps per run, learning rates {', '.join(f'{lr:g}' for lr in args.lrs)}, "
-        f"seeds {args.seeds}" + (f" (and {args.extreme_seeds} at the smallest and largest LR)" if args.extreme_seeds else "")
+        f"seeds {args.seeds}"
+        + (f" (and {args.extreme_seeds} at the smallest and largest LR)" if args.extreme_seeds else "")
         + f", recipes {', '.join(args.recipes)}. NLL: the trainer's held-out evaluation at the last "
         "step; a diverged run counts as its NLL at initialization. LR sensitivity: per seed, the mean over the grid of "
-        "min(NLL(lr), NLL(init)) - the grid's best NLL (Wortsman et al. 2023); mean ± sample std over seeds.", "",
-        "Command:", "", "```", command, "```", "", markdown_table(args, summary), "",
-    ]  # fmt: skip
+        "min(NLL(lr), NLL(init)) - the grid's best NLL (Wortsman et al. 2023); mean ± sample std over seeds.",
+        "",
+        "Command:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        markdown_table(args, summary),
+        "",
+    ]
     if args.staleness_recipes:
-        lines += [f"Delayed-scaling comparison (lr {args.staleness_lr:g}, seed {args.seeds[0]}):", "",
-                  staleness_table(args), ""]  # fmt: skip
+        lines += [
+            f"Delayed-scaling comparison (lr {args.staleness_lr:g}, seed {args.seeds[0]}):",
+            "",
+            staleness_table(args),
+            "",
+        ]
     lines += [f"![{name}]({name})" for name in plots]
     lines += ["", f"Collected in {elapsed_s:.0f} s; raw numbers in `results.json`.", ""]
     readme = folder / "README.md"
     old = readme.read_text() if readme.is_file() else ""
-    kept = old[old.index(READING_MARKER):] if READING_MARKER in old else ""
+    kept = old[old.index(READING_MARKER) :] if READING_MARKER in old else ""
     readme.write_text("\n".join(lines) + ("\n" + kept if kept else ""))
     return folder
 
@@ -328,8 +408,12 @@ def main(argv: list[str] | None = None) -> Path | None:
     missing = [run for run in runs_of_study if not is_done(args, run_dir(args, *run))]
     if missing and args.launcher == "slurm":
         for recipe, lr, seed in missing:
-            study_common.submit_slurm(run_dir(args, recipe, lr, seed), train_overrides(args, recipe, lr, seed),
-                                      job_name=f"{args.study}-{recipe}-lr{lr:g}-s{seed}", slurm_args=args.slurm_arg)  # fmt: skip
+            study_common.submit_slurm(
+                run_dir(args, recipe, lr, seed),
+                train_overrides(args, recipe, lr, seed),
+                job_name=f"{args.study}-{recipe}-lr{lr:g}-s{seed}",
+                slurm_args=args.slurm_arg,
+            )
         print("submitted; when the jobs are done, collect with the same command and --launcher none", flush=True)
         return None
     if missing and args.launcher == "none":

@@ -101,14 +101,19 @@ def plot_block_fractions(run_dir: Path, out: Path) -> Path:
             ax.fill_between(steps, [p[1] for p in points], [p[3] for p in points], color=line.get_color(), alpha=0.15)
         ax.set_yscale("log", base=2)
         ax.axhline(1.0, color="black", lw=0.6)
-        ax.set(xlabel="step", ylabel="current amax / held amax", title=f"{run_dir.name}: staleness (mean, band min-max)")
+        ax.set(
+            xlabel="step", ylabel="current amax / held amax", title=f"{run_dir.name}: staleness (mean, band min-max)"
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     for ax, stat in zip(axes, STATS):
         for role, points in series[stat].items():
             ax.plot([s for s, _ in points], [100 * v for _, v in points], marker=".", label=role)
-        ax.set(xlabel="step", ylabel=f"{stat.replace('_', ' ')} (% of blocks, mean over layers)",
-               title=f"{run_dir.name}: {stat.replace('_', ' ')}")  # fmt: skip
+        ax.set(
+            xlabel="step",
+            ylabel=f"{stat.replace('_', ' ')} (% of blocks, mean over layers)",
+            title=f"{run_dir.name}: {stat.replace('_', ' ')}",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -187,8 +192,9 @@ def scale_exponent_histograms(checkpoint: str | Path, *, sequences: int = 4) -> 
     from nemofp4.quant import quant_linears
 
     session = EvalSession.open(checkpoint, device="cpu")
-    batch = session.validation_batches(session.data_config("checkpoint"), num_sequences=sequences,
-                                       batch_size=sequences)[0]  # fmt: skip
+    batch = session.validation_batches(
+        session.data_config("checkpoint"), num_sequences=sequences, batch_size=sequences
+    )[0]
     inputs: dict[str, torch.Tensor] = {}
     handles = [
         m.register_forward_pre_hook(lambda mod, args, fqn=fqn: inputs.__setitem__(fqn, args[0].detach()))
@@ -198,18 +204,28 @@ def scale_exponent_histograms(checkpoint: str | Path, *, sequences: int = 4) -> 
         session.model(batch["input_ids"])
     for handle in handles:
         handle.remove()
-    histograms: dict = {op: {ref: {fmt: {"hist": {}, "blocks": 0, "saturated": 0, "zero": 0} for fmt in SCALE_FORMATS}
-                             for ref in REFERENCES} for op in ("x", "w")}  # fmt: skip
+    histograms: dict = {
+        op: {
+            ref: {fmt: {"hist": {}, "blocks": 0, "saturated": 0, "zero": 0} for fmt in SCALE_FORMATS}
+            for ref in REFERENCES
+        }
+        for op in ("x", "w")
+    }
     for fqn, module in quant_linears(session.model):
-        for operand, tensor, two_d in (("x", inputs[fqn].reshape(-1, inputs[fqn].shape[-1]), False),
-                                       ("w", module.weight.detach(), True)):  # fmt: skip
+        for operand, tensor, two_d in (
+            ("x", inputs[fqn].reshape(-1, inputs[fqn].shape[-1]), False),
+            ("w", module.weight.detach(), True),
+        ):
             amax = tensor.abs().max().float()
             block_amax = _block_amax(tensor, two_d)
             for ref, factor in REFERENCES.items():
                 exact_codes = 448.0 * block_amax / (amax * factor)
                 for fmt in SCALE_FORMATS:
-                    scales = quantize_blocks(tensor, scale_format=fmt, two_d=two_d,
-                                             tensor_amax=amax * factor).block_scales().flatten()  # fmt: skip
+                    scales = (
+                        quantize_blocks(tensor, scale_format=fmt, two_d=two_d, tensor_amax=amax * factor)
+                        .block_scales()
+                        .flatten()
+                    )
                     exps = torch.where(scales > 0, torch.floor(torch.log2(scales.clamp_min(1e-30))), float(ZERO_BIN))
                     values, counts = torch.unique(exps.to(torch.int64), return_counts=True)
                     entry = histograms[operand][ref][fmt]
@@ -245,8 +261,13 @@ def plot_scale_exponents(histograms: dict, out: Path, *, title: str = "") -> Pat
                 xs = sorted(hist)
                 shown = [low if x == ZERO_BIN else x for x in xs]  # zero codes drawn at the left edge
                 zero, saturated = 100 * entry["zero"] / total, 100 * entry["saturated"] / total
-                ax.bar([x + offset for x in shown], [100 * hist[x] / total for x in xs], width=0.4, color=colors[fmt],
-                       label=f"{fmt}: {saturated:.1f}% saturated, {zero:.1f}% zero")  # fmt: skip
+                ax.bar(
+                    [x + offset for x in shown],
+                    [100 * hist[x] / total for x in xs],
+                    width=0.4,
+                    color=colors[fmt],
+                    label=f"{fmt}: {saturated:.1f}% saturated, {zero:.1f}% zero",
+                )
             for fmt, (lo, hi) in SCALE_LIMITS.items():
                 for limit in (lo, hi):
                     ax.axvline(math.log2(limit), color=colors[fmt], ls="--", lw=0.8)
@@ -258,8 +279,9 @@ def plot_scale_exponents(histograms: dict, out: Path, *, title: str = "") -> Pat
             ax.set_ylabel("% of blocks (all FP4 linears)", fontsize=9)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle(title or "block-scale codes under E4M3 and UE5M3 (dashed: each format's smallest and largest code)",
-                 fontsize=11)
+    fig.suptitle(
+        title or "block-scale codes under E4M3 and UE5M3 (dashed: each format's smallest and largest code)", fontsize=11
+    )
     fig.tight_layout()
     path = out / "scale_exponents.png"
     fig.savefig(path, dpi=100)

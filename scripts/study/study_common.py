@@ -18,8 +18,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-COLORS = {"bf16": "black", "nvfp4": "tab:blue", "ue5m3": "tab:red", "ue5m3_te_settings": "tab:orange",
-          "nvfp4_all_fp4_no_rht": "tab:purple", "mxfp4": "tab:green", "nvfp4_delayed": "tab:cyan"}  # fmt: skip
+COLORS = {
+    "bf16": "black",
+    "nvfp4": "tab:blue",
+    "ue5m3": "tab:red",
+    "ue5m3_te_settings": "tab:orange",
+    "nvfp4_all_fp4_no_rht": "tab:purple",
+    "mxfp4": "tab:green",
+    "nvfp4_delayed": "tab:cyan",
+}
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -59,9 +66,16 @@ def submit_slurm(path: Path, overrides: list[str], *, job_name: str, slurm_args:
     key, experiment = overrides[0].split("=", 1)
     if key != "experiment":
         raise ValueError(f"the first override must be experiment=<name>, got {overrides[0]!r}")
-    cmd = [sys.executable, "-m", "nemofp4.cli.launch", f"experiment={experiment}", f"run_dir={path}",
-           "train_overrides=[" + ",".join(json.dumps(o) for o in overrides[1:]) + "]",
-           f"slurm.job_name={job_name}", *slurm_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemofp4.cli.launch",
+        f"experiment={experiment}",
+        f"run_dir={path}",
+        "train_overrides=[" + ",".join(json.dumps(o) for o in overrides[1:]) + "]",
+        f"slurm.job_name={job_name}",
+        *slurm_args,
+    ]
     print(f"[slurm] {shlex.join(cmd)}", flush=True)
     subprocess.run(cmd, cwd=REPO_ROOT, check=True)
 
@@ -77,8 +91,15 @@ def read_rows(path: Path, kind: str) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def evaluate_checkpoint(path: Path, *, step: int, policies: list[str], delay: int, calibration_sequences: int,
-                        cache_name: str = "compare_eval.json") -> dict[str, float]:  # fmt: skip
+def evaluate_checkpoint(
+    path: Path,
+    *,
+    step: int,
+    policies: list[str],
+    delay: int,
+    calibration_sequences: int,
+    cache_name: str = "compare_eval.json",
+) -> dict[str, float]:
     """Held-out NLL of the run's step-``step`` checkpoint under each inference policy (cached in the run folder)."""
     cache = path / cache_name
     key = {"step": step, "policies": list(policies), "delay": delay, "C": calibration_sequences}

@@ -28,9 +28,7 @@ pytestmark = [
 FORMATS = ["e4m3", "ue5m3", "ue5m3_cuda", "ue8m0"]
 
 
-def make_input(
-    rows: int, cols: int, seed: int, dtype=torch.bfloat16, edge_cases: bool = True
-) -> torch.Tensor:
+def make_input(rows: int, cols: int, seed: int, dtype=torch.bfloat16, edge_cases: bool = True) -> torch.Tensor:
     """Rows of log-normal magnitude; with ``edge_cases`` an outlier, a zero block and tiny blocks
     (left out for the GEMM tests: the float64 group sums are exact only within a 2^31 span)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -94,13 +92,13 @@ def test_sr8_rule_statistics_and_determinism_on_cuda():
     grid = np.array(E2M1._magnitude_values_f64)
     rng = np.random.default_rng(0)
     lower = rng.integers(0, grid.size - 1, size=(4, 15))
-    values = (grid[lower] + rng.uniform(0, 1, size=(4, 15)) * (grid[lower + 1] - grid[lower])).astype(
-        np.float32
-    )
+    values = (grid[lower] + rng.uniform(0, 1, size=(4, 15)) * (grid[lower + 1] - grid[lower])).astype(np.float32)
     row = np.concatenate([np.full((4, 1), 6.0, np.float32), values], axis=1).reshape(-1)
     draws = 65536
     x = torch.from_numpy(np.tile(row, (draws, 1))).cuda()
-    (rows, rows_draws), _ = triton_quantize_with_draws(x, scale_format="e4m3", tensor_amax=2688.0, rounding="sr8", seed=1)
+    (rows, rows_draws), _ = triton_quantize_with_draws(
+        x, scale_format="e4m3", tensor_amax=2688.0, rounding="sr8", seed=1
+    )
     r = rows_draws.cpu().numpy().reshape(draws, 4, 16)[:, :, 1:].astype(np.float64)
     frac = (values.astype(np.float64) - grid[lower]) / (grid[lower + 1] - grid[lower])
     away = frac + (2 * r + 1) / 512 >= 1
@@ -132,9 +130,7 @@ def test_hardware_gemm_on_cuda(scale_format):
     small_b = quantize_blocks(make_input(24, 520, seed=4, edge_cases=False).float(), scale_format, block)
     ref = hardware_gemm_reference(small_a, small_b, lattice_snap=True)
     assert torch.equal(triton_hardware_gemm(small_a, small_b, lattice_snap=True).cpu(), ref)
-    w = quantize_blocks(
-        make_input(520, 72, seed=5, edge_cases=False).float(), scale_format, block, two_d=True
-    )
+    w = quantize_blocks(make_input(520, 72, seed=5, edge_cases=False).float(), scale_format, block, two_d=True)
     ref = hardware_gemm_reference(small_a, w, b_transposed=True)
     assert torch.equal(triton_hardware_gemm(small_a, w, b_transposed=True).cpu(), ref)
 

@@ -9,8 +9,10 @@ from nemofp4.models.nemotron_h import model as mixer_module
 from nemofp4.models.nemotron_h.ssd import mamba_ssm_available
 from nemofp4.planning.standins import mamba_kernel_standins
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and mamba_ssm_available()),
-                                                  reason="needs CUDA and mamba_ssm")]  # fmt: skip
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and mamba_ssm_available()), reason="needs CUDA and mamba_ssm"),
+]
 
 
 def _saved(fn, *args):
@@ -26,7 +28,7 @@ def test_the_stand_ins_save_what_the_kernels_save():
     proj = torch.randn(b, length, conv_dim + 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(conv_dim, width, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(conv_dim, device="cuda", dtype=torch.bfloat16)
-    x = proj[..., 32:32 + conv_dim]
+    x = proj[..., 32 : 32 + conv_dim]
     real = _saved(mixer_module.causal_depthwise_conv1d, x, weight, bias)
     with mamba_kernel_standins():
         assert _saved(mixer_module.causal_depthwise_conv1d, x, weight, bias) == real

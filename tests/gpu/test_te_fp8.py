@@ -16,8 +16,10 @@ from tests.conftest import StandInModel, linear_names
 EMULATED = {"fp8_te": "fp8", "mxfp8_te": "mxfp8"}
 STATUS = {name: transformer_engine_status(get_recipe(name).parts["fp8"]) for name in EMULATED}
 pytestmark = pytest.mark.gpu
-RECIPES = [pytest.param(name, marks=pytest.mark.skipif(not STATUS[name][0], reason=f"{name} unavailable: {STATUS[name][1]}"))
-           for name in EMULATED]  # fmt: skip
+RECIPES = [
+    pytest.param(name, marks=pytest.mark.skipif(not STATUS[name][0], reason=f"{name} unavailable: {STATUS[name][1]}"))
+    for name in EMULATED
+]
 TOKENS, K, N = 1024, 512, 768
 
 

@@ -35,10 +35,12 @@ def main(overrides: list[str]) -> None:
     trainer = Trainer(compose_job_config(overrides))
     try:
         summary = trainer.run()
-        groups = sum(1 for m in trainer.model.modules()
-                     if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None)  # fmt: skip
-        record = {**COUNT, "fsdp_groups": groups, "steps": summary["step"],
-                  "grad_accum": trainer.budget.grad_accum}  # fmt: skip
+        groups = sum(
+            1
+            for m in trainer.model.modules()
+            if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
+        )
+        record = {**COUNT, "fsdp_groups": groups, "steps": summary["step"], "grad_accum": trainer.budget.grad_accum}
         Path(trainer.cfg.run_dir, f"collectives-rank{trainer.rank}.json").write_text(json.dumps(record))
     finally:
         trainer.close()

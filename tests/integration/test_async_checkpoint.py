@@ -62,8 +62,13 @@ def _rank_main(rank: int, folder: str) -> None:
         saved = _full(state())
 
         # 1. a held save: training goes on (collectives on the default group, weights change in place)
-        final = mgr.save(1, dcp_state=state(), trainer_state={"step": 1}, rank_state={"rank": torch.tensor(rank)},
-                         hold_background_s=HOLD_S)  # fmt: skip
+        final = mgr.save(
+            1,
+            dcp_state=state(),
+            trainer_state={"step": 1},
+            rank_state={"rank": torch.tensor(rank)},
+            hold_background_s=HOLD_S,
+        )
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
@@ -238,8 +243,16 @@ def test_sync_and_async_saves_give_identical_checkpoints_and_resumed_trajectorie
     common = [*TRAIN, "train.max_steps=6", "checkpoint.interval=2"]
     launch(2, sync, *common)
     # step 2's write is held for 3 s while steps 3 and 4 train (and change the weights in place)
-    launch(2, async_, *common, ASYNC, "debug.hold_async_save_step=2", "debug.hold_async_save_s=3",
-           "debug.sigkill_at_step=4", expect_rc=1)  # fmt: skip
+    launch(
+        2,
+        async_,
+        *common,
+        ASYNC,
+        "debug.hold_async_save_step=2",
+        "debug.hold_async_save_s=3",
+        "debug.sigkill_at_step=4",
+        expect_rc=1,
+    )
     assert _published(async_)[2] >= 3, "the held save did not run in the background"
     launch(2, async_, *common, ASYNC)
     assert losses(async_) == losses(sync)
@@ -250,5 +263,8 @@ def test_sync_and_async_saves_give_identical_checkpoints_and_resumed_trajectorie
         _assert_same(a, b, name)
         for rank_file in sorted((sync / "checkpoints" / name / "rank").iterdir()):
             other = async_ / "checkpoints" / name / "rank" / rank_file.name
-            _assert_same(torch.load(rank_file, weights_only=True), torch.load(other, weights_only=True),
-                         f"{name}/{rank_file.name}")
+            _assert_same(
+                torch.load(rank_file, weights_only=True),
+                torch.load(other, weights_only=True),
+                f"{name}/{rank_file.name}",
+            )

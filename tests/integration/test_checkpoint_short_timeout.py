@@ -51,23 +51,32 @@ def _rank_main(rank: int, folder: str) -> None:
         _, state = _model_and_state()
         rank_state = {"rank": torch.tensor(rank)}
         sync = CheckpointManager(f"{folder}/sync", CheckpointConfig(keep_last_k=1))
-        async_ = CheckpointManager(f"{folder}/async", CheckpointConfig(keep_last_k=1, async_save=True),
-                                   group_timeout_s=120)  # fmt: skip
+        async_ = CheckpointManager(
+            f"{folder}/async", CheckpointConfig(keep_last_k=1, async_save=True), group_timeout_s=120
+        )
         set_collective_timeout(TIMEOUT_S, keep=[async_.save_group])  # the trainer's switch after step 1
         try:
             # sync: step 2 prunes step 1 (its deletion takes SLOW_S on rank 0), step 2 again replaces a
             # complete folder (the replaced one is deleted likewise)
             for step in (1, 2, 2):
-                timed("sync save", sync.save, step, dcp_state=state(), trainer_state={"step": step},
-                      rank_state=rank_state)  # fmt: skip
+                timed(
+                    "sync save", sync.save, step, dcp_state=state(), trainer_state={"step": step}, rank_state=rank_state
+                )
             # async: rank 1's checksums take SLOW_S (in the background); boundaries every 0.25 s meanwhile
             if rank == 1:
                 crc32 = ckpt_mod.crc32
-                ckpt_mod.crc32 = lambda path: (time.sleep(SLOW_S if path.name.startswith("rank-") else 0),
-                                               crc32(path))[1]  # fmt: skip
+                ckpt_mod.crc32 = lambda path: (time.sleep(SLOW_S if path.name.startswith("rank-") else 0), crc32(path))[
+                    1
+                ]
             for step in (1, 2):
-                timed("async save", async_.save, step, dcp_state=state(), trainer_state={"step": step},
-                      rank_state=rank_state)  # fmt: skip
+                timed(
+                    "async save",
+                    async_.save,
+                    step,
+                    dcp_state=state(),
+                    trainer_state={"step": step},
+                    rank_state=rank_state,
+                )
                 published, waited = None, time.perf_counter()
                 while published is None:
                     time.sleep(0.25)  # a training step

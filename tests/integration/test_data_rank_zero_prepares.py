@@ -20,16 +20,23 @@ def _write_corpus(folder) -> str:
         docs = [rng.integers(1, 8000, size=int(n)) for n in rng.integers(5, 60, 60)]
         write_indexed_dataset(folder / shard, docs, np.uint16)
         records.append(shard_record(str(folder / shard), folder))
-    manifest = {"format": "nemofp4-token-manifest", "version": 1, "dtype": "uint16", "tokenizer": {"hash": None},
-                "documents": sum(r["documents"] for r in records), "tokens": sum(r["tokens"] for r in records),
-                "shards": records}  # fmt: skip
+    manifest = {
+        "format": "nemofp4-token-manifest",
+        "version": 1,
+        "dtype": "uint16",
+        "tokenizer": {"hash": None},
+        "documents": sum(r["documents"] for r in records),
+        "tokens": sum(r["tokens"] for r in records),
+        "shards": records,
+    }
     (folder / "corpus.manifest.json").write_text(json.dumps(manifest))
     return str(folder / "corpus")
 
 
 def _config(folder, prefix) -> DataConfig:
-    return DataConfig(sources=[DataSourceConfig(prefix=prefix)], cache_dir=f"{folder}/cache", validation_fraction=0.2,
-                      verify="index")  # fmt: skip
+    return DataConfig(
+        sources=[DataSourceConfig(prefix=prefix)], cache_dir=f"{folder}/cache", validation_fraction=0.2, verify="index"
+    )
 
 
 def _rank_main(rank: int, world: int, folder: str, prefix: str) -> None:
@@ -48,8 +55,16 @@ def _rank_main(rank: int, world: int, folder: str, prefix: str) -> None:
 
     manifest.file_sha256 = counted("sha256", manifest.file_sha256)
     loader_module.split_documents = counted("split", loader_module.split_documents)
-    loader = build_train_loader(_config(folder, prefix), seq_len=16, global_batch=8, micro_batch=2, num_samples=64,
-                                seed=3, dp_rank=rank, dp_size=world)  # fmt: skip
+    loader = build_train_loader(
+        _config(folder, prefix),
+        seq_len=16,
+        global_batch=8,
+        micro_batch=2,
+        num_samples=64,
+        seed=3,
+        dp_rank=rank,
+        dp_size=world,
+    )
     batches = [b["input_ids"].tolist() for b in loader]
     build_calls = dict(calls)
 
@@ -78,10 +93,16 @@ def test_other_ranks_neither_hash_nor_split_and_serve_rank_zeros_order(tmp_path)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0]["calls"] == {"sha256": 2, "split": 1}  # rank 0 checks both .idx files and splits once
     assert results[1]["calls"] == {"sha256": 0, "split": 0}
-    single = [b["input_ids"] for b in build_train_loader(_config(tmp_path, prefix), seq_len=16, global_batch=8,
-                                                         micro_batch=2, num_samples=64, seed=3)]  # fmt: skip
+    single = [
+        b["input_ids"]
+        for b in build_train_loader(
+            _config(tmp_path, prefix), seq_len=16, global_batch=8, micro_batch=2, num_samples=64, seed=3
+        )
+    ]
     for step in range(len(single) // 4):
-        merged = torch.tensor(results[0]["batches"][2 * step : 2 * step + 2] + results[1]["batches"][2 * step : 2 * step + 2])
+        merged = torch.tensor(
+            results[0]["batches"][2 * step : 2 * step + 2] + results[1]["batches"][2 * step : 2 * step + 2]
+        )
         assert torch.equal(merged.reshape(8, 16), torch.cat(single[4 * step : 4 * step + 4]))
     for result in results:  # both ranks stop, neither waits forever
         assert result["error"] and "rank(s) [1] see different data than rank 0 for token source" in result["error"]

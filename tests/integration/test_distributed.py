@@ -48,8 +48,9 @@ def test_checkpoint_reshards_between_world_sizes(tmp_path, first, second):
     common = ["precision=bf16", "train.max_steps=6", "checkpoint.interval=3", "train.micro_batch=2"]
     fsdp = lambda n: ["distributed=fsdp"] if n > 1 else []
     launch(first, tmp_path / "straight", *common, *fsdp(first))
-    launch(first, tmp_path / "moved", *common, *fsdp(first), "debug.sigkill_at_step=3",
-           expect_rc=1 if first > 1 else -9)  # fmt: skip
+    launch(
+        first, tmp_path / "moved", *common, *fsdp(first), "debug.sigkill_at_step=3", expect_rc=1 if first > 1 else -9
+    )
     launch(second, tmp_path / "moved", *common, *fsdp(second))
     straight, moved = losses(tmp_path / "straight"), losses(tmp_path / "moved")
     assert sorted(moved) == list(range(1, 7))
@@ -63,8 +64,13 @@ def test_checkpoint_reshards_between_world_sizes(tmp_path, first, second):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_trains_checkpoints_and_resumes_exactly(tmp_path, stage):
     pytest.importorskip("deepspeed")
-    common = ["precision=bf16", "train.max_steps=4", "checkpoint.interval=2", "train.micro_batch=2",
-              f"distributed=deepspeed_zero{stage}"]  # fmt: skip
+    common = [
+        "precision=bf16",
+        "train.max_steps=4",
+        "checkpoint.interval=2",
+        "train.micro_batch=2",
+        f"distributed=deepspeed_zero{stage}",
+    ]
     launch(2, tmp_path / "straight", *common)
     launch(2, tmp_path / "resumed", *common, "debug.sigkill_at_step=2", expect_rc=1)
     assert (tmp_path / "resumed" / "checkpoints" / "step-2" / "deepspeed").is_dir()
@@ -84,19 +90,38 @@ def test_the_workers_of_a_launcher_killed_with_sigkill_stop_at_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-         "-m", "nemofp4.train", *SMALL, "distributed=fsdp", "train.micro_batch=2", "train.max_steps=100000",
-         "checkpoint.interval=2", "train.kernels=eager", f"run_dir={run_dir}"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "-m",
+            "nemofp4.train",
+            *SMALL,
+            "distributed=fsdp",
+            "train.micro_batch=2",
+            "train.max_steps=100000",
+            "checkpoint.interval=2",
+            "train.kernels=eager",
+            f"run_dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     workers: list[int] = []
     try:
         metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
         while not (metrics.is_file() and '"checkpoint"' in metrics.read_text()):  # training, and saving
             assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
             time.sleep(0.2)
-        workers = [int(pid) for task in Path(f"/proc/{launcher.pid}/task").iterdir()
-                   for pid in (task / "children").read_text().split()]  # fmt: skip
+        workers = [
+            int(pid)
+            for task in Path(f"/proc/{launcher.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()
+        ]
         assert len(workers) == 2 and all(os.getsid(w) == w for w in workers)  # each its own session
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone
         launcher.wait()

@@ -22,8 +22,14 @@ def _eval_records(run_dir):
 
 def test_three_ranks_split_uneven_validation_batches_and_match_one_process(tmp_path):
     # 10 sequences in batches of 4 -> 3 batches of 4, 4 and 2 sequences over 3 FSDP ranks
-    common = ["precision=bf16", "train.max_steps=1", "train.global_batch=6", "eval.num_sequences=10",
-              "checkpoint.interval=0", "checkpoint.save_final=false"]  # fmt: skip
+    common = [
+        "precision=bf16",
+        "train.max_steps=1",
+        "train.global_batch=6",
+        "eval.num_sequences=10",
+        "checkpoint.interval=0",
+        "checkpoint.save_final=false",
+    ]
     launch(1, tmp_path / "one", *common, "train.micro_batch=6", "eval.batch_size=4")
     launch(3, tmp_path / "three", *common, "distributed=fsdp", "train.micro_batch=2", "eval.batch_size=4")
     one, three = (_eval_records(tmp_path / name)[0] for name in ("one", "three"))

@@ -91,8 +91,10 @@ def parse_blocks(page: Path) -> list[Block]:
         if end is None:
             raise ValueError(f"{page}:{start + 1}: unterminated code fence")
         if lines[end].strip() != fence:
-            raise ValueError(f"{page}:{end + 1}: text after a closing code fence ({lines[end]!r}): in Markdown it "
-                             "does not close the block; put the text on the next line")
+            raise ValueError(
+                f"{page}:{end + 1}: text after a closing code fence ({lines[end]!r}): in Markdown it "
+                "does not close the block; put the text on the next line"
+            )
         skip, append = None, ""
         directive = _DIRECTIVE.match(lines[start - 1].strip()) if start else None
         if start and lines[start - 1].lstrip().startswith("<!-- docs-test") and not directive:
@@ -185,7 +187,9 @@ def test_every_code_block_declares_its_language():
     assert not unlabeled, f"code fences without a language (use ```bash or ```text): {unlabeled}"
     for block in ALL_BLOCKS:
         if block.lang != "bash":
-            assert block.skip is None and not block.append, f"{block.id}: a docs-test comment on a ```{block.lang} block"
+            assert block.skip is None and not block.append, (
+                f"{block.id}: a docs-test comment on a ```{block.lang} block"
+            )
 
 
 def test_the_parser_and_the_override_rewriting():
@@ -231,24 +235,41 @@ def _write_venv(checkout: Path) -> None:
     bin_dir = checkout / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
     py, code = shlex.quote(sys.executable), shlex.quote(str(checkout))
-    run = f'PYTHONPATH={code}${{PYTHONPATH:+:$PYTHONPATH}} exec {py}'
+    run = f"PYTHONPATH={code}${{PYTHONPATH:+:$PYTHONPATH}} exec {py}"
     shims = {"python": f'{run} "$@"', "python3": f'{run} "$@"', "torchrun": f'{run} -m torch.distributed.run "$@"'}
     for name, target in _console_scripts().items():
         module, func = target.split(":")
-        shims[name] = f'{run} -c "import sys; sys.argv[0] = \'{name}\'; from {module} import {func}; sys.exit({func}())" "$@"'
+        shims[name] = (
+            f'{run} -c "import sys; sys.argv[0] = \'{name}\'; from {module} import {func}; sys.exit({func}())" "$@"'
+        )
     for name, body in shims.items():
         path = bin_dir / name
         path.write_text(f"#!/bin/bash\n{body}\n")
         path.chmod(0o755)
     venv = shlex.quote(str(checkout / ".venv"))
-    (bin_dir / "activate").write_text(f'export VIRTUAL_ENV={venv}\nexport PATH="$VIRTUAL_ENV/bin:$PATH"\n'
-                                      'deactivate() { export PATH="${PATH#"$VIRTUAL_ENV/bin:"}"; unset VIRTUAL_ENV; }\n')
+    (bin_dir / "activate").write_text(
+        f'export VIRTUAL_ENV={venv}\nexport PATH="$VIRTUAL_ENV/bin:$PATH"\n'
+        'deactivate() { export PATH="${PATH#"$VIRTUAL_ENV/bin:"}"; unset VIRTUAL_ENV; }\n'
+    )
 
 
 def _copy_repo(dest: Path) -> None:
-    ignore = shutil.ignore_patterns(".git", ".venv", "runs", "wandb", "outputs", "multirun", "__pycache__",
-                                    ".pytest_cache", ".ruff_cache", ".hypothesis", "build", "dist", "*.egg-info",
-                                    "cache")
+    ignore = shutil.ignore_patterns(
+        ".git",
+        ".venv",
+        "runs",
+        "wandb",
+        "outputs",
+        "multirun",
+        "__pycache__",
+        ".pytest_cache",
+        ".ruff_cache",
+        ".hypothesis",
+        "build",
+        "dist",
+        "*.egg-info",
+        "cache",
+    )
     shutil.copytree(REPO, dest, ignore=ignore)
 
 
@@ -297,8 +318,14 @@ class Shell:
             env["OMP_NUM_THREADS"] = str(self.threads)
         # A session of its own, so that a block that runs out of time is stopped with everything it started
         # (a trainer left running would hold its run directory and the machine).
-        proc = subprocess.Popen(["bash", "--noprofile", "--norc", "-euo", "pipefail", "-c", wrapped], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc", "-euo", "pipefail", "-c", wrapped],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             output, _ = proc.communicate(timeout=BLOCK_TIMEOUT_S)
             return proc.returncode, output
@@ -334,11 +361,13 @@ def test_every_page_with_commands_is_in_one_lane():
     pages = {str(b.page.relative_to(REPO)) for b in BASH_BLOCKS if not b.skip}
     laned = [page for lane in LANES for page in lane]
     assert len(laned) == len(set(laned)) and pages <= set(laned), (
-        f"pages with commands but no lane: {sorted(pages - set(laned))} (add them to LANES)")
+        f"pages with commands but no lane: {sorted(pages - set(laned))} (add them to LANES)"
+    )
     assert _one_lane(LANES)[:3] == ["README.md", "docs/evaluation.md", "docs/training.md"]  # one job: AFTER holds
     setup = _runnable("README.md")[0]
     assert not any(is_nemofp4_command(split_comment(line)[0]) for line in logical_lines(setup.text)), (
-        "the README's first runnable block is the set-up both lanes start from: it runs no nemofp4 command")
+        "the README's first runnable block is the set-up both lanes start from: it runs no nemofp4 command"
+    )
 
 
 @pytest.fixture(scope="module")

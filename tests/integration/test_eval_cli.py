@@ -25,9 +25,14 @@ from nemofp4.training.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 TASK = ROOT / "data" / "tasks" / "austen_cloze.jsonl"
 SMALL = [
-    "train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "eval.num_sequences=8",
-    "eval.batch_size=4", "logging.wandb=false", "logging.console=false",
-]  # fmt: skip
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.micro_batch=4",
+    "eval.num_sequences=8",
+    "eval.batch_size=4",
+    "logging.wandb=false",
+    "logging.console=false",
+]
 
 
 def train_tiny(run_dir: Path, *overrides: str) -> None:
@@ -46,8 +51,14 @@ def nvfp4_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("eval") / "nvfp4"
     # trained on the eager quantizer (no compile in the training process); the evaluation compiles,
     # so the val-loss comparison below also holds the two paths together
-    train_tiny(run, "precision=nvfp4", "precision.num_bf16_last_layers=2", "train.max_steps=3",
-               "logging.quant_stats_interval=1", "train.kernels=eager")
+    train_tiny(
+        run,
+        "precision=nvfp4",
+        "precision.num_bf16_last_layers=2",
+        "train.max_steps=3",
+        "logging.quant_stats_interval=1",
+        "train.kernels=eager",
+    )
     return run
 
 
@@ -71,11 +82,19 @@ def test_checkpoint_is_found_from_run_dir_checkpoints_dir_or_step_folder(nvfp4_r
 def test_eval_command_writes_json_and_markdown_and_matches_the_trainers_val_loss(nvfp4_run, tmp_path):
     out = tmp_path / "results.json"
     cmd = [
-        sys.executable, "-m", "nemofp4.cli.evaluate", f"checkpoint={nvfp4_run}", "policy=current",
-        f"tasks=[{TASK}]", "task_limit=4", "task_batch_size=4", f"out={out}",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        sys.executable,
+        "-m",
+        "nemofp4.cli.evaluate",
+        f"checkpoint={nvfp4_run}",
+        "policy=current",
+        f"tasks=[{TASK}]",
+        "task_limit=4",
+        "task_batch_size=4",
+        f"out={out}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     trainer_final = [r for r in read_metrics(nvfp4_run, "eval") if r["step"] == 3][0]
@@ -112,8 +131,13 @@ def test_the_kernels_knob_reaches_every_fp4_linear_and_keeps_the_numerics(nvfp4_
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "nemofp4.cli.evaluate", f"checkpoint={tmp_path / 'none'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemofp4.cli.evaluate", f"checkpoint={tmp_path / 'none'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "no such step folder or run directory" in proc.stderr
 
 
@@ -125,12 +149,20 @@ def test_lm_eval_model_name_loads_the_checkpoint(nvfp4_run, monkeypatch):
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     out = lm_eval.simple_evaluate(
-        model="nemofp4", model_args={"checkpoint": str(nvfp4_run), "policy": "current"}, batch_size=8,
-        tasks=["austen_cloze"], task_manager=TaskManager(include_path=str(LOCAL_TASKS_DIR), include_defaults=False),
-        limit=2, bootstrap_iters=0, log_samples=False,
-    )  # fmt: skip
-    builtin = evaluate(EvaluateConfig(checkpoint=str(nvfp4_run), val_data="none", tasks=[str(TASK)], task_limit=2,
-                                      task_batch_size=8, device="cpu"))  # fmt: skip
+        model="nemofp4",
+        model_args={"checkpoint": str(nvfp4_run), "policy": "current"},
+        batch_size=8,
+        tasks=["austen_cloze"],
+        task_manager=TaskManager(include_path=str(LOCAL_TASKS_DIR), include_defaults=False),
+        limit=2,
+        bootstrap_iters=0,
+        log_samples=False,
+    )
+    builtin = evaluate(
+        EvaluateConfig(
+            checkpoint=str(nvfp4_run), val_data="none", tasks=[str(TASK)], task_limit=2, task_batch_size=8, device="cpu"
+        )
+    )
     assert out["results"]["austen_cloze"]["acc,none"] == builtin["tasks"]["austen_cloze"]["acc"]
 
 
@@ -138,15 +170,19 @@ def test_quant_plots_from_the_run(nvfp4_run, tmp_path):
     from tests.conftest import plot_script
 
     out = tmp_path / "plots"
-    written = plot_script().main([str(nvfp4_run), "--checkpoint", str(nvfp4_run), "--out", str(out), "--sequences", "2"])
+    written = plot_script().main(
+        [str(nvfp4_run), "--checkpoint", str(nvfp4_run), "--out", str(out), "--sequences", "2"]
+    )
     assert [p.name for p in written] == ["nvfp4_blocks.png", "scale_exponents.png"]
     for path in written:
         assert path.read_bytes()[:4] == b"\x89PNG"
     histograms = json.loads((out / "scale_exponents.json").read_text())
     x = histograms["x"]
     assert len({entry["blocks"] for by_fmt in x.values() for entry in by_fmt.values()}) == 1  # the same blocks
-    hist = {ref: {fmt: {int(e): c for e, c in entry["hist"].items()} for fmt, entry in by_fmt.items()}
-            for ref, by_fmt in x.items()}  # fmt: skip
+    hist = {
+        ref: {fmt: {int(e): c for e, c in entry["hist"].items()} for fmt, entry in by_fmt.items()}
+        for ref, by_fmt in x.items()
+    }
     current, grown, shrunk = (x[ref] for ref in ("current", "stale, tensor grew 8x", "stale, tensor shrank 1024x"))
     for fmt in ("ue5m3", "e4m3"):
         assert max(hist["current"][fmt]) <= 8 and current[fmt]["saturated"] == 0  # codes <= T = 448 < 2^9

@@ -9,8 +9,16 @@ import pytest
 
 from tests.conftest import load_script
 
-SMALL = ["train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "eval.num_sequences=8",
-         "eval.batch_size=4", "eval.interval=2", "checkpoint.interval=0", "schedule.warmup_steps=2"]  # fmt: skip
+SMALL = [
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.micro_batch=4",
+    "eval.num_sequences=8",
+    "eval.batch_size=4",
+    "eval.interval=2",
+    "checkpoint.interval=0",
+    "schedule.warmup_steps=2",
+]
 
 
 def _script():
@@ -20,9 +28,29 @@ def _script():
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     base = tmp_path_factory.mktemp("study")
-    argv = ["--study", "smoke", "--recipes", "bf16", "ue5m3", "--seeds", "1", "--steps", "4",
-            "--runs-root", str(base / "runs"), "--out", str(base / "out"), "--calibration-sequences", "2",
-            "--delay", "1", "--window", "3", "--threads", "1"]  # fmt: skip
+    argv = [
+        "--study",
+        "smoke",
+        "--recipes",
+        "bf16",
+        "ue5m3",
+        "--seeds",
+        "1",
+        "--steps",
+        "4",
+        "--runs-root",
+        str(base / "runs"),
+        "--out",
+        str(base / "out"),
+        "--calibration-sequences",
+        "2",
+        "--delay",
+        "1",
+        "--window",
+        "3",
+        "--threads",
+        "1",
+    ]
     for override in SMALL:
         argv += ["--train-override", override]
     _script().main(argv)
@@ -50,7 +78,9 @@ def test_study_writes_table_results_and_plots(study):
     assert table["bf16"]["gap_to_bf16"] == [0.0, 0.0]
     ue = [r for r in results["runs"] if r["recipe"] == "ue5m3"][0]
     bf = [r for r in results["runs"] if r["recipe"] == "bf16"][0]
-    assert table["ue5m3"]["gap_to_bf16"][0] == pytest.approx((ue["nll"]["current"] - bf["nll"]["current"]) / bf["nll"]["current"])
+    assert table["ue5m3"]["gap_to_bf16"][0] == pytest.approx(
+        (ue["nll"]["current"] - bf["nll"]["current"]) / bf["nll"]["current"]
+    )
     readme = (folder / "README.md").read_text()
     assert "python scripts/study/compare_recipes.py --study smoke" in readme and "| `ue5m3` |" in readme
     for png in ("training_loss.png", "validation_nll.png"):

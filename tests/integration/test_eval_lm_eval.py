@@ -41,9 +41,13 @@ def _lm_eval_run(lm, task_dir: Path, task: str, limit: int = LIMIT):
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
-        model=lm, tasks=[task], task_manager=TaskManager(include_path=str(task_dir), include_defaults=False), limit=limit,
-        bootstrap_iters=0, log_samples=True,
-    )  # fmt: skip
+        model=lm,
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+        limit=limit,
+        bootstrap_iters=0,
+        log_samples=True,
+    )
 
 
 def test_local_task_through_lm_eval_matches_the_builtin_runner(fp4_model):
@@ -56,7 +60,9 @@ def test_local_task_through_lm_eval_matches_the_builtin_runner(fp4_model):
     with PolicyForward(fp4_model, inference) as forward:
         builtin = run_task(forward, tokenizer, items, batch_size=6, return_loglikelihoods=True)
     with PolicyForward(fp4_model, inference) as forward:
-        out = _lm_eval_run(NemoFP4LM(forward=forward, tokenizer=tokenizer, batch_size=6), LOCAL_TASKS_DIR, "austen_cloze")
+        out = _lm_eval_run(
+            NemoFP4LM(forward=forward, tokenizer=tokenizer, batch_size=6), LOCAL_TASKS_DIR, "austen_cloze"
+        )
     metrics = out["results"]["austen_cloze"]
     assert metrics["acc,none"] == builtin["acc"] and metrics["acc_norm,none"] == builtin["acc_norm"]
     samples = sorted(out["samples"]["austen_cloze"], key=lambda s: s["doc_id"])

@@ -27,8 +27,12 @@ def exported(tmp_path_factory):
     out = base / "hf"
     proc = subprocess.run(
         [sys.executable, "-m", "nemofp4.cli.export", f"checkpoint={run}", f"out={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run, out
 
@@ -63,8 +67,14 @@ def test_transformers_logits_equal_ours_and_import_is_exact(exported):
 
 def test_eval_accepts_the_exported_folder(exported):
     run, out = exported
-    kwargs = dict(policy="unquantized", val_data=str(ROOT / "configs" / "data" / "tiny.yaml"), seq_len=64,
-                  val_sequences=8, batch_size=4, device="cpu")  # fmt: skip
+    kwargs = dict(
+        policy="unquantized",
+        val_data=str(ROOT / "configs" / "data" / "tiny.yaml"),
+        seq_len=64,
+        val_sequences=8,
+        batch_size=4,
+        device="cpu",
+    )
     from_hf = evaluate(EvaluateConfig(checkpoint=str(out), **kwargs))
     from_run = evaluate(EvaluateConfig(checkpoint=str(run), **{**kwargs, "val_data": "checkpoint"}))
     assert from_hf["val_tokens"] == from_run["val_tokens"]
@@ -88,7 +98,7 @@ def test_auto_classes_load_offline_and_generate_stops_at_the_end_of_document(exp
     prompt = tokenizer("It is a truth universally acknowledged", return_tensors="pt")
     with torch.no_grad():
         free = model.generate(**prompt, max_new_tokens=12, do_sample=False)
-    new = free[0, prompt.input_ids.shape[1]:].tolist()
+    new = free[0, prompt.input_ids.shape[1] :].tolist()
     assert len(new) == 12 and eod not in new, new  # this 2-step model never ends a document on its own
     # Relabel ids 0 <-> first generated token in a copy: the same model, whose first new token is now EOD.
     first = new[0]
@@ -102,4 +112,4 @@ def test_auto_classes_load_offline_and_generate_stops_at_the_end_of_document(exp
     relabeled = transformers.AutoModelForCausalLM.from_pretrained(swapped, dtype=torch.float32).eval()
     with torch.no_grad():
         stopped = relabeled.generate(**prompt, max_new_tokens=12, do_sample=False)
-    assert stopped[0, prompt.input_ids.shape[1]:].tolist() == [eod]  # stopped at the end-of-document token
+    assert stopped[0, prompt.input_ids.shape[1] :].tolist() == [eod]  # stopped at the end-of-document token

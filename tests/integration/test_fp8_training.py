@@ -55,8 +55,14 @@ def test_fsdp_two_ranks_match_one_process_with_fp8(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_zero2_trains_and_resumes_fp8_exactly(tmp_path):
     pytest.importorskip("deepspeed")
-    common = ["precision=mxfp8", "train.max_steps=4", "checkpoint.interval=2", "train.micro_batch=2",
-              "distributed=deepspeed_zero2", "train.kernels=eager"]  # fmt: skip
+    common = [
+        "precision=mxfp8",
+        "train.max_steps=4",
+        "checkpoint.interval=2",
+        "train.micro_batch=2",
+        "distributed=deepspeed_zero2",
+        "train.kernels=eager",
+    ]
     launch(2, tmp_path / "straight", *common)
     launch(2, tmp_path / "resumed", *common, "debug.sigkill_at_step=2", expect_rc=1)
     launch(2, tmp_path / "resumed", *common)
@@ -77,9 +83,14 @@ def test_weight_cache_evaluation_and_export_of_an_fp8_run(tmp_path):
     model, _, _ = load_checkpoint_model(tmp_path / "cached")
     assert sum(type(m).__name__ == "QuantLinear" for m in model.modules()) > 0
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "nemofp4.cli.export", f"checkpoint={tmp_path / 'cached'}",
-                           f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemofp4.cli.export", f"checkpoint={tmp_path / 'cached'}", f"out={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours, _, _ = load_checkpoint_model(tmp_path / "cached", precision="bf16")
     hf = transformers.NemotronHForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -14,14 +14,31 @@ import pytest
 from tests.conftest import ROOT, SMALL, losses, relative_gap
 from tests.conftest import free_port as _free_port
 
-COMMON = [*SMALL, "precision=bf16", "train.max_steps=3", "train.global_batch=8", "checkpoint.interval=0",
-          "checkpoint.save_final=false", "eval.num_sequences=0", "eval.at_start=false"]  # fmt: skip
+COMMON = [
+    *SMALL,
+    "precision=bf16",
+    "train.max_steps=3",
+    "train.global_batch=8",
+    "checkpoint.interval=0",
+    "checkpoint.save_final=false",
+    "eval.num_sequences=0",
+    "eval.at_start=false",
+]
 
 
 def _run(nproc: int, run_dir: Path, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", "-m", "tests.integration.count_collectives",
-           *COMMON, f"run_dir={run_dir}", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}",
+        "-m",
+        "tests.integration.count_collectives",
+        *COMMON,
+        f"run_dir={run_dir}",
+        *overrides,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -45,8 +62,9 @@ def test_hsdp_2x2_reduces_once_per_step_and_matches_one_process(tmp_path):
 def test_per_micro_batch_sync_reduces_every_micro_batch_to_the_same_losses(tmp_path):
     """The counter sees every reduce-scatter: syncing each micro-batch multiplies them by grad_accum."""
     per_step = _run(2, tmp_path / "step", "distributed=fsdp", "train.micro_batch=2")
-    per_micro = _run(2, tmp_path / "micro", "distributed=fsdp", "train.micro_batch=2",
-                     "distributed.gradient_sync=per_micro_batch")  # fmt: skip
+    per_micro = _run(
+        2, tmp_path / "micro", "distributed=fsdp", "train.micro_batch=2", "distributed.gradient_sync=per_micro_batch"
+    )
     for a, b in zip(per_step, per_micro):
         assert a["grad_accum"] == 2
         assert a["reduce_scatters"] == a["steps"] * a["fsdp_groups"]

@@ -91,9 +91,15 @@ def _keep_gathered_main(rank: int, world: int, folder: str) -> None:
                 counts["n"] = 0
                 loss.backward()
                 phases.append(counts["n"])
-            out[str(keep)] = {"loss": loss.item(), "gathers": phases,
-                              "grads": {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()
-                                        if n.startswith(("lm_head", "norm_f", "embeddings"))}}  # fmt: skip
+            out[str(keep)] = {
+                "loss": loss.item(),
+                "gathers": phases,
+                "grads": {
+                    n: p.grad.full_tensor().tolist()
+                    for n, p in model.named_parameters()
+                    if n.startswith(("lm_head", "norm_f", "embeddings"))
+                },
+            }
         with open(f"{folder}/rank{rank}.json", "w") as f:
             json.dump(out, f)
     finally:

@@ -69,8 +69,17 @@ def test_hsdp_gives_the_losses_of_fsdp_over_the_same_ranks(tmp_path, world):
     assert fsdp[-1][0] < fsdp[0][0] - 0.05  # it trained
 
 
-COMMON = ["precision=bf16", "train.kernels=eager", "distributed=fsdp", "train.micro_batch=1", "train.max_steps=4",
-          "eval.at_start=false", "eval.num_sequences=0", "checkpoint.interval=0", "checkpoint.save_final=false"]  # fmt: skip
+COMMON = [
+    "precision=bf16",
+    "train.kernels=eager",
+    "distributed=fsdp",
+    "train.micro_batch=1",
+    "train.max_steps=4",
+    "eval.at_start=false",
+    "eval.num_sequences=0",
+    "checkpoint.interval=0",
+    "checkpoint.save_final=false",
+]
 
 
 @pytest.mark.slow

@@ -24,10 +24,17 @@ transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("init_from_worker.py")
 SMALL = [
-    "model=tiny", "data=tiny", "train.seq_len=64", "train.global_batch=4", "train.max_steps=1",
-    "eval.num_sequences=0", "logging.wandb=false",
-    "logging.console=false", "logging.plots=false", "train.kernels=eager",
-]  # fmt: skip
+    "model=tiny",
+    "data=tiny",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.max_steps=1",
+    "eval.num_sequences=0",
+    "logging.wandb=false",
+    "logging.console=false",
+    "logging.plots=false",
+    "train.kernels=eager",
+]
 FP4_VS_UNQUANTIZED_RTOL = 1e-2
 """The FP4 recipes' first-step loss against transformers' unquantized one: measured 2.3e-3 (ue5m3) and
 2.2e-3 (nvfp4) relative on this model; a model that was not loaded is 2.5e-2 away."""
@@ -46,8 +53,16 @@ def _first_batch(overrides):
 
     cfg = compose_job_config(overrides)
     batch = cfg.train.global_batch
-    loader = build_train_loader(cfg.data, seq_len=cfg.train.seq_len, global_batch=batch, micro_batch=batch,
-                                num_samples=batch, seed=cfg.train.seed, dp_rank=0, dp_size=1)
+    loader = build_train_loader(
+        cfg.data,
+        seq_len=cfg.train.seq_len,
+        global_batch=batch,
+        micro_batch=batch,
+        num_samples=batch,
+        seed=cfg.train.seed,
+        dp_rank=0,
+        dp_size=1,
+    )
     first = next(iter(loader))
     return first["input_ids"], first["labels"]
 
@@ -101,8 +116,9 @@ def test_one_process_bf16_weights_round_trip_and_first_loss_is_transformers(hf_f
     from nemofp4.training.trainer import Trainer
 
     run = tmp_path / "run"
-    trainer = Trainer(compose_job_config([*SMALL, "train.micro_batch=4", f"train.init_from={hf_folder}",
-                                          f"run_dir={run}"]))
+    trainer = Trainer(
+        compose_job_config([*SMALL, "train.micro_batch=4", f"train.init_from={hf_folder}", f"run_dir={run}"])
+    )
     try:
         assert_export_equals_the_source(trainer.full_model_state_dict(), hf_folder, tmp_path / "export")
         trainer.run()
@@ -123,27 +139,48 @@ def _free_port() -> int:
 
 
 def run_worker(nproc: int, weights: Path, *overrides: str) -> None:
-    cmd = [sys.executable, str(WORKER)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-        str(WORKER)]  # fmt: skip
+    cmd = (
+        [sys.executable, str(WORKER)]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={_free_port()}",
+            str(WORKER),
+        ]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([*cmd, str(weights), *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [*cmd, str(weights), *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("precision, backend", [
-    ("bf16", "fsdp"),
-    pytest.param("ue5m3", "fsdp", marks=pytest.mark.slow),
-    pytest.param("bf16", "deepspeed_zero3", marks=pytest.mark.slow),  # loaded before the engine partitions it
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "precision, backend",
+    [
+        ("bf16", "fsdp"),
+        pytest.param("ue5m3", "fsdp", marks=pytest.mark.slow),
+        pytest.param("bf16", "deepspeed_zero3", marks=pytest.mark.slow),  # loaded before the engine partitions it
+    ],
+)
 def test_two_ranks_read_the_same_weights_and_first_loss(hf_folder, reference, tmp_path, precision, backend):
     """FSDP2 materializes shards only and each rank reads its own slices; the gathered weights are the
     folder's and the first loss is transformers'."""
     run = tmp_path / "run"
-    run_worker(2, tmp_path / "weights.safetensors", *SMALL, f"distributed={backend}", "train.micro_batch=2",
-               f"precision={precision}", f"train.init_from={hf_folder}", f"run_dir={run}")
+    run_worker(
+        2,
+        tmp_path / "weights.safetensors",
+        *SMALL,
+        f"distributed={backend}",
+        "train.micro_batch=2",
+        f"precision={precision}",
+        f"train.init_from={hf_folder}",
+        f"run_dir={run}",
+    )
     from safetensors.torch import load_file
 
     assert_export_equals_the_source(load_file(str(tmp_path / "weights.safetensors")), hf_folder, tmp_path / "export")
@@ -162,8 +199,15 @@ def test_fp4_first_loss_is_the_recipes_forward_of_the_loaded_weights(hf_folder, 
     from nemofp4.quant import set_quant_backend, set_step
     from nemofp4.training.trainer import train
 
-    cfg = compose_job_config([*SMALL, "train.micro_batch=4", f"precision={precision}",
-                              f"train.init_from={hf_folder}", f"run_dir={tmp_path / 'run'}"])
+    cfg = compose_job_config(
+        [
+            *SMALL,
+            "train.micro_batch=4",
+            f"precision={precision}",
+            f"train.init_from={hf_folder}",
+            f"run_dir={tmp_path / 'run'}",
+        ]
+    )
     train(cfg)
     model = load_hf_model(hf_folder, precision=cfg.precision).train()
     set_quant_backend(model, "eager")
@@ -207,8 +251,17 @@ def test_init_from_a_run_of_ours_reads_its_weights_bitwise(tmp_path):
     source = tmp_path / "source"
     train(compose_job_config([*SMALL, "train.micro_batch=4", "train.max_steps=2", f"run_dir={source}"]))
     saved, _, _ = load_checkpoint_model(source, precision="bf16")
-    trainer = Trainer(compose_job_config([*SMALL, "train.micro_batch=4", "precision=ue5m3",
-                                          f"train.init_from={source}", f"run_dir={tmp_path / 'run'}"]))
+    trainer = Trainer(
+        compose_job_config(
+            [
+                *SMALL,
+                "train.micro_batch=4",
+                "precision=ue5m3",
+                f"train.init_from={source}",
+                f"run_dir={tmp_path / 'run'}",
+            ]
+        )
+    )
     try:
         weights = trainer.full_model_state_dict()
         assert trainer.init_record["kind"] == "nemofp4" and trainer.init_record["step"] == 2

@@ -9,9 +9,17 @@ import pytest
 
 from tests.conftest import load_script
 
-SMALL = ["train.seq_len=64", "train.global_batch=4", "train.micro_batch=4", "eval.num_sequences=8",
-         "eval.batch_size=4", "checkpoint.interval=0", "schedule.warmup_steps=1", "logging.quant_stats_interval=1",
-         "train.kernels=eager"]  # the quantizer's compile would take longer than these runs  # fmt: skip
+SMALL = [
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.micro_batch=4",
+    "eval.num_sequences=8",
+    "eval.batch_size=4",
+    "checkpoint.interval=0",
+    "schedule.warmup_steps=1",
+    "logging.quant_stats_interval=1",
+    "train.kernels=eager",
+]  # the quantizer's compile would take longer than these runs
 
 
 def _script():
@@ -19,8 +27,19 @@ def _script():
 
 
 def _argv(base, study, *extra):
-    argv = ["--study", study, "--steps", "3", "--runs-root", str(base / "runs"), "--out", str(base / "out"),
-            "--threads", "1", *extra]  # fmt: skip
+    argv = [
+        "--study",
+        study,
+        "--steps",
+        "3",
+        "--runs-root",
+        str(base / "runs"),
+        "--out",
+        str(base / "out"),
+        "--threads",
+        "1",
+        *extra,
+    ]
     for override in SMALL:
         argv += ["--train-override", override]
     return argv
@@ -29,8 +48,24 @@ def _argv(base, study, *extra):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     base = tmp_path_factory.mktemp("sweep")
-    argv = _argv(base, "smoke", "--recipes", "bf16", "ue5m3", "--lrs", "1e-3", "1e-2", "--seeds", "1",
-                 "--workers", "2", "--staleness-recipes", "ue5m3", "--staleness-lr", "1e-2")  # fmt: skip
+    argv = _argv(
+        base,
+        "smoke",
+        "--recipes",
+        "bf16",
+        "ue5m3",
+        "--lrs",
+        "1e-3",
+        "1e-2",
+        "--seeds",
+        "1",
+        "--workers",
+        "2",
+        "--staleness-recipes",
+        "ue5m3",
+        "--staleness-lr",
+        "1e-2",
+    )
     _script().main(argv)
     return base, argv
 
@@ -39,7 +74,9 @@ def test_sweep_writes_results_table_and_plots_consistent_with_the_runs(sweep):
     base, _ = sweep
     folder = base / "out" / "smoke"
     results = json.loads((folder / "results.json").read_text())
-    assert {(r["recipe"], r["lr"]) for r in results["runs"]} == {(a, b) for a in ("bf16", "ue5m3") for b in (1e-3, 1e-2)}
+    assert {(r["recipe"], r["lr"]) for r in results["runs"]} == {
+        (a, b) for a in ("bf16", "ue5m3") for b in (1e-3, 1e-2)
+    }
     sw = _script()
     for run in results["runs"]:
         path = base / "runs" / "smoke" / run["recipe"] / f"lr-{run['lr']:g}" / "seed-1"

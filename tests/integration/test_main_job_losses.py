@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 CPU_SPREAD = 0.02
 """How far the main job's validation losses may lie from the README's on any x86 CPU (the README's "±")."""
-_LOSSES = re.compile(r"validation\s+loss\s+([0-9.]+)\s+→\s+([0-9.]+)\s+at\s+step\s+100\s+→\s+([0-9.]+)\s+at\s+200"
-                     r"\s+→\s+([0-9.]+)\s+at\s+300")  # fmt: skip
+_LOSSES = re.compile(
+    r"validation\s+loss\s+([0-9.]+)\s+→\s+([0-9.]+)\s+at\s+step\s+100\s+→\s+([0-9.]+)\s+at\s+200"
+    r"\s+→\s+([0-9.]+)\s+at\s+300"
+)
 
 
 def readme_losses() -> dict[int, float]:
@@ -43,8 +45,17 @@ def test_the_main_job_reaches_the_readmes_losses_at_steps_0_and_100(tmp_path):
     """The first 100 steps of the 300-step job: the schedule's decay (its last 15%) starts after step
     255 there, so ``schedule.decay_fraction=0`` keeps every step's learning rate what it is in the job,
     and the data order does not depend on the budget."""
-    cmd = [sys.executable, "-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={tmp_path}",
-           "train.max_steps=100", "schedule.decay_fraction=0", "checkpoint.save_final=false", "logging.wandb=false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemofp4.train",
+        "experiment=tiny_ue5m3",
+        f"run_dir={tmp_path}",
+        "train.max_steps=100",
+        "schedule.decay_fraction=0",
+        "checkpoint.save_final=false",
+        "logging.wandb=false",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]

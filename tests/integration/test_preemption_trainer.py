@@ -33,19 +33,38 @@ def _train_steps(metrics_path) -> list[int]:
 def _start_tasks(tmp_path, run_dir, bin_dir) -> list[subprocess.Popen]:
     port = _free_port()
     command = [
-        sys.executable, "-m", "nemofp4.train", "experiment=tiny_bf16", "distributed=fsdp",
-        f"train.max_steps={MAX_STEPS}", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=2",
-        "eval.at_start=false", "eval.interval=0", "eval.num_sequences=0", "checkpoint.interval=0",
-        "logging.log_interval=1", "logging.wandb_mode=disabled", f"run_dir={run_dir}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "nemofp4.train",
+        "experiment=tiny_bf16",
+        "distributed=fsdp",
+        f"train.max_steps={MAX_STEPS}",
+        "train.seq_len=64",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "eval.at_start=false",
+        "eval.interval=0",
+        "eval.num_sequences=0",
+        "checkpoint.interval=0",
+        "logging.log_interval=1",
+        "logging.wandb_mode=disabled",
+        f"run_dir={run_dir}",
+    ]
     tasks = []
     for rank in range(2):
         environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         environ.update(
-            PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID, SLURM_PROCID=str(rank),
-            SLURM_LOCALID=str(rank), SLURM_NTASKS="2", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2",
-            SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        )  # fmt: skip
+            PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            SLURM_JOB_ID=JOB_ID,
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_NODEID="0",
+            SLURM_TASKS_PER_NODE="2",
+            SLURM_JOB_NODELIST="localhost",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
         log = open(tmp_path / f"rank{rank}.log", "a")  # noqa: SIM115 - closed with the process
         tasks.append(subprocess.Popen(command, cwd=tmp_path, env=environ, stdout=log, stderr=subprocess.STDOUT))
     return tasks

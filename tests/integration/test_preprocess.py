@@ -27,8 +27,18 @@ def corpus(tmp_path):
 def test_cli_with_workers_matches_direct_tokenization(corpus, tmp_path):
     folder, texts = corpus
     out = tmp_path / "out" / "corpus"
-    cmd = [sys.executable, "-m", "nemofp4.cli.preprocess", f"input={folder}", f"tokenizer={TOKENIZER}",
-           f"output_prefix={out}", "workers=2", "max_shard_tokens=2000", "batch_documents=3", "progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemofp4.cli.preprocess",
+        f"input={folder}",
+        f"tokenizer={TOKENIZER}",
+        f"output_prefix={out}",
+        "workers=2",
+        "max_shard_tokens=2000",
+        "batch_documents=3",
+        "progress=false",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     manifest = json.loads((tmp_path / "out" / "corpus.manifest.json").read_text())
@@ -90,10 +100,18 @@ def test_text_and_parquet_inputs_and_trained_tokenizer(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"body": texts[1:]}), tmp_path / "in" / "two.parquet")
-    manifest = preprocess(PreprocessConfig(
-        input=str(tmp_path / "in"), tokenizer="train", tokenizer_vocab_size=400, text_key="body",
-        output_prefix=str(tmp_path / "o" / "mix"), workers=1, single_file=True, progress=False,
-    ))
+    manifest = preprocess(
+        PreprocessConfig(
+            input=str(tmp_path / "in"),
+            tokenizer="train",
+            tokenizer_vocab_size=400,
+            text_key="body",
+            output_prefix=str(tmp_path / "o" / "mix"),
+            workers=1,
+            single_file=True,
+            progress=False,
+        )
+    )
     tok = load_tokenizer(tmp_path / "o" / "mix_tokenizer")
     assert tok.vocab_size == 400 and manifest["documents"] == 4
     ds = IndexedDataset(tmp_path / "o" / "mix")
@@ -103,19 +121,45 @@ def test_text_and_parquet_inputs_and_trained_tokenizer(tmp_path):
 
 def test_unreadable_and_missing_inputs_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing-here"):
-        preprocess(PreprocessConfig(input=str(tmp_path / "nothing-here"), tokenizer=TOKENIZER, output_prefix=str(tmp_path / "x")))
+        preprocess(
+            PreprocessConfig(
+                input=str(tmp_path / "nothing-here"), tokenizer=TOKENIZER, output_prefix=str(tmp_path / "x")
+            )
+        )
     (tmp_path / "bad.parquet").write_bytes(b"this is not parquet")
     with pytest.raises(ValueError, match=r"bad\.parquet: cannot be read as parquet"):
-        preprocess(PreprocessConfig(input=str(tmp_path / "bad.parquet"), tokenizer=TOKENIZER,
-                                    output_prefix=str(tmp_path / "x"), workers=1, progress=False))
+        preprocess(
+            PreprocessConfig(
+                input=str(tmp_path / "bad.parquet"),
+                tokenizer=TOKENIZER,
+                output_prefix=str(tmp_path / "x"),
+                workers=1,
+                progress=False,
+            )
+        )
     write_jsonl(tmp_path / "nokey.jsonl", ["a"])
     with pytest.raises(ValueError, match=r"nokey\.jsonl.*has no 'content' field"):
-        preprocess(PreprocessConfig(input=str(tmp_path / "nokey.jsonl"), tokenizer=TOKENIZER, text_key="content",
-                                    output_prefix=str(tmp_path / "x"), workers=1, progress=False))
+        preprocess(
+            PreprocessConfig(
+                input=str(tmp_path / "nokey.jsonl"),
+                tokenizer=TOKENIZER,
+                text_key="content",
+                output_prefix=str(tmp_path / "x"),
+                workers=1,
+                progress=False,
+            )
+        )
     write_jsonl(tmp_path / "empty.jsonl", ["", ""])
     with pytest.raises(ValueError, match="all 2 documents are empty"):
-        preprocess(PreprocessConfig(input=str(tmp_path / "empty.jsonl"), tokenizer=TOKENIZER,
-                                    output_prefix=str(tmp_path / "e"), workers=1, progress=False))
+        preprocess(
+            PreprocessConfig(
+                input=str(tmp_path / "empty.jsonl"),
+                tokenizer=TOKENIZER,
+                output_prefix=str(tmp_path / "e"),
+                workers=1,
+                progress=False,
+            )
+        )
     assert not (tmp_path / "e.manifest.json").exists()
 
 

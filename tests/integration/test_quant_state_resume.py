@@ -26,8 +26,9 @@ def test_split_batch_holds_the_same_references_and_another_world_size_keeps_them
     The 2-rank checkpoint then resumes on 1 process and holds the very same references."""
     common = [*UE5M3, "train.global_batch=8", "train.max_steps=2", "checkpoint.interval=1"]
     launch(1, tmp_path / "one", *common, "train.micro_batch=8", "train.max_steps=1")
-    launch(2, tmp_path / "two", *common, "distributed=fsdp", "train.micro_batch=4", "debug.sigkill_at_step=1",
-           expect_rc=1)  # fmt: skip
+    launch(
+        2, tmp_path / "two", *common, "distributed=fsdp", "train.micro_batch=4", "debug.sigkill_at_step=1", expect_rc=1
+    )
     one, two = (held_references(tmp_path / run / "checkpoints" / "step-1") for run in ("one", "two"))
     assert losses(tmp_path / "two")[1] == pytest.approx(losses(tmp_path / "one")[1], rel=1e-6)
     assert len(one) == 2 * 3 * 14  # (amax, refresh_step) x (x, w, dy) x the tiny model's 14 FP4 linears
@@ -51,8 +52,10 @@ def _resume_with(tmp_path, toggle: str, *extra: str, steps: int = 4) -> tuple[di
     straight, moved = losses(tmp_path / "straight"), losses(tmp_path / "moved")
     assert sorted(moved) == list(range(1, steps + 1))
     # D = 50: the last step still holds the step-1 references, restored (not re-sampled) bitwise
-    assert_bitwise(held_references(tmp_path / "straight" / "checkpoints" / f"step-{steps}"),
-                   held_references(tmp_path / "moved" / "checkpoints" / f"step-{steps}"))  # fmt: skip
+    assert_bitwise(
+        held_references(tmp_path / "straight" / "checkpoints" / f"step-{steps}"),
+        held_references(tmp_path / "moved" / "checkpoints" / f"step-{steps}"),
+    )
     return straight, moved
 
 
@@ -89,8 +92,14 @@ def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exac
     that layout, still resumes, with its references."""
     from nemofp4.quant import reference_state_dict, without_quant_state
     from nemofp4.training.trainer import Trainer
-    common = ["precision=ue5m3", "train.kernels=eager", "train.max_steps=3", "checkpoint.interval=2",
-              "checkpoint.keep_last_k=0"]  # fmt: skip
+
+    common = [
+        "precision=ue5m3",
+        "train.kernels=eager",
+        "train.max_steps=3",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last_k=0",
+    ]
     new_dcp_state, new_trainer_state, new_rank_state = Trainer._dcp_state, Trainer._trainer_state, Trainer._rank_state
 
     def old_dcp_state(self):
@@ -101,8 +110,10 @@ def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exac
         return {k: v for k, v in new_trainer_state(self).items() if k != "quant_state"}
 
     def old_rank_state(self):
-        wrapped = {k.replace(".mixer.", "._checkpoint_wrapped_module.mixer."): v
-                   for k, v in reference_state_dict(self.model).items()}  # fmt: skip
+        wrapped = {
+            k.replace(".mixer.", "._checkpoint_wrapped_module.mixer."): v
+            for k, v in reference_state_dict(self.model).items()
+        }
         return {**new_rank_state(self), "references": wrapped}
 
     with monkeypatch.context() as patch:
@@ -122,8 +133,11 @@ def test_an_older_checkpoint_with_per_rank_wrapper_named_references_resumes_exac
     old, resumed = curve(tmp_path / "old"), curve(tmp_path / "resumed")
     assert sorted(resumed) == [3]
     assert resumed[3] == old[3]  # loss and gradient norm, bitwise
-    assert {int(v) for k, v in held_references(tmp_path / "resumed" / "checkpoints" / "step-3").items()
-            if k.endswith("refresh_step")} == {1}  # the step-1 references, restored, not re-sampled  # fmt: skip
+    assert {
+        int(v)
+        for k, v in held_references(tmp_path / "resumed" / "checkpoints" / "step-3").items()
+        if k.endswith("refresh_step")
+    } == {1}  # the step-1 references, restored, not re-sampled
 
 
 @pytest.mark.slow  # three two-rank launches; tests/unit/test_quant_state.py loads each rank's own references fast
@@ -132,12 +146,20 @@ def test_ranks_that_hold_their_own_references_resume_each_its_own(tmp_path):
     model state keeps one rank's, and each rank's file its own, which a resume holds again."""
     from nemofp4.checkpointing import load_tensors
 
-    common = [*UE5M3, "distributed=fsdp", "distributed.reduce_references=false", "train.max_steps=3",
-              "checkpoint.interval=2", "train.micro_batch=2"]  # fmt: skip
+    common = [
+        *UE5M3,
+        "distributed=fsdp",
+        "distributed.reduce_references=false",
+        "train.max_steps=3",
+        "checkpoint.interval=2",
+        "train.micro_batch=2",
+    ]
     launch(2, tmp_path / "straight", *common)
     launch(2, tmp_path / "moved", *common, "debug.sigkill_at_step=2", expect_rc=1)
-    ranks = [load_tensors(tmp_path / "moved" / "checkpoints" / "step-2" / "rank" / f"rank-0000{r}.pt")["references"]
-             for r in (0, 1)]  # fmt: skip
+    ranks = [
+        load_tensors(tmp_path / "moved" / "checkpoints" / "step-2" / "rank" / f"rank-0000{r}.pt")["references"]
+        for r in (0, 1)
+    ]
     assert ranks[0].keys() == ranks[1].keys() and any(not torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
     launch(2, tmp_path / "moved", *common)
     assert losses(tmp_path / "moved")[3] == losses(tmp_path / "straight")[3]
@@ -145,14 +167,22 @@ def test_ranks_that_hold_their_own_references_resume_each_its_own(tmp_path):
 
 # each bad value is a fast unit test (tests/unit/test_reference_load_checks.py); here the trainer's and
 # evaluation's loads name the checkpoint, one in CI
-@pytest.mark.parametrize("key, value, message", [
-    ("x.refresh_step", 10**9, r"x\.refresh_step=1000000000 \(valid: 0 \(empty\) or a step from 1 to the checkpoint's "
-                              r"step 2\)"),
-    pytest.param("x.amax", 0.0, r"x\.amax=0 with x\.refresh_step=1 ", marks=pytest.mark.slow),
-    pytest.param("x.amax", -1.0, r"x\.amax=-1\.0 ", marks=pytest.mark.slow),
-])  # fmt: skip
-def test_a_checkpoint_with_out_of_range_references_is_refused_naming_it_the_module_and_the_key(tmp_path, monkeypatch,
-                                                                                               key, value, message):
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "x.refresh_step",
+            10**9,
+            r"x\.refresh_step=1000000000 \(valid: 0 \(empty\) or a step from 1 to the checkpoint's "
+            r"step 2\)",
+        ),
+        pytest.param("x.amax", 0.0, r"x\.amax=0 with x\.refresh_step=1 ", marks=pytest.mark.slow),
+        pytest.param("x.amax", -1.0, r"x\.amax=-1\.0 ", marks=pytest.mark.slow),
+    ],
+)
+def test_a_checkpoint_with_out_of_range_references_is_refused_naming_it_the_module_and_the_key(
+    tmp_path, monkeypatch, key, value, message
+):
     """A writer's bug with consistent checksums: a refresh step of 1e9 froze the reference for the rest of the
     run (and was saved again), an amax of 0 trained off with no message, -1 stopped a step later blaming the
     head's gradient. The resume now stops before the first step, naming the checkpoint, the module and the

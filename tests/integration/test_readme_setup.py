@@ -40,8 +40,21 @@ def test_make_train_then_make_test_in_a_fresh_clone(clone):
 
 def test_make_lock_regenerates_consistent_locks(clone):
     run(["make", "lock"], cwd=clone, timeout=1800)
-    run([".venv/bin/python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_lock.py",
-         "-k", "not environment"], cwd=clone, timeout=600)  # fmt: skip
+    run(
+        [
+            ".venv/bin/python",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/unit/test_lock.py",
+            "-k",
+            "not environment",
+        ],
+        cwd=clone,
+        timeout=600,
+    )
 
 
 def test_make_drift_passes(clone):

@@ -44,7 +44,9 @@ def test_each_multirun_job_trains_in_its_own_run_directory(tmp_path):
     proc = run_cli(f"run_dir={tmp_path}", "optim.lr=1e-3,1e-2", "train.max_steps=2", multirun=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # named by the job's overrides (sorted; cut to 96 characters with a hash of the whole when longer)
-    jobs = sorted((p for p in tmp_path.iterdir() if p.is_dir()), key=lambda p: "lr: 0.01" in (p / "config.yaml").read_text())
+    jobs = sorted(
+        (p for p in tmp_path.iterdir() if p.is_dir()), key=lambda p: "lr: 0.01" in (p / "config.yaml").read_text()
+    )
     assert len(jobs) == 2 and all(p.name.startswith("data=tiny,eval.") and len(p.name) <= 96 for p in jobs)
     for job, lr in zip(jobs, (0.001, 0.01), strict=True):
         assert [r["step"] for r in read_metrics(job, "train")] == [1, 2]  # trained, not "resumed" from the other
@@ -61,7 +63,10 @@ def test_a_fresh_start_in_a_used_directory_refuses_and_overwrite_moves_the_old_r
     train_here(run, "train.max_steps=2", "overwrite=true")
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
     assert len(aside) == 1 and sorted(p.name for p in (aside[0] / "checkpoints").glob("step-*")) == [
-        "step-1", "step-2", "step-3"]
+        "step-1",
+        "step-2",
+        "step-3",
+    ]
     assert [r["step"] for r in read_metrics(run, "train")] == [1, 2]
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-2"]
     train_here(tmp_path / "clean", "train.max_steps=2")
@@ -80,8 +85,9 @@ def test_a_second_trainer_refuses_while_the_first_holds_the_lock(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         tmp_path.mkdir(exist_ok=True)
-        (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid,
-                                                      "slurm_job_id": "31337", "started": "now"}))
+        (tmp_path / LOCK_FILE).write_text(
+            json.dumps({"host": socket.gethostname(), "pid": holder.pid, "slurm_job_id": "31337", "started": "now"})
+        )
         with pytest.raises(RunLockedError, match=f"in use by pid {holder.pid} .*SLURM job 31337"):
             train_here(tmp_path, "train.max_steps=2")
         assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
@@ -101,8 +107,14 @@ def test_a_start_that_fails_leaves_no_run_directory_behind(tmp_path):
 def test_a_nan_at_a_refresh_step_is_never_held_and_the_run_continues(tmp_path):
     # ue5m3 with references refreshed every 3 steps (1, 4, 7): the loss of refresh step 4 is NaN, so every
     # dy sampled there is NaN. The previous references must stay; steps 5 and 6 train normally.
-    common = ["precision=ue5m3", "precision.reference_interval=3", "train.max_steps=6", "checkpoint.interval=3",
-              "train.nonfinite=skip", "checkpoint.keep_last_k=0"]
+    common = [
+        "precision=ue5m3",
+        "precision.reference_interval=3",
+        "train.max_steps=6",
+        "checkpoint.interval=3",
+        "train.nonfinite=skip",
+        "checkpoint.keep_last_k=0",
+    ]
     train_here(tmp_path, *common, "debug.nan_loss_at_step=4")
     rows = {r["step"]: r for r in read_metrics(tmp_path, "train")}
     assert [s for s, r in rows.items() if r.get("skipped")] == [4]
@@ -113,8 +125,13 @@ def test_a_nan_at_a_refresh_step_is_never_held_and_the_run_continues(tmp_path):
 
 
 def test_skip_never_checkpoints_nan_weights_and_resumes_from_the_last_healthy_checkpoint(tmp_path):
-    common = ["train.max_steps=6", "checkpoint.interval=1", "checkpoint.keep_last_k=1", "train.nonfinite=skip",
-              "train.max_skipped_steps=2"]
+    common = [
+        "train.max_steps=6",
+        "checkpoint.interval=1",
+        "checkpoint.keep_last_k=1",
+        "train.nonfinite=skip",
+        "train.max_skipped_steps=2",
+    ]
     with pytest.raises(NonFiniteError, match="step 5: .*parameter layers.0.mixer.in_proj.weight"):
         train_here(tmp_path / "nan", *common, "debug.nan_at_step=3", "debug.nan_param=layers.0.mixer.in_proj.weight")
     assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").glob("step-*")) == ["step-2"]

@@ -33,9 +33,17 @@ REQUIRED = os.environ.get("NEMOFP4_REQUIRE_SLURM") == "1"
 STEPS = 60  # crosses the D=50 reference refresh
 # The trainer's settings of every job here: 60 small steps, 2 sequences per rank, nothing but training.
 TRAIN = [
-    "distributed=fsdp", f"train.max_steps={STEPS}", "train.seq_len=64", "train.global_batch=4", "train.micro_batch=2",
-    "eval.at_start=false", "eval.interval=0", "eval.num_sequences=0", "logging.log_interval=1", "logging.plots=false",
-]  # fmt: skip
+    "distributed=fsdp",
+    f"train.max_steps={STEPS}",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "eval.at_start=false",
+    "eval.interval=0",
+    "eval.num_sequences=0",
+    "logging.log_interval=1",
+    "logging.plots=false",
+]
 JOB_TIMEOUT_S = 900
 
 
@@ -83,10 +91,20 @@ def _render(workdir: Path, name: str, run_dir: Path, overrides: list[str]) -> Pa
     """The interface command of the launcher, exactly, with a job name; its standard output is the script."""
     quoted = ",".join(json.dumps(o) for o in overrides)
     command = [
-        sys.executable, "-m", "nemofp4.cli.launch", "slurm.nodes=2", "slurm.gpus_per_node=0",
-        "slurm.procs_per_node=1", "slurm.cpus_per_task=1", "slurm.time=00:30:00", f"slurm.job_name={name}",
-        "experiment=tiny_ue5m3", f"train_overrides=[{quoted}]", f"run_dir={run_dir}", "dry_run=true",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "nemofp4.cli.launch",
+        "slurm.nodes=2",
+        "slurm.gpus_per_node=0",
+        "slurm.procs_per_node=1",
+        "slurm.cpus_per_task=1",
+        "slurm.time=00:30:00",
+        f"slurm.job_name={name}",
+        "experiment=tiny_ue5m3",
+        f"train_overrides=[{quoted}]",
+        f"run_dir={run_dir}",
+        "dry_run=true",
+    ]
     result = subprocess.run(command, cwd=workdir, env=_environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"run dir {run_dir}" in result.stderr  # it said what the job will run
@@ -96,8 +114,14 @@ def _render(workdir: Path, name: str, run_dir: Path, overrides: list[str]) -> Pa
 
 
 def _sbatch(script: Path, workdir: Path, jobs: list[str]) -> str:
-    result = subprocess.run(["sbatch", "--parsable", str(script)], cwd=workdir, env=_environment(),
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        cwd=workdir,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]
     jobs.append(job_id)
@@ -136,8 +160,10 @@ def _finished(job_id: str) -> dict[str, str] | None:
         return _ENDED[job_id]
     job = _job(job_id)
     if not job:
-        pytest.fail(f"Slurm no longer knows job {job_id}: it ended more than MinJobAge before this test asked "
-                    "(scripts/slurm_local_cluster.sh sets MinJobAge=3600)")
+        pytest.fail(
+            f"Slurm no longer knows job {job_id}: it ended more than MinJobAge before this test asked "
+            "(scripts/slurm_local_cluster.sh sets MinJobAge=3600)"
+        )
     if job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
         _ENDED[job_id] = job
         return job
@@ -183,8 +209,11 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_trains_the_same_losses(w
     _wait(lambda: max(_losses(run_dir), default=0) >= 15, "step 15 of the job", logs=[log])
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)  # what --signal=B:USR1@T sends
     # the job checkpoints, requeues itself and goes back to the queue (Slurm holds it ~120 s: skip that)
-    _wait(lambda: _job(job_id).get("Restarts") == "1" and _job(job_id).get("JobState") == "PENDING",
-          "the requeued job to be pending", logs=[log])  # fmt: skip
+    _wait(
+        lambda: _job(job_id).get("Restarts") == "1" and _job(job_id).get("JobState") == "PENDING",
+        "the requeued job to be pending",
+        logs=[log],
+    )
     stopped_at = max(_losses(run_dir))
     assert (run_dir / "checkpoints" / f"step-{stopped_at}" / "COMPLETE.json").is_file(), log()
     # slurmd revokes the first run's credential with a time in whole seconds: a restart within the
@@ -217,8 +246,13 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_trains_the_same_losses(w
 
 def test_scancel_during_a_save_keeps_the_previous_checkpoint_and_a_resubmission_continues(workdir, jobs, reference):
     run_dir = workdir / "cancelled"
-    overrides = [*TRAIN, "checkpoint.interval=5", "debug.stall_during_checkpoint_step=10", "preemption.exit_grace_s=5",
-                 "logging.wandb_mode=disabled"]  # fmt: skip
+    overrides = [
+        *TRAIN,
+        "checkpoint.interval=5",
+        "debug.stall_during_checkpoint_step=10",
+        "preemption.exit_grace_s=5",
+        "logging.wandb_mode=disabled",
+    ]
     script = _render(workdir, "cancelled", run_dir, overrides)
     first = _sbatch(script, workdir, jobs)
     log = lambda: _log(workdir, "cancelled", first)  # noqa: E731
@@ -257,14 +291,29 @@ def test_two_recipe_sweep_through_hydra_slurm_launcher(workdir, jobs):
     sweep = workdir / "sweep"
     sweep.mkdir()
     command = [
-        sys.executable, "-m", "nemofp4.cli.train", "-m", "precision=bf16,ue5m3", "hydra/launcher=slurm",
-        "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=0",
-        "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20",
-        "train.max_steps=3", "train.seq_len=64", "train.global_batch=2", "train.micro_batch=2", "eval.at_start=false",
-        "eval.num_sequences=0", "logging.wandb_mode=disabled", "logging.plots=false",
-    ]  # fmt: skip
-    result = subprocess.run(command, cwd=sweep, env=_environment(), capture_output=True, text=True,
-                            timeout=JOB_TIMEOUT_S)  # fmt: skip
+        sys.executable,
+        "-m",
+        "nemofp4.cli.train",
+        "-m",
+        "precision=bf16,ue5m3",
+        "hydra/launcher=slurm",
+        "hydra.launcher.nodes=1",
+        "hydra.launcher.tasks_per_node=1",
+        "hydra.launcher.gpus_per_node=0",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.timeout_min=20",
+        "train.max_steps=3",
+        "train.seq_len=64",
+        "train.global_batch=2",
+        "train.micro_batch=2",
+        "eval.at_start=false",
+        "eval.num_sequences=0",
+        "logging.wandb_mode=disabled",
+        "logging.plots=false",
+    ]
+    result = subprocess.run(
+        command, cwd=sweep, env=_environment(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     submitit = sorted((sweep / "runs" / "multirun" / ".submitit").iterdir())
     array_jobs = {path.name for path in submitit if re.fullmatch(r"\d+_\d+", path.name)}

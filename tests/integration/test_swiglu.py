@@ -20,7 +20,9 @@ def test_recipes_give_the_fused_gate_up_linear_the_part_they_give_up_proj(recipe
     # The recipes select by module name (layers.*.mixer.*): the fused linear is one more mixer projection.
     def parts(mlp_activation):
         model = build_model(get_model_config("tiny", mlp_activation=mlp_activation), device="meta")
-        return {name.replace("gate_up_proj", "up_proj"): rule for name, _, rule in resolve_recipe(model, get_recipe(recipe))}
+        return {
+            name.replace("gate_up_proj", "up_proj"): rule for name, _, rule in resolve_recipe(model, get_recipe(recipe))
+        }
 
     swiglu = parts("swiglu")
     assert swiglu == parts("relu2")
@@ -32,8 +34,13 @@ def runs(tmp_path_factory):
     """Two steps of the tiny hybrid with SwiGLU MLPs in BF16 compute, per recipe: its run directory."""
     root = tmp_path_factory.mktemp("swiglu")
     for precision in PRECISIONS:
-        train_here(root / precision, f"precision={precision}", "model.mlp_activation=swiglu", "train.max_steps=2",
-                   "train.dtype=bfloat16")  # fmt: skip
+        train_here(
+            root / precision,
+            f"precision={precision}",
+            "model.mlp_activation=swiglu",
+            "train.max_steps=2",
+            "train.dtype=bfloat16",
+        )
     return {precision: root / precision for precision in PRECISIONS}
 
 
@@ -46,8 +53,10 @@ def test_a_swiglu_hybrid_trains(runs, precision):
     saved = FileSystemReader(str(run / "checkpoints" / "step-2")).read_metadata().state_dict_metadata
     tiny = get_model_config("tiny")
     for i in (i for i, symbol in enumerate(tiny.hybrid_layer_pattern) if symbol == "-"):
-        assert tuple(saved[f"model.layers.{i}.mixer.gate_up_proj.weight"].size) == (2 * tiny.ffn_hidden_size,
-                                                                                    tiny.hidden_size)  # fmt: skip
+        assert tuple(saved[f"model.layers.{i}.mixer.gate_up_proj.weight"].size) == (
+            2 * tiny.ffn_hidden_size,
+            tiny.hidden_size,
+        )
         assert f"model.layers.{i}.mixer.up_proj.weight" not in saved
 
 
@@ -70,8 +79,10 @@ def test_the_hf_export_refuses_a_swiglu_run_in_one_line(runs, tmp_path, capsys, 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     out = tmp_path / "hf"
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(lambda: export_checkpoint(ExportConfig(checkpoint=str(runs["bf16"]), out=str(out))),
-                name="nemofp4-export-hf")  # fmt: skip
+        run_cli(
+            lambda: export_checkpoint(ExportConfig(checkpoint=str(runs["bf16"]), out=str(out))),
+            name="nemofp4-export-hf",
+        )
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("nemofp4-export-hf: error: model.mlp_activation=swiglu does not export")

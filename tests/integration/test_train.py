@@ -36,7 +36,9 @@ def run_train(run_dir: Path, *overrides: str, expect_rc: int = 0) -> subprocess.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != expect_rc:
-        raise AssertionError(f"exit {proc.returncode} (expected {expect_rc})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"exit {proc.returncode} (expected {expect_rc})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -97,7 +99,9 @@ def test_corrupt_checkpoint_falls_back_under_auto_and_is_named_otherwise(tmp_pat
     # the damaged folder is moved aside, not deleted, and the new step-4 took its place
     aside = tmp_path / "checkpoints" / "step-4.damaged"
     assert f"moved the damaged checkpoint {tmp_path / 'checkpoints' / 'step-4'} aside to {aside}" in log
-    assert (aside / shard.name).stat().st_size == 100 and (tmp_path / "checkpoints" / "step-4" / "COMPLETE.json").is_file()
+    assert (aside / shard.name).stat().st_size == 100 and (
+        tmp_path / "checkpoints" / "step-4" / "COMPLETE.json"
+    ).is_file()
     assert train_curve(tmp_path) == straight  # steps 3 and 4 again, bit for bit
     assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3, 4]
 
@@ -136,8 +140,12 @@ def test_a_rollback_killed_before_its_first_save_is_continued_by_resume_auto(tmp
 
 def test_injected_nan_stops_and_names_the_layer(tmp_path):
     proc = run_train(
-        tmp_path, "precision=bf16", "train.max_steps=5", "debug.nan_at_step=3",
-        "debug.nan_param=layers.2.mixer.q_proj.weight", expect_rc=1,
+        tmp_path,
+        "precision=bf16",
+        "train.max_steps=5",
+        "debug.nan_at_step=3",
+        "debug.nan_param=layers.2.mixer.q_proj.weight",
+        expect_rc=1,
     )
     assert "step 3: non-finite" in proc.stderr and "layers.2.mixer.q_proj.weight" in proc.stderr
 
@@ -146,8 +154,14 @@ def test_nan_policy_skip_drops_the_update_and_counts(tmp_path):
     # a NaN input to one step only is simulated by a NaN weight that the skipped update leaves in place, so
     # the run stops after max_skipped_steps, naming the layer
     proc = run_train(
-        tmp_path, "precision=bf16", "train.max_steps=6", "debug.nan_at_step=2", "train.nonfinite=skip",
-        "train.max_skipped_steps=2", "debug.nan_param=layers.0.mixer.in_proj.weight", expect_rc=1,
+        tmp_path,
+        "precision=bf16",
+        "train.max_steps=6",
+        "debug.nan_at_step=2",
+        "train.nonfinite=skip",
+        "train.max_skipped_steps=2",
+        "debug.nan_param=layers.0.mixer.in_proj.weight",
+        expect_rc=1,
     )
     rows = read_metrics(tmp_path, "train")
     assert [r["step"] for r in rows if r.get("skipped")] == [2, 3]
@@ -157,9 +171,19 @@ def test_nan_policy_skip_drops_the_update_and_counts(tmp_path):
 def test_main_command_end_to_end_with_offline_wandb(tmp_path):
     """The README's main job (experiment=tiny_ue5m3) with few steps and its default logging (offline
     wandb); rerunning the finished command resumes the same wandb run and trains nothing more."""
-    cmd = [sys.executable, "-m", "nemofp4.train", "experiment=tiny_ue5m3", f"run_dir={tmp_path}",
-           "train.max_steps=6", "train.seq_len=64", "eval.interval=3", "checkpoint.interval=3",
-           "eval.num_sequences=8", "logging.log_interval=2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemofp4.train",
+        "experiment=tiny_ue5m3",
+        f"run_dir={tmp_path}",
+        "train.max_steps=6",
+        "train.seq_len=64",
+        "eval.interval=3",
+        "checkpoint.interval=3",
+        "eval.num_sequences=8",
+        "logging.log_interval=2",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
     first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-4000:]

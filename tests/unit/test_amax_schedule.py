@@ -203,7 +203,9 @@ def test_amax_is_all_reduced_over_the_group():
     context = mp.get_context("spawn")  # fork would copy the threads of earlier tests (compile workers) and can hang
     with tempfile.TemporaryDirectory() as tmp:
         results = context.Manager().dict()
-        ranks = [context.Process(target=_reduce_worker, args=(r, 2, os.path.join(tmp, "init"), results)) for r in (0, 1)]
+        ranks = [
+            context.Process(target=_reduce_worker, args=(r, 2, os.path.join(tmp, "init"), results)) for r in (0, 1)
+        ]
         for process in ranks:
             process.start()
         for process in ranks:

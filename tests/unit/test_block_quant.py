@@ -339,16 +339,12 @@ def test_stats_count_what_they_name():
 def test_stochastic_rounding_is_reproducible_and_unbiased():
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
     runs = [
-        quantize_blocks(x, rounding="sr8", generator=torch.Generator().manual_seed(s)).dequantize()
-        for s in (0, 0, 1)
+        quantize_blocks(x, rounding="sr8", generator=torch.Generator().manual_seed(s)).dequantize() for s in (0, 0, 1)
     ]
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     rne = quantize_blocks(x).dequantize()
     mean = torch.stack(
-        [
-            quantize_blocks(x, rounding="sr", generator=torch.Generator().manual_seed(s)).dequantize()
-            for s in range(64)
-        ]
+        [quantize_blocks(x, rounding="sr", generator=torch.Generator().manual_seed(s)).dequantize() for s in range(64)]
     ).mean(0)
     assert (mean - x).pow(2).mean() < 0.25 * (rne - x).pow(2).mean()  # averaging SR draws beats RNE
 
@@ -400,8 +396,7 @@ def test_gaussian_round_trip_sqnr():
     >= 1 dB."""
     x = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)).bfloat16()
     results = {
-        fmt: sqnr_db(x.float(), quantize_blocks(x, scale_format=fmt).dequantize())
-        for fmt in ("e4m3", "ue5m3", "ue8m0")
+        fmt: sqnr_db(x.float(), quantize_blocks(x, scale_format=fmt).dequantize()) for fmt in ("e4m3", "ue5m3", "ue8m0")
     }
     assert results["e4m3"] > 19.9 and results["ue5m3"] > 19.9 and results["ue8m0"] > 18.3, results
     assert abs(results["e4m3"] - results["ue5m3"]) < 1e-5  # same codes; dequantize() orders differ by an ulp
@@ -434,9 +429,7 @@ def test_hadamard_transform_and_inverse():
     outlier[5] = 8.0
     assert torch.equal(hadamard_transform(outlier).abs(), torch.full((16,), 2.0))  # spread evenly
     custom = -torch.ones(16)
-    assert torch.equal(
-        hadamard_transform(outlier, sign=custom), -hadamard_transform(outlier, sign=torch.ones(16))
-    )
+    assert torch.equal(hadamard_transform(outlier, sign=custom), -hadamard_transform(outlier, sign=torch.ones(16)))
     with pytest.raises(ValueError, match="groups of 16"):
         hadamard_transform(torch.randn(4, 24))
     with pytest.raises(ValueError, match="sign"):
@@ -451,8 +444,9 @@ def test_wgrad_transform_in_bf16_is_the_float32_one_rounded_the_same():
     g = torch.Generator().manual_seed(9)
     wide = torch.randn(64, 32, generator=g) * torch.logspace(-44, 37, 32)  # subnormal to near overflow
     single = torch.zeros(8, 16)  # one element per group: outputs +-x/4, exactly the crafted values
-    single[:, 0] = 4 * torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130 * 3, 1.5 * 2**-133,
-                                     3e37, float("inf"), float("nan")])  # fmt: skip
+    single[:, 0] = 4 * torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130 * 3, 1.5 * 2**-133, 3e37, float("inf"), float("nan")]
+    )
     for x in (wide, single):
         for dim in (-1, 0):
             if dim == 0 and x is single:
@@ -480,7 +474,5 @@ def test_cuda_matches_cpu_bit_for_bit(scale_format):
     gpu = quantize_blocks(x.cuda(), scale_format=scale_format)
     assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scale_codes.cpu(), cpu.scale_codes)
     assert torch.equal(gpu.dequantize().cpu(), cpu.dequantize())
-    sr = quantize_blocks(
-        x.cuda(), scale_format, rounding="sr8", generator=torch.Generator("cuda").manual_seed(0)
-    )
+    sr = quantize_blocks(x.cuda(), scale_format, rounding="sr8", generator=torch.Generator("cuda").manual_seed(0))
     assert sr.codes.is_cuda

@@ -45,11 +45,16 @@ def test_a_batch_that_does_not_divide_names_the_nearest_layouts_that_do():
     with pytest.raises(ValueError) as error:
         compute_budget(train, dp_size=512)
     message = str(error.value)
-    assert "nearest world sizes that divide it: 384 (2 micro-batch(es) per rank) or 768 (1 micro-batch(es) per rank)" in message
+    assert (
+        "nearest world sizes that divide it: 384 (2 micro-batch(es) per rank) or 768 (1 micro-batch(es) per rank)"
+        in message
+    )
     assert "at 512 ranks: train.global_batch=512 or 1024" in message
     for world in (384, 768):
         assert compute_budget(train, dp_size=world).grad_accum == 768 // world
-    assert batch_layouts(train, 512, ranks_per_node=8).startswith("nearest world sizes that divide it: 48 nodes (384 ranks")
+    assert batch_layouts(train, 512, ranks_per_node=8).startswith(
+        "nearest world sizes that divide it: 48 nodes (384 ranks"
+    )
 
 
 def test_a_micro_batch_that_does_not_divide_names_one_that_does():

@@ -243,12 +243,16 @@ def _resume(mgr: CheckpointManager, resume: str, run_dir: Path) -> Path | None:
 
 def test_a_rollback_is_logged_and_the_metrics_follow_the_branch_that_resumed(tmp_path, caplog):
     mgr = _run_3_6_9(tmp_path / "checkpoints")
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in range(1, 11)))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in range(1, 11))
+    )
     with caplog.at_level(logging.WARNING, logger="nemofp4"):
         assert _resume(mgr, str(tmp_path / "checkpoints" / "step-3"), tmp_path).name == "step-3"
     (aside,) = (tmp_path / "checkpoints" / ABANDONED).iterdir()
-    assert (f"resumed from step-3, older than this run's newest checkpoints: set aside step-6, step-9 and 7 metrics "
-            f"rows past step 3 in {aside}, so resume=auto continues from step-3 (nothing was deleted)") in caplog.text
+    assert (
+        f"resumed from step-3, older than this run's newest checkpoints: set aside step-6, step-9 and 7 metrics "
+        f"rows past step 3 in {aside}, so resume=auto continues from step-3 (nothing was deleted)"
+    ) in caplog.text
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert [r["step"] for r in read_metrics(aside)] == [4, 5, 6, 7, 8, 9, 10]
     assert _resume(mgr, "auto", tmp_path).name == "step-3"  # the requeued job, killed before a save
@@ -261,7 +265,10 @@ def test_a_checkpoint_of_another_directory_is_refused_where_the_run_has_its_own(
     fresh = CheckpointManager(tmp_path / "fresh" / "checkpoints", CheckpointConfig())
     assert _resume(fresh, str(elsewhere), tmp_path / "fresh") == elsewhere  # a new run starts from it
     mine = _run_3_6_9(tmp_path / "mine" / "checkpoints")
-    with pytest.raises(ValueError, match=r"resume=.*other/checkpoints/step-3' names a checkpoint outside run_dir .*mine, "
-                                         r"which holds checkpoints of its own \(newest step-9\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"resume=.*other/checkpoints/step-3' names a checkpoint outside run_dir .*mine, "
+        r"which holds checkpoints of its own \(newest step-9\)",
+    ):
         _resume(mine, str(elsewhere), tmp_path / "mine")
     assert [p.name for p in mine.complete_checkpoints()] == ["step-3", "step-6", "step-9"]

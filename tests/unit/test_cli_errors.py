@@ -56,17 +56,21 @@ def test_omegaconf_context_lines_are_dropped_and_a_cause_says_why():
     wrapped = ValueError("Error merging override train.max_steps=x")
     wrapped.__cause__ = ValueError(message)
     assert user_error_message(wrapped) == (
-        "Error merging override train.max_steps=x: Value 'x' could not be converted to Integer")
+        "Error merging override train.max_steps=x: Value 'x' could not be converted to Integer"
+    )
 
 
 def test_an_unknown_key_is_named_with_the_nearest_valid_key_and_a_recipe_knob_with_the_knobs():
     keys = ["train", "train.max_steps", "train.seq_len", "optim", "optim.lr", "precision", "precision.gemm"]
     assert unknown_key_message("trian.max_steps", keys).startswith(
-        "trian.max_steps is not a key of this config; the nearest valid key is train.max_steps")
+        "trian.max_steps is not a key of this config; the nearest valid key is train.max_steps"
+    )
     knob = unknown_key_message("precision.gemmm", keys, recipe="nvfp4", value="decoded")
-    assert knob.startswith("precision.gemmm='decoded': recipe 'nvfp4' has no such knob (the nearest valid key is "
-                           "precision.gemm); its knobs are ['disable_rht', 'gemm', 'num_bf16_last_layers', "
-                           "'reference_interval', 'scale_target']")
+    assert knob.startswith(
+        "precision.gemmm='decoded': recipe 'nvfp4' has no such knob (the nearest valid key is "
+        "precision.gemm); its knobs are ['disable_rht', 'gemm', 'num_bf16_last_layers', "
+        "'reference_interval', 'scale_target']"
+    )
 
 
 _NOTICES = r"""
@@ -131,8 +135,10 @@ def test_every_console_script_reports_bad_input_in_exactly_one_line_of_stderr_an
         "nemofp4-train  ": ("nemofp4.cli.train", ["precision=nvfp4", "precision.gemmm=decoded"]),
         "nemofp4-eval": ("nemofp4.cli.evaluate", ["checkpoint=/nonexistent/run"]),
         "nemofp4-export-hf": ("nemofp4.cli.export", ["checkpoint=/nonexistent/run", f"out={tmp_path / 'a-file'}"]),
-        "nemofp4-preprocess": ("nemofp4.cli.preprocess", ["input=/nonexistent/*.jsonl", "tokenizer=data/tokenizer",
-                                                          f"output_prefix={tmp_path / 'x'}"]),
+        "nemofp4-preprocess": (
+            "nemofp4.cli.preprocess",
+            ["input=/nonexistent/*.jsonl", "tokenizer=data/tokenizer", f"output_prefix={tmp_path / 'x'}"],
+        ),
         "nemofp4-launch": ("nemofp4.cli.launch", ["slurm.nods=2", "dry_run=true"]),
         "nemofp4-plan": ("nemofp4.cli.plan", ["world_size=x"]),
     }
@@ -148,8 +154,14 @@ def test_every_console_script_reports_bad_input_in_exactly_one_line_of_stderr_an
     }
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     notices = _NOTICES if importlib.util.find_spec("torchao") else ""  # torchao: a dev extra
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases), notices], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(cases), notices],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert results.pop("notices") == [0, "an error of torchao's\n" if notices else ""]  # nothing else of theirs

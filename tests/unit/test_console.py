@@ -35,11 +35,22 @@ def test_the_step_line_shows_memory_rss_on_cpu_and_max_allocated_on_cuda():
 
 
 def test_the_summary_counts_this_processes_steps_and_names_the_files(tmp_path: Path):
-    records = [{"kind": "train", "step": s, "loss": 5.0 - s, "tokens_per_s": 100.0, "step_time_s": 2.0} for s in (1, 2, 3, 4)]
+    records = [
+        {"kind": "train", "step": s, "loss": 5.0 - s, "tokens_per_s": 100.0, "step_time_s": 2.0} for s in (1, 2, 3, 4)
+    ]
     records += [{"kind": "eval", "step": 4, "val_loss": 1.25}]
-    text = run_summary(run_dir=tmp_path, records=records, first_step=2, step=4, total_steps=4, tokens_seen=800,
-                       wall_s=65.0, stop_reason="budget", checkpoint=tmp_path / "checkpoints" / "step-4",
-                       plot=tmp_path / "plots" / "loss.png")
+    text = run_summary(
+        run_dir=tmp_path,
+        records=records,
+        first_step=2,
+        step=4,
+        total_steps=4,
+        tokens_seen=800,
+        wall_s=65.0,
+        stop_reason="budget",
+        checkpoint=tmp_path / "checkpoints" / "step-4",
+        plot=tmp_path / "plots" / "loss.png",
+    )
     assert text.splitlines()[0] == "run finished: step 4/4 (resumed at step 2), 800 tokens seen, wall time 0:01:05"
     assert "this run: 2 steps, 400 tokens in 0:00:04 of training steps, 100 tokens/s" in text
     assert "final train loss 1.0000 (step 4), val loss 1.2500 (step 4)" in text
@@ -56,6 +67,8 @@ def test_tensorboard_without_the_package_is_a_clear_error_at_start(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    with pytest.raises(ValueError, match=r"logging.tensorboard=true needs the tensorboard package.*nemofp4\[tensorboard\]"):
+    with pytest.raises(
+        ValueError, match=r"logging.tensorboard=true needs the tensorboard package.*nemofp4\[tensorboard\]"
+    ):
         LoggingConfig(tensorboard=True)
     LoggingConfig(tensorboard=False)

@@ -22,8 +22,9 @@ def test_the_trainer_refuses_it_before_training(tmp_path):
     from nemofp4.cli.train import compose_job_config
     from nemofp4.training.trainer import train
 
-    cfg = compose_job_config(["model.vocab_size=100", "train.max_steps=1", f"run_dir={tmp_path / 'run'}",
-                              "logging.wandb=false"])
+    cfg = compose_job_config(
+        ["model.vocab_size=100", "train.max_steps=1", f"run_dir={tmp_path / 'run'}", "logging.wandb=false"]
+    )
     with pytest.raises(ValueError, match="model.vocab_size=100"):
         train(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -37,8 +38,9 @@ def _data_with_tokenizer_hash(tmp_path: Path, fake_hash: str) -> DataConfig:
     manifest["tokenizer"]["hash"] = fake_hash
     manifest_path.write_text(json.dumps(manifest))
     prefix = str(tmp_path / "austen_validation")
-    return DataConfig(sources=[DataSourceConfig(prefix=prefix, validation_prefix=prefix)],
-                      cache_dir=str(tmp_path / "cache"))
+    return DataConfig(
+        sources=[DataSourceConfig(prefix=prefix, validation_prefix=prefix)], cache_dir=str(tmp_path / "cache")
+    )
 
 
 def test_data_made_with_another_tokenizer_is_an_error_naming_both_hashes(tmp_path):

@@ -124,8 +124,13 @@ def test_token_ids_beyond_the_vocabulary_are_named(good):
 
 def _manifest(prefix, tmp_path, records):
     manifest = {
-        "format": "nemofp4-token-manifest", "version": 1, "dtype": "uint16", "documents": 20, "tokens": 0,
-        "tokenizer": {"hash": "x"}, "shards": records,
+        "format": "nemofp4-token-manifest",
+        "version": 1,
+        "dtype": "uint16",
+        "documents": 20,
+        "tokens": 0,
+        "tokenizer": {"hash": "x"},
+        "shards": records,
     }
     (tmp_path / "m.manifest.json").write_text(json.dumps(manifest))
     return tmp_path / "m"

@@ -42,8 +42,14 @@ def cfg(tmp_path):
 
 def loader(cfg, dp_rank=0, dp_size=1, micro=4, seed=0, seq_len=SEQ, global_batch=GLOBAL):
     return build_train_loader(
-        cfg, seq_len=seq_len, global_batch=global_batch, micro_batch=micro, num_samples=SAMPLES,
-        seed=seed, dp_rank=dp_rank, dp_size=dp_size,
+        cfg,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        micro_batch=micro,
+        num_samples=SAMPLES,
+        seed=seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
     )
 
 
@@ -167,7 +173,9 @@ def test_bad_configurations_are_named(cfg):
     with pytest.raises(ValueError, match="no validation documents"):
         build_validation_batches(
             DataConfig(sources=[DataSourceConfig(prefix="data/tokens/austen_train")]),
-            seq_len=8, num_sequences=1, batch_size=1,
+            seq_len=8,
+            num_sequences=1,
+            batch_size=1,
         )
 
 
@@ -191,16 +199,23 @@ def test_data_yaml_validates_against_the_schema(name):
 
 
 def test_explicit_cpu_device_gives_the_same_batches(cfg):
-    assert same([b["labels"] for b in loader(cfg)],
-                [b["labels"] for b in build_train_loader(cfg, seq_len=SEQ, global_batch=GLOBAL, micro_batch=4,
-                                                         num_samples=SAMPLES, seed=0, device="cpu")])
+    assert same(
+        [b["labels"] for b in loader(cfg)],
+        [
+            b["labels"]
+            for b in build_train_loader(
+                cfg, seq_len=SEQ, global_batch=GLOBAL, micro_batch=4, num_samples=SAMPLES, seed=0, device="cpu"
+            )
+        ],
+    )
 
 
 @pytest.mark.gpu
 def test_cuda_prefetch_gives_the_same_batches(cfg):
     host = [b["input_ids"] for b in loader(cfg)]
-    ld = build_train_loader(cfg, seq_len=SEQ, global_batch=GLOBAL, micro_batch=4, num_samples=SAMPLES, seed=0,
-                            device="cuda")
+    ld = build_train_loader(
+        cfg, seq_len=SEQ, global_batch=GLOBAL, micro_batch=4, num_samples=SAMPLES, seed=0, device="cuda"
+    )
     device = [b["input_ids"] for b in ld]
     assert all(d.is_cuda for d in device)
     assert same(host, [d.cpu() for d in device])

@@ -50,7 +50,11 @@ def scontrol_dir(tmp_path_factory):
 
 
 def test_expand_hostlist_asks_scontrol(scontrol_dir):
-    assert expand_hostlist("gpu-[007-008,010]", environ={"PATH": str(scontrol_dir)}) == ["gpu-007", "gpu-008", "gpu-010"]
+    assert expand_hostlist("gpu-[007-008,010]", environ={"PATH": str(scontrol_dir)}) == [
+        "gpu-007",
+        "gpu-008",
+        "gpu-010",
+    ]
     assert (scontrol_dir / "calls.log").read_text().splitlines()[-1] == "show hostnames gpu-[007-008,010]"
     with pytest.raises(ValueError, match="Invalid hostlist"):
         expand_hostlist("n[2-1]", environ={"PATH": str(scontrol_dir)})
@@ -103,17 +107,28 @@ def test_expand_tasks_per_node_rejects_malformed(bad):
 def test_no_launcher_is_single_process():
     env = detect_dist_env({})
     assert env == DistEnv(
-        rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
-        master_addr="127.0.0.1", master_port=29500, source="single",
-    )  # fmt: skip
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        source="single",
+    )
     assert env.is_main and not env.is_distributed
 
 
 def test_torchrun_environment():
     environ = {
-        "RANK": "13", "LOCAL_RANK": "5", "WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1",
-        "MASTER_ADDR": "gpu-001", "MASTER_PORT": "29400",
-    }  # fmt: skip
+        "RANK": "13",
+        "LOCAL_RANK": "5",
+        "WORLD_SIZE": "32",
+        "LOCAL_WORLD_SIZE": "8",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "gpu-001",
+        "MASTER_PORT": "29400",
+    }
     env = detect_dist_env(environ)
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (13, 5, 32, 8, 1)
     assert (env.master_addr, env.master_port, env.source) == ("gpu-001", 29400, "torchrun")
@@ -122,11 +137,21 @@ def test_torchrun_environment():
 def test_torchrun_wins_over_slurm():
     """Inside `srun torchrun`, SLURM_PROCID is the agent's task (the node), not the worker's rank."""
     environ = {
-        "RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1",
-        "MASTER_ADDR": "gpu-001", "MASTER_PORT": "29500",
-        "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "1",
-        "SLURM_JOB_NODELIST": "gpu-[001-002]", "SLURM_JOB_ID": "4242", "SLURM_TASKS_PER_NODE": "1(x2)",
-    }  # fmt: skip
+        "RANK": "9",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "16",
+        "LOCAL_WORLD_SIZE": "8",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "gpu-001",
+        "MASTER_PORT": "29500",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "gpu-[001-002]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_TASKS_PER_NODE": "1(x2)",
+    }
     env = detect_dist_env(environ)
     assert (env.source, env.rank, env.local_rank, env.world_size, env.node_rank) == ("torchrun", 9, 1, 16, 1)
 
@@ -151,18 +176,33 @@ def _slurm(**overrides):
     ("layout", "expected"),
     [
         # 3 nodes x 4 tasks, task 6 is on the second node
-        (dict(SLURM_PROCID=6, SLURM_LOCALID=2, SLURM_NTASKS=12, SLURM_NODEID=1, SLURM_TASKS_PER_NODE="4(x3)"),
-         (6, 2, 12, 4, 1)),
+        (
+            dict(SLURM_PROCID=6, SLURM_LOCALID=2, SLURM_NTASKS=12, SLURM_NODEID=1, SLURM_TASKS_PER_NODE="4(x3)"),
+            (6, 2, 12, 4, 1),
+        ),
         # uneven: 4,4,3 tasks; the last node has 3
-        (dict(SLURM_PROCID=10, SLURM_LOCALID=2, SLURM_NTASKS=11, SLURM_NODEID=2, SLURM_TASKS_PER_NODE="4(x2),3"),
-         (10, 2, 11, 3, 2)),
+        (
+            dict(SLURM_PROCID=10, SLURM_LOCALID=2, SLURM_NTASKS=11, SLURM_NODEID=2, SLURM_TASKS_PER_NODE="4(x2),3"),
+            (10, 2, 11, 3, 2),
+        ),
         # only --ntasks-per-node known
-        (dict(SLURM_PROCID=3, SLURM_LOCALID=1, SLURM_NTASKS=6, SLURM_NODEID=1, SLURM_NTASKS_PER_NODE=2),
-         (3, 1, 6, 2, 1)),
+        (
+            dict(SLURM_PROCID=3, SLURM_LOCALID=1, SLURM_NTASKS=6, SLURM_NODEID=1, SLURM_NTASKS_PER_NODE=2),
+            (3, 1, 6, 2, 1),
+        ),
         # the step's layout wins over the job's (srun on part of the allocation)
-        (dict(SLURM_PROCID=1, SLURM_LOCALID=1, SLURM_NTASKS=2, SLURM_NODEID=0, SLURM_TASKS_PER_NODE="8(x3)",
-              SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NUM_TASKS=2),
-         (1, 1, 2, 2, 0)),
+        (
+            dict(
+                SLURM_PROCID=1,
+                SLURM_LOCALID=1,
+                SLURM_NTASKS=2,
+                SLURM_NODEID=0,
+                SLURM_TASKS_PER_NODE="8(x3)",
+                SLURM_STEP_TASKS_PER_NODE="2",
+                SLURM_STEP_NUM_TASKS=2,
+            ),
+            (1, 1, 2, 2, 0),
+        ),
         # one task, nothing else known
         (dict(SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_NTASKS=1), (0, 0, 1, 1, 0)),
     ],
@@ -195,8 +235,10 @@ def test_slurm_port_is_deterministic_and_unprivileged():
     [
         (dict(SLURM_PROCID=4, SLURM_LOCALID=0, SLURM_NTASKS=4), "rank"),
         (dict(SLURM_PROCID=0, SLURM_LOCALID=4, SLURM_NTASKS=8, SLURM_TASKS_PER_NODE="4(x2)"), "local_rank"),
-        (dict(SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_NTASKS=8, SLURM_NODEID=2, SLURM_TASKS_PER_NODE="4(x2)"),
-         "SLURM_NODEID"),
+        (
+            dict(SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_NTASKS=8, SLURM_NODEID=2, SLURM_TASKS_PER_NODE="4(x2)"),
+            "SLURM_NODEID",
+        ),
         (dict(SLURM_PROCID=0, SLURM_LOCALID=0), "SLURM_NTASKS"),
         (dict(SLURM_PROCID=0, SLURM_NTASKS=2), "SLURM_LOCALID"),
         (dict(SLURM_PROCID="zero", SLURM_LOCALID=0, SLURM_NTASKS=2), "SLURM_PROCID"),
@@ -233,10 +275,15 @@ def _slurm_worker(rank: int, world_size: int, port: int, results) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
     environ = {
-        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": str(world_size),
-        "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": str(world_size), "SLURM_JOB_NODELIST": "localhost",
-        "SLURM_JOB_ID": "77", "MASTER_PORT": str(port),
-    }  # fmt: skip
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NTASKS": str(world_size),
+        "SLURM_NODEID": "0",
+        "SLURM_TASKS_PER_NODE": str(world_size),
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_ID": "77",
+        "MASTER_PORT": str(port),
+    }
     env = init_distributed(detect_dist_env(environ), timeout_s=60)
     assert init_distributed(env) is env  # idempotent
     value = torch.tensor([float(rank + 1)])
@@ -285,8 +332,16 @@ def test_each_rank_computes_on_the_gpu_it_was_given(monkeypatch, visible, local_
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    env = DistEnv(rank=8 + local_rank, local_rank=local_rank, world_size=16, local_world_size=8, node_rank=1,
-                  master_addr="n1", master_port=29500, source="slurm")  # fmt: skip
+    env = DistEnv(
+        rank=8 + local_rank,
+        local_rank=local_rank,
+        world_size=16,
+        local_world_size=8,
+        node_rank=1,
+        master_addr="n1",
+        master_port=29500,
+        source="slurm",
+    )
     assert local_device(env) == torch.device("cuda", expected)
 
 
@@ -295,8 +350,16 @@ def test_more_ranks_than_gpus_on_a_node_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    env = DistEnv(rank=5, local_rank=5, world_size=8, local_world_size=8, node_rank=0, master_addr="n1",
-                  master_port=29500, source="slurm")  # fmt: skip
+    env = DistEnv(
+        rank=5,
+        local_rank=5,
+        world_size=8,
+        local_world_size=8,
+        node_rank=0,
+        master_addr="n1",
+        master_port=29500,
+        source="slurm",
+    )
     with pytest.raises(ValueError, match="local_rank 5 has no GPU"):
         local_device(env)
 
@@ -330,10 +393,17 @@ def test_a_worker_whose_launcher_is_already_gone_exits(monkeypatch):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 def test_the_kernel_holds_the_request():
     """In a fresh process (the request outlives the call): PR_GET_PDEATHSIG reads SIGKILL back."""
-    script = ("import ctypes, os\nfrom nemofp4.training.dist_env import stop_with_launcher\n"
-              "assert stop_with_launcher({'TORCHELASTIC_RUN_ID': 'none'})\n"
-              "sig = ctypes.c_int()\nassert ctypes.CDLL(None).prctl(2, ctypes.byref(sig)) == 0\nprint(sig.value)")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    script = (
+        "import ctypes, os\nfrom nemofp4.training.dist_env import stop_with_launcher\n"
+        "assert stop_with_launcher({'TORCHELASTIC_RUN_ID': 'none'})\n"
+        "sig = ctypes.c_int()\nassert ctypes.CDLL(None).prctl(2, ctypes.byref(sig)) == 0\nprint(sig.value)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["9"]

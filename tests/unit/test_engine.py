@@ -36,11 +36,19 @@ def test_the_torch_engine_steps_as_plain_autograd_clipping_and_adamw_bit_for_bit
     ref_opt.step()
 
     model, batches = _model_and_batches()
-    engine: TrainEngine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=0.5),
-                                      distributed=DistributedConfig(), grad_accum=2, world_size=1, grad_clip=0.5)
+    engine: TrainEngine = TorchEngine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.5),
+        distributed=DistributedConfig(),
+        grad_accum=2,
+        world_size=1,
+        grad_clip=0.5,
+    )
     engine.begin_step(1e-2)
-    losses = [engine.forward_backward(lambda forward, x=x, y=y: _loss(forward, x, y), micro_batch=micro)
-              for micro, (x, y) in enumerate(batches)]  # fmt: skip
+    losses = [
+        engine.forward_backward(lambda forward, x=x, y=y: _loss(forward, x, y), micro_batch=micro)
+        for micro, (x, y) in enumerate(batches)
+    ]
     norm, finite = engine.finish_step(sum(losses) / 2, sync_free=contextlib.nullcontext)
 
     assert finite and norm.item() > 0.5  # the clipping acted
@@ -54,8 +62,14 @@ def test_the_torch_engine_steps_as_plain_autograd_clipping_and_adamw_bit_for_bit
 def test_the_torch_engine_leaves_the_weights_of_a_non_finite_step_and_the_next_step_starts_clean():
     model, batches = _model_and_batches()
     before = [p.detach().clone() for p in model.parameters()]
-    engine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), distributed=DistributedConfig(),
-                         grad_accum=1, world_size=1, grad_clip=1.0)  # fmt: skip
+    engine = TorchEngine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        distributed=DistributedConfig(),
+        grad_accum=1,
+        world_size=1,
+        grad_clip=1.0,
+    )
     engine.begin_step(1e-2)
     x, y = batches[0]
     loss = engine.forward_backward(lambda forward: _loss(forward, x, y) * float("nan"), micro_batch=0)
@@ -69,15 +83,21 @@ def test_the_torch_engine_leaves_the_weights_of_a_non_finite_step_and_the_next_s
 
 def test_every_backend_has_one_engine_kind_and_a_saved_raw_value_reads_the_same():
     kinds = {backend: DistributedConfig(backend=backend).engine for backend in BACKENDS}
-    assert kinds == {"none": "torch", "fsdp": "torch", "deepspeed_zero1": "deepspeed", "deepspeed_zero2": "deepspeed",
-                     "deepspeed_zero3": "deepspeed"}  # fmt: skip
+    assert kinds == {
+        "none": "torch",
+        "fsdp": "torch",
+        "deepspeed_zero1": "deepspeed",
+        "deepspeed_zero2": "deepspeed",
+        "deepspeed_zero3": "deepspeed",
+    }
     assert all(engine_kind(backend) == kind for backend, kind in kinds.items())
     assert engine_kind(None) == engine_kind(3) == "torch"  # a saved config's value of another type
 
 
 def test_a_saved_run_names_its_backend_through_the_run_config_view_and_init_from_refuses_deepspeed(tmp_path):
-    job = compose_job_config(["model=tiny", "data=tiny", "precision=bf16", "distributed=deepspeed_zero2",
-                              "train.micro_batch=2"])  # fmt: skip
+    job = compose_job_config(
+        ["model=tiny", "data=tiny", "precision=bf16", "distributed=deepspeed_zero2", "train.micro_batch=2"]
+    )
     text = OmegaConf.to_yaml(OmegaConf.structured(job))
     assert run_config_from_yaml(text).distributed.backend == "deepspeed_zero2"
     older = OmegaConf.to_container(OmegaConf.create(text))

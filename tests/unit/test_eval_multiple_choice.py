@@ -75,8 +75,11 @@ def _reference_loglikelihood(model, req: LoglikelihoodRequest, max_length: int) 
 
 def test_batched_scores_match_a_float64_single_request_reference(tokenizer):
     model = _model("bf16")
-    texts = [("Mr. Darcy", " was proud."), ("Emma Woodhouse, handsome, clever", " and rich"),
-             ("The family of Dashwood", " had long been settled in Sussex.")]  # fmt: skip
+    texts = [
+        ("Mr. Darcy", " was proud."),
+        ("Emma Woodhouse, handsome, clever", " and rich"),
+        ("The family of Dashwood", " had long been settled in Sussex."),
+    ]
     requests = [encode_request(tokenizer, c, x) for c, x in texts]
     scores = score_requests(model, requests, batch_size=3, max_length=6)  # max_length=6 truncates the long ones
     for req, (ll, greedy) in zip(requests, scores):

@@ -39,8 +39,9 @@ def ue5m3_model():
     return _model("ue5m3")
 
 
-@pytest.mark.parametrize("recipe, step", [("ue5m3", 1), ("nvfp4", 7), ("nvfp4_all_fp4_no_rht", 3), ("fp8", 2),
-                                          ("mxfp8", 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe, step", [("ue5m3", 1), ("nvfp4", 7), ("nvfp4_all_fp4_no_rht", 3), ("fp8", 2), ("mxfp8", 2)]
+)
 def test_current_equals_the_recipes_training_forward(recipe, step):
     model = _model(recipe)
     x = _batches(1)[0]
@@ -108,8 +109,11 @@ def test_calibrated_references_are_the_max_over_single_sequence_references(ue5m3
 
 def test_calibrated_needs_enough_sequences(ue5m3_model):
     with pytest.raises(ValueError, match="C=8"):
-        PolicyForward(ue5m3_model, InferencePolicy(name="calibrated", calibration_sequences=8),
-                      calibration_batches=_batches(1, batch=2)).__enter__()  # fmt: skip
+        PolicyForward(
+            ue5m3_model,
+            InferencePolicy(name="calibrated", calibration_sequences=8),
+            calibration_batches=_batches(1, batch=2),
+        ).__enter__()
 
 
 def test_unquantized_is_the_plain_model_with_the_same_weights(ue5m3_model):
@@ -132,8 +136,9 @@ def test_policies_restore_the_models_references_and_mode():
     model(_batches(1)[0]).sum().backward()
     before = {fqn: (dict(m.references.held), dict(m.references.intervals)) for fqn, m in quant_linears(model)}
     for policy in ("current", "delayed", "calibrated", "unquantized"):
-        with PolicyForward(model, InferencePolicy(name=policy, calibration_sequences=2),
-                           calibration_batches=_batches(1)) as forward:  # fmt: skip
+        with PolicyForward(
+            model, InferencePolicy(name=policy, calibration_sequences=2), calibration_batches=_batches(1)
+        ) as forward:
             forward(_batches(1, seed=3)[0])
         assert model.training
         after = {fqn: (dict(m.references.held), dict(m.references.intervals)) for fqn, m in quant_linears(model)}
@@ -149,8 +154,9 @@ def test_fp8_policies_hold_per_tensor_references_and_unquantized_drops_them():
         current = [forward(x) for x in batches]
     with PolicyForward(model, InferencePolicy(name="delayed", delay=1)) as forward:
         assert all(torch.equal(forward(x), c) for x, c in zip(batches, current))
-    with PolicyForward(model, InferencePolicy(name="calibrated", calibration_sequences=4),
-                       calibration_batches=_batches(2, seed=5)) as forward:  # fmt: skip
+    with PolicyForward(
+        model, InferencePolicy(name="calibrated", calibration_sequences=4), calibration_batches=_batches(2, seed=5)
+    ) as forward:
         assert not torch.equal(forward(batches[0]), current[0])
     with PolicyForward(model, InferencePolicy(name="bf16")) as forward:
         assert torch.equal(forward(batches[0]), unquantized_copy(model).eval()(batches[0]))
@@ -162,8 +168,9 @@ def test_mx_recipe_has_no_tensor_reference_so_policies_agree(recipe):
     x = _batches(1)[0]
     outs = []
     for name in ("current", "delayed", "calibrated"):
-        with PolicyForward(model, InferencePolicy(name=name, delay=3, calibration_sequences=2),
-                           calibration_batches=_batches(1, seed=4)) as forward:  # fmt: skip
+        with PolicyForward(
+            model, InferencePolicy(name=name, delay=3, calibration_sequences=2), calibration_batches=_batches(1, seed=4)
+        ) as forward:
             forward(_batches(1, seed=7)[0])
             outs.append(forward(x))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -171,7 +178,11 @@ def test_mx_recipe_has_no_tensor_reference_so_policies_agree(recipe):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"name": "frozen"}, "valid"), ({"name": "delayed", "delay": 0}, "D=0"), ({"calibration_sequences": 0}, "calibration")],
+    [
+        ({"name": "frozen"}, "valid"),
+        ({"name": "delayed", "delay": 0}, "D=0"),
+        ({"calibration_sequences": 0}, "calibration"),
+    ],
 )
 def test_bad_policy_settings_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -19,7 +19,11 @@ def test_the_view_matches_the_full_schema_on_a_composed_run():
     assert job_config_from_yaml(text) == job
     assert (view.model, view.precision, view.data) == (job.model, job.precision, job.data)
     assert view.precision.build() == get_recipe("nvfp4_delayed", reference_interval=7, num_bf16_last_layers=1)
-    assert (view.train.seq_len, view.train.seed, view.train.dtype) == (job.train.seq_len, job.train.seed, job.train.dtype)
+    assert (view.train.seq_len, view.train.seed, view.train.dtype) == (
+        job.train.seq_len,
+        job.train.seed,
+        job.train.dtype,
+    )
     assert (view.eval.num_sequences, view.eval.batch_size) == (job.eval.num_sequences, job.eval.batch_size)
 
 

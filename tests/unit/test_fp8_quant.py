@@ -146,9 +146,15 @@ def _padded(x: np.ndarray, multiple: int) -> np.ndarray:
     return np.pad(x, ((0, 0), (0, -x.shape[1] % multiple)))
 
 
-CASES = [("e4m3", "fp32", {}), ("e5m2", "fp32", {}), ("e4m3", "fp32", {"power_of_two_scale": True}),
-         ("e5m2", "fp32", {"power_of_two_scale": True}), ("e4m3", "ue8m0", {"mx_scale_mode": "ceil"}),
-         ("e4m3", "ue8m0", {"mx_scale_mode": "floor"}), ("e5m2", "ue8m0", {"mx_scale_mode": "ceil"})]  # fmt: skip
+CASES = [
+    ("e4m3", "fp32", {}),
+    ("e5m2", "fp32", {}),
+    ("e4m3", "fp32", {"power_of_two_scale": True}),
+    ("e5m2", "fp32", {"power_of_two_scale": True}),
+    ("e4m3", "ue8m0", {"mx_scale_mode": "ceil"}),
+    ("e4m3", "ue8m0", {"mx_scale_mode": "floor"}),
+    ("e5m2", "ue8m0", {"mx_scale_mode": "ceil"}),
+]
 
 
 def _reference(x: np.ndarray, element, scaling, kw, amax=None):
@@ -163,8 +169,9 @@ def _reference(x: np.ndarray, element, scaling, kw, amax=None):
 def _check(x: torch.Tensor, element, scaling, kw, *, compiled=False, amax=None):
     op = _spec(element, scaling, **kw)
     tensor_amax = None if amax is None else torch.tensor(amax, dtype=torch.float32)
-    q = program.quantize_operand(x, op, pack=True, cores=program.COMPILED if compiled else program.EAGER,
-                                 tensor_amax=tensor_amax)  # fmt: skip
+    q = program.quantize_operand(
+        x, op, pack=True, cores=program.COMPILED if compiled else program.EAGER, tensor_amax=tensor_amax
+    )
     expected, scale_inv, codes = _reference(x.numpy(), element, scaling, kw, amax)
     _same(q.scaled, expected)
     _same(q.packed.scaled_values(), expected)  # the packed form (one byte a code) decodes to the same
@@ -268,8 +275,12 @@ def test_compiled_equals_eager_and_every_layout_equals_the_rows_one(element, sca
     op = _spec(element, scaling, **kw)
     eager = program.quantize_operand(x, op, pack=True)
     compiled = program.quantize_operand(x, op, pack=True, cores=program.COMPILED)
-    for a, b in ((eager.scaled, compiled.scaled), (eager.codes, compiled.codes),
-                 (eager.scale_codes, compiled.scale_codes), (eager.tensor_scale, compiled.tensor_scale)):  # fmt: skip
+    for a, b in (
+        (eager.scaled, compiled.scaled),
+        (eager.codes, compiled.codes),
+        (eager.scale_codes, compiled.scale_codes),
+        (eager.tensor_scale, compiled.tensor_scale),
+    ):
         assert torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
     # X^T along the tokens (read down the columns of X) == the rows quantization of padded X^T
     t = F.pad(x, (0, 0, 0, -x.shape[0] % 16)).t().contiguous()
@@ -280,8 +291,10 @@ def test_compiled_equals_eager_and_every_layout_equals_the_rows_one(element, sca
         assert torch.equal(torch.nan_to_num(cols.scaled, 7.0), torch.nan_to_num(rows.scaled, 7.0))
     # the forward's one call (X, X^T, W) == its operands one by one
     w = torch.randn(24, 70)
-    qx, qxt, qw = program.quantize((OperandRequest(x, op), OperandRequest(x, op, layout="tokens", pack=True),
-                                    OperandRequest(w, op, pack=True)), cores=program.COMPILED)  # fmt: skip
+    qx, qxt, qw = program.quantize(
+        (OperandRequest(x, op), OperandRequest(x, op, layout="tokens", pack=True), OperandRequest(w, op, pack=True)),
+        cores=program.COMPILED,
+    )
     assert torch.equal(torch.nan_to_num(qx.scaled, 7.0), torch.nan_to_num(eager.scaled, 7.0))
     assert torch.equal(qxt.codes, rows.codes)
     assert torch.equal(qw.codes, program.quantize_operand(w, op, pack=True).codes)
@@ -303,9 +316,12 @@ def test_the_fp4_reference_refuses_fp8_and_specs_refuse_what_te_does_not_do():
 
     with pytest.raises(ValueError, match="kernels.quantize_operand"):
         quantize_with_spec(torch.randn(4, 16), _spec())
-    for bad, match in ((dict(rounding="sr"), "rounding='rne'"), (dict(scale_format="e4m3"), "takes scale_format"),
-                       (dict(element_format="e3m4"), "unknown element_format"),
-                       (dict(scale_format="ue8m0", power_of_two_scale=True), "power_of_two_scale")):  # fmt: skip
+    for bad, match in (
+        (dict(rounding="sr"), "rounding='rne'"),
+        (dict(scale_format="e4m3"), "takes scale_format"),
+        (dict(element_format="e3m4"), "unknown element_format"),
+        (dict(scale_format="ue8m0", power_of_two_scale=True), "power_of_two_scale"),
+    ):
         kw = dict(scale_format="fp32", element_format="e4m3", block_size=16) | bad
         with pytest.raises(ValueError, match=match):
             OperandQuant(**kw)
@@ -383,8 +399,9 @@ def test_every_backend_quantizes_fp8_with_the_program(name):
         _, qw = backend.quantize(OperandRequest(x, op), OperandRequest(w, op, pack=True))
         assert torch.equal(qx.codes, expected_x.codes) and torch.equal(qxt.codes, expected_xt.codes)
         assert torch.equal(backend.quantize(OperandRequest(x, op, pack=True))[0].scaled, expected_x.scaled)
-        assert torch.equal(backend.quantize(OperandRequest(x, op, layout="tokens", pack=True))[0].codes,
-                           expected_xt.codes)  # fmt: skip
+        assert torch.equal(
+            backend.quantize(OperandRequest(x, op, layout="tokens", pack=True))[0].codes, expected_xt.codes
+        )
         assert torch.equal(qw.codes, program.quantize_operand(w, op, pack=True).codes)
 
 

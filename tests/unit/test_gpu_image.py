@@ -21,8 +21,9 @@ def _import_as_the_image(tmp_path, keep) -> subprocess.CompletedProcess:
     image = load_script("scripts/gpu/gpu_image.py")
     image.write_sitecustomize(tmp_path / "image", [], keep)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "image"), str(ROOT)])}
-    return subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", IMPORTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_wheelhouse_covers_the_cli_imports_the_image_lacks(tmp_path):

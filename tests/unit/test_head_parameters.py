@@ -57,25 +57,30 @@ def test_trainer_memory_plan_and_cost_model_agree_on_the_heads_parameter_dtype(
     head_precision, recipe_name, monkeypatch
 ):
     model_cfg, recipe = _model_config(head_precision), get_recipe(recipe_name)
-    expected = (
-        torch.float32 if FP32_PART[recipe_name] and head_precision in ("fp32", "tf32") else torch.bfloat16
-    )
+    expected = torch.float32 if FP32_PART[recipe_name] and head_precision in ("fp32", "tf32") else torch.bfloat16
     assert head_is_fp32_part(model_cfg, recipe) == FP32_PART[recipe_name]
     assert (
-        head_parameter_dtype(head_precision, fp32_part=FP32_PART[recipe_name], compute_dtype=torch.bfloat16)
-        == expected
+        head_parameter_dtype(head_precision, fp32_part=FP32_PART[recipe_name], compute_dtype=torch.bfloat16) == expected
     )
 
     assert _trainer_head_param_dtype(head_precision, recipe_name, monkeypatch) == expected
 
     head_numel = model_cfg.vocab_size * model_cfg.hidden_size
-    measured = measure(model_cfg, recipe, seq_len=16, micro_batch=1, compute_dtype="bfloat16",
-                       head_precision=head_precision, quantizer="triton")  # fmt: skip
+    measured = measure(
+        model_cfg,
+        recipe,
+        seq_len=16,
+        micro_batch=1,
+        compute_dtype="bfloat16",
+        head_precision=head_precision,
+        quantizer="triton",
+    )
     plan_head = next(g for g in measured.groups if g.name == "lm_head")
     assert plan_head.gathered_bytes == head_numel * expected.itemsize
 
-    cost_head = next(g for g in _fsdp_groups(model_cfg, recipe, head_precision=head_precision, param_bytes=2)
-                     if g[0] == "lm_head")  # fmt: skip
+    cost_head = next(
+        g for g in _fsdp_groups(model_cfg, recipe, head_precision=head_precision, param_bytes=2) if g[0] == "lm_head"
+    )
     assert cost_head[1:] == (head_numel, expected.itemsize)
 
 
@@ -83,10 +88,7 @@ def test_a_bf16_body_in_fp32_keeps_every_head_fp32():
     """Where the body itself computes in FP32 (CPU runs), no head is narrower than it."""
     for precision in HEAD_PRECISIONS:
         for fp32_part in (False, True):
-            assert (
-                head_parameter_dtype(precision, fp32_part=fp32_part, compute_dtype=torch.float32)
-                == torch.float32
-            )
+            assert head_parameter_dtype(precision, fp32_part=fp32_part, compute_dtype=torch.float32) == torch.float32
 
 
 def test_the_rule_refuses_an_unknown_head_precision():

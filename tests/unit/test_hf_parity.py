@@ -92,8 +92,9 @@ def test_config_round_trip_and_legacy_keys():
     assert from_hf_config(to_hf_config(cfg)) == cfg
     legacy = to_hf_config(cfg)
     del legacy["hybrid_override_pattern"], legacy["n_groups"], legacy["head_dim"]
-    legacy["layers_block_type"] = ["mamba" if s == "M" else "attention" if s == "*" else "mlp"
-                                   for s in cfg.hybrid_layer_pattern]  # fmt: skip
+    legacy["layers_block_type"] = [
+        "mamba" if s == "M" else "attention" if s == "*" else "mlp" for s in cfg.hybrid_layer_pattern
+    ]
     legacy["mamba_n_groups"], legacy["attention_head_dim"] = 8, 128
     assert from_hf_config(legacy) == cfg
     with pytest.raises(ValueError, match="MoE"):

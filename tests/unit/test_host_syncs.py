@@ -30,12 +30,15 @@ NATIVE = {name for name in list_recipes() if get_recipe(name).needs_transformer_
 
 
 def _holds_references(recipe) -> bool:
-    return any(isinstance(p, LinearQuantConfig) and any(p.reference_interval(r) for r in p.reference_roles())
-               for p in recipe.parts.values())  # fmt: skip
+    return any(
+        isinstance(p, LinearQuantConfig) and any(p.reference_interval(r) for r in p.reference_roles())
+        for p in recipe.parts.values()
+    )
 
 
-def _step(recipe_name: str, quantizer: str, head_chunk_tokens: int, checkpointing: str = "none",
-          pattern: str = "--") -> None:
+def _step(
+    recipe_name: str, quantizer: str, head_chunk_tokens: int, checkpointing: str = "none", pattern: str = "--"
+) -> None:
     recipe = get_recipe(recipe_name)
     warm_format_tables(recipe)
     model = build_model(get_model_config("tiny", vocab_size=512, hybrid_layer_pattern=pattern), device="meta")
@@ -48,7 +51,9 @@ def _step(recipe_name: str, quantizer: str, head_chunk_tokens: int, checkpointin
         set_step(model, 1, seed=0, rank=0)
         set_quant_stats(model, True)
         optimizer.zero_grad(set_to_none=True)
-        for _ in range(2 if _holds_references(recipe) else 1):  # the first samples held references, the second holds them
+        for _ in range(
+            2 if _holds_references(recipe) else 1
+        ):  # the first samples held references, the second holds them
             ids = torch.zeros(2, 64, dtype=torch.long)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = lm_loss(model, ids, ids, head_chunk_tokens=head_chunk_tokens)

@@ -31,8 +31,6 @@ from tests.conftest import perturbed_tiny
 SHIPPED_TOKENIZER = REPO_ROOT / "data" / "tokenizer"
 
 
-
-
 def folder_of(model, path, dtype=None, *, tokenizer=True):
     out = export_hf(model, path, dtype=dtype)
     if tokenizer:
@@ -62,8 +60,9 @@ def shard(folder):
     return folder
 
 
-@pytest.mark.parametrize("dtype, sharded, tied", [(None, False, False), (torch.bfloat16, True, False),
-                                                  (None, True, True)])
+@pytest.mark.parametrize(
+    "dtype, sharded, tied", [(None, False, False), (torch.bfloat16, True, False), (None, True, True)]
+)
 def test_weights_load_exactly_from_one_file_or_shards_in_fp32_or_bf16(tmp_path, dtype, sharded, tied):
     source = perturbed_tiny(tie_word_embeddings=tied)
     folder = folder_of(source, tmp_path / "hf", dtype)
@@ -81,14 +80,34 @@ def test_weights_load_exactly_from_one_file_or_shards_in_fp32_or_bf16(tmp_path, 
 def test_the_released_8b_config_is_the_nemotron_h_8b_preset():
     # nvidia/Nemotron-H-8B-Base-8K's config.json, its architecture fields (chunk 128: a speed setting here)
     released = {
-        "model_type": "nemotron_h", "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-        "hidden_size": 4096, "vocab_size": 131072, "tie_word_embeddings": False, "layer_norm_epsilon": 1e-5,
-        "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 8, "attention_head_dim": 128,
-        "max_position_embeddings": 8192, "mamba_num_heads": 128, "mamba_head_dim": 64, "expand": 2,
-        "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "use_conv_bias": True, "chunk_size": 128,
-        "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "use_bias": False, "mamba_proj_bias": False, "rescale_prenorm_residual": True, "initializer_range": 0.02,
-    }  # fmt: skip
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "hidden_size": 4096,
+        "vocab_size": 131072,
+        "tie_word_embeddings": False,
+        "layer_norm_epsilon": 1e-5,
+        "intermediate_size": 21504,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attention_head_dim": 128,
+        "max_position_embeddings": 8192,
+        "mamba_num_heads": 128,
+        "mamba_head_dim": 64,
+        "expand": 2,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "use_conv_bias": True,
+        "chunk_size": 128,
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_bias": False,
+        "mamba_proj_bias": False,
+        "rescale_prenorm_residual": True,
+        "initializer_range": 0.02,
+    }
     config = from_hf_config(released)
     assert config_mismatches(config, get_model_config("nemotron_h_8b")) == []
     assert config_mismatches(config, get_model_config("nemotron_h_8b_paper")) == ["num_key_value_heads: 8 -> 4"]
@@ -98,10 +117,14 @@ def test_the_released_8b_config_is_the_nemotron_h_8b_preset():
 def test_weights_that_do_not_fit_are_refused_by_name(tmp_path):
     source = perturbed_tiny()
     folder = folder_of(source, tmp_path / "hf")
-    with pytest.raises(ValueError, match=r"differs from the run's in 2 field\(s\).*hidden_size: 128 -> 256.*"
-                                         r"mamba_num_heads: 8 -> 16"):
-        check_compatible(resolve_source(str(folder)), get_model_config("tiny", hidden_size=256, mamba_num_heads=16),
-                         DataConfig())
+    with pytest.raises(
+        ValueError,
+        match=r"differs from the run's in 2 field\(s\).*hidden_size: 128 -> 256.*"
+        r"mamba_num_heads: 8 -> 16",
+    ):
+        check_compatible(
+            resolve_source(str(folder)), get_model_config("tiny", hidden_size=256, mamba_num_heads=16), DataConfig()
+        )
     check_compatible(resolve_source(str(folder)), get_model_config("tiny", chunk_size=32), DataConfig())  # speed only
 
     tensors = load_file(str(folder / "model.safetensors"))
@@ -144,8 +167,11 @@ def test_the_data_must_use_the_sources_tokenizer(tmp_path):
     other = tmp_path / "other"
     shutil.copytree(folder, other)
     (other / "tokenizer_config.json").write_text(json.dumps({"eos_token": "the"}))  # another EOD: another hash
-    with pytest.raises(ValueError, match=rf"trained with the tokenizer {other}.*EOD 'the'.*but data.tokenizer="
-                                         rf"data/tokenizer is another one.*Pass data.tokenizer={other}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"trained with the tokenizer {other}.*EOD 'the'.*but data.tokenizer="
+        rf"data/tokenizer is another one.*Pass data.tokenizer={other}",
+    ):
         check_compatible(resolve_source(str(other)), get_model_config("tiny"), DataConfig())
     bare = folder_of(perturbed_tiny(), tmp_path / "bare", tokenizer=False)
     with pytest.raises(ValueError, match="has no tokenizer.json"):
@@ -221,8 +247,9 @@ def test_a_resume_with_another_source_is_refused_naming_both():
     saved = compose_job_config([*base, "train.init_from=hf/released"])
     for current, shown in (("train.init_from=hf/other", "'hf/other'"), ("train.init_from=", "''")):
         with pytest.raises(ValueError, match=rf"train.init_from: 'hf/released' -> {shown}") as err:
-            check_resume_config(saved, compose_job_config([*base, current]), step=2, saved_total=4, new_total=4,
-                                where="checkpoint c")
+            check_resume_config(
+                saved, compose_job_config([*base, current]), step=2, saved_total=4, new_total=4, where="checkpoint c"
+            )
         assert "started from train.init_from='hf/released'" in str(err.value)
     with pytest.raises(ValueError, match="defines what the run trains"):
         validate_accept_list(["train.init_from"], saved)

@@ -34,7 +34,9 @@ class _Planner:
         self.calls += 1
         if self.policy is None:
             raise ValueError("no policy fits; it fits on 4 GPUs")
-        return JobPlan(activation_checkpointing=self.policy, reason=f"stand-in on {world_size} ranks", summary="| table |")
+        return JobPlan(
+            activation_checkpointing=self.policy, reason=f"stand-in on {world_size} ranks", summary="| table |"
+        )
 
     def log_plan(self, cfg, *, world_size, device, log):
         raise AssertionError("not called for auto")
@@ -58,19 +60,26 @@ def test_a_configured_policy_is_left_alone(tmp_path):
 def test_rank_0_chooses_or_keeps_what_the_run_recorded(tmp_path, caplog):
     planner = _Planner("mamba")
     with caplog.at_level(logging.INFO, logger="nemofp4"):
-        job = resolve_activation_checkpointing(_Job(str(tmp_path)), planner, rank=0, world_size=1, device=torch.device("cpu"))
+        job = resolve_activation_checkpointing(
+            _Job(str(tmp_path)), planner, rank=0, world_size=1, device=torch.device("cpu")
+        )
     assert (job.distributed.activation_checkpointing, planner.calls) == ("mamba", 1)
     assert "rank 0: distributed.activation_checkpointing=auto -> mamba (stand-in on 1 ranks)" in caplog.text
     # the run recorded full: a resume keeps it whatever this device's plan would say; resume=none plans anew
     (tmp_path / "config.yaml").write_text("distributed:\n  activation_checkpointing: full\n")
     assert recorded_policy(tmp_path) == "full"
-    job = resolve_activation_checkpointing(_Job(str(tmp_path)), planner, rank=0, world_size=1, device=torch.device("cpu"))
+    job = resolve_activation_checkpointing(
+        _Job(str(tmp_path)), planner, rank=0, world_size=1, device=torch.device("cpu")
+    )
     assert (job.distributed.activation_checkpointing, planner.calls) == ("full", 1)
-    job = resolve_activation_checkpointing(_Job(str(tmp_path), resume="none"), planner, rank=0, world_size=1,
-                                           device=torch.device("cpu"))  # fmt: skip
+    job = resolve_activation_checkpointing(
+        _Job(str(tmp_path), resume="none"), planner, rank=0, world_size=1, device=torch.device("cpu")
+    )
     assert (job.distributed.activation_checkpointing, planner.calls) == ("mamba", 2)
     with pytest.raises(ValueError, match="needs the job's planner"):
-        resolve_activation_checkpointing(_Job(str(tmp_path / "new")), None, rank=0, world_size=1, device=torch.device("cpu"))
+        resolve_activation_checkpointing(
+            _Job(str(tmp_path / "new")), None, rank=0, world_size=1, device=torch.device("cpu")
+        )
 
 
 def _two_ranks(rank: int, port: int, run_dir: str, results: str) -> None:
@@ -87,8 +96,9 @@ def _two_ranks(rank: int, port: int, run_dir: str, results: str) -> None:
     job = resolve_activation_checkpointing(_Job(run_dir), planner, rank=rank, world_size=2, device=torch.device("cpu"))
     out["policy"], out["calls"], out["logged"] = job.distributed.activation_checkpointing, planner.calls, records[:]
     try:
-        resolve_activation_checkpointing(_Job(run_dir), _Planner(None if rank == 0 else "none"), rank=rank, world_size=2,
-                                         device=torch.device("cpu"))  # fmt: skip
+        resolve_activation_checkpointing(
+            _Job(run_dir), _Planner(None if rank == 0 else "none"), rank=rank, world_size=2, device=torch.device("cpu")
+        )
     except ValueError as err:
         out["error"] = str(err)
     Path(results, f"rank-{rank}.json").write_text(json.dumps(out))

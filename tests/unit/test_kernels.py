@@ -116,9 +116,7 @@ def test_edge_cases_match_reference():
     # all zeros: g = 0 (e4m3: G = FLT_MAX, zero scale codes; UE5M3: G = 1, codes of 1.0)
     zeros = torch.zeros(3, 40)
     for scale_format in FORMATS:
-        assert_same(
-            triton_quantize_blocks(zeros, scale_format=scale_format), quantize_blocks(zeros, scale_format)
-        )
+        assert_same(triton_quantize_blocks(zeros, scale_format=scale_format), quantize_blocks(zeros, scale_format))
     # every E2M1 tie (enc = 1 exactly: block amax 6, g = 448 * 6) and their negatives, -0
     ties = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.1, 5.9]
     x = torch.tensor([ties, [-v for v in ties[:15]] + [-0.0]])
@@ -162,9 +160,7 @@ def test_scaled_output_is_value_times_block_scale():
         rows, cols = triton_quantize(x, scale_format="ue5m3", transposed=True, scaled_dtype=dtype)
         assert torch.equal(rows.scaled.float(), ref.scaled_values())
         assert torch.equal(cols.scaled.float(), quantize_blocks(x.t(), "ue5m3").scaled_values())
-    rows, _ = triton_quantize(
-        x.float()[:32, :64], scale_format="e4m3", two_d=True, scaled_dtype=torch.float32
-    )
+    rows, _ = triton_quantize(x.float()[:32, :64], scale_format="e4m3", two_d=True, scaled_dtype=torch.float32)
     assert torch.equal(rows.scaled, quantize_blocks(x.float()[:32, :64], "e4m3", two_d=True).scaled_values())
 
 
@@ -404,8 +400,10 @@ def test_dispatch_and_switch(monkeypatch):
     calls = []
     monkeypatch.setattr("nemofp4.kernels.quantize.triton_quantize_blocks", lambda *a, **k: calls.append(1))
     ref = quantize_blocks(x, "ue5m3")  # the CPU path keeps the block counts alone
-    assert_same(kernels.quantize_blocks(x, "ue5m3"), dataclasses.replace(ref, counts={
-        k: v for k, v in ref.counts.items() if k != "clipped_elements"}))  # fmt: skip
+    assert_same(
+        kernels.quantize_blocks(x, "ue5m3"),
+        dataclasses.replace(ref, counts={k: v for k, v in ref.counts.items() if k != "clipped_elements"}),
+    )
     assert torch.equal(kernels.amax(x), amax(x)) and not calls
     assert kernels.resolve_backend("auto", "cpu") in ("native", "compiled", "eager")
     with pytest.raises(ValueError, match="backend 'triton' needs CUDA tensors"):
@@ -420,8 +418,27 @@ def _op_args(x, *, g, scale_format="ue5m3", two_d=False, transposed=False, scale
     """Positional arguments of ``nemofp4::triton_quantize`` for the interpreter's tile sizes."""
     config = _quantize_tile_config(16, two_d, transposed)
     seed = torch.full((1,), 7, dtype=torch.int64)
-    return (x, g, seed, scale_format, 16 if scale_format != "ue8m0" else 32, two_d, 448.0 * 6, 448.0 * 6,
-            rounding, False, True, transposed, scaled, False, True, config["BM"], config["BK"], 0, True)  # fmt: skip
+    return (
+        x,
+        g,
+        seed,
+        scale_format,
+        16 if scale_format != "ue8m0" else 32,
+        two_d,
+        448.0 * 6,
+        448.0 * 6,
+        rounding,
+        False,
+        True,
+        transposed,
+        scaled,
+        False,
+        True,
+        config["BM"],
+        config["BK"],
+        0,
+        True,
+    )
 
 
 def _quantize_tile_config(block_size, two_d, transposed):
@@ -430,9 +447,7 @@ def _quantize_tile_config(block_size, two_d, transposed):
     return _tile_config(block_size, two_d, transposed, True)
 
 
-@pytest.mark.parametrize(
-    "case", ["rows", "rows+transposed", "tiles", "mx-measured", "sr8-bf16-scaled"]
-)
+@pytest.mark.parametrize("case", ["rows", "rows+transposed", "tiles", "mx-measured", "sr8-bf16-scaled"])
 def test_the_quantize_op_passes_opcheck_and_its_fake_matches_the_real_outputs(case):
     x = make_input(24, 64, seed=11)
     g = torch.tensor([5.0])
@@ -453,15 +468,18 @@ def test_the_quantize_op_passes_opcheck_and_its_fake_matches_the_real_outputs(ca
     with FakeTensorMode() as mode:
         fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
-    torch.library.opcheck(torch.ops.nemofp4.triton_amax.default, (x.view(-1),), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.nemofp4.triton_amax.default, (x.view(-1),), test_utils=("test_schema", "test_faketensor")
+    )
 
 
 def test_the_quantize_op_is_what_triton_quantize_launches_and_equals_the_reference():
     x = make_input(40, 96, seed=12)
     g = torch.tensor([3.5])
     outs = torch.ops.nemofp4.triton_quantize(*_op_args(x, g=g, transposed=True))
-    ref, ref_t = quantize_blocks(x, "ue5m3", tensor_amax=g), quantize_blocks(
-        torch.nn.functional.pad(x, (0, 0, 0, -40 % 16)).t().contiguous(), "ue5m3", tensor_amax=g
+    ref, ref_t = (
+        quantize_blocks(x, "ue5m3", tensor_amax=g),
+        quantize_blocks(torch.nn.functional.pad(x, (0, 0, 0, -40 % 16)).t().contiguous(), "ue5m3", tensor_amax=g),
     )
     assert torch.equal(outs[0], ref.codes) and torch.equal(outs[1], ref.scale_codes)
     assert torch.equal(outs[5].reshape(()), ref.tensor_scale)
@@ -490,5 +508,7 @@ def test_compiling_a_function_that_calls_the_ops_has_no_graph_break():
     targets = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
     assert {"nemofp4.triton_quantize", "nemofp4.triton_amax"} <= targets, targets
     ref = quantize_blocks(x, "ue5m3")
-    assert torch.equal(codes, ref.codes) and torch.equal(scales, ref.scale_codes) and torch.equal(scale, ref.tensor_scale)
+    assert (
+        torch.equal(codes, ref.codes) and torch.equal(scales, ref.scale_codes) and torch.equal(scale, ref.tensor_scale)
+    )
     torch._dynamo.reset()

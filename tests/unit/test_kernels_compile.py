@@ -18,19 +18,50 @@ import pytest
 from nemofp4.formats import SCALE_FORMATS
 
 _QUANTIZE_TYPES = {
-    "x_ptr": "*bf16", "g_ptr": "*fp32", "seed_ptr": "*i64", "amax_out_ptr": "*i32",
-    "codes_ptr": "*u8", "scales_ptr": "*u8", "scaled_ptr": "*fp32", "draws_ptr": "*i64",
-    "counts_ptr": "*i32", "ts_ptr": "*fp32", "codes_t_ptr": "*u8", "scales_t_ptr": "*u8",
-    "scaled_t_ptr": "*bf16", "draws_t_ptr": "*i64", "counts_t_ptr": "*i32", "ts_t_ptr": "*fp32",
-    "rows": "i32", "cols": "i32", "stride_x": "i32", "rows_out": "i32", "cols_p": "i32",
-    "rows_p": "i32", "numerator": "fp32", "numerator_t": "fp32",
-}  # fmt: skip
+    "x_ptr": "*bf16",
+    "g_ptr": "*fp32",
+    "seed_ptr": "*i64",
+    "amax_out_ptr": "*i32",
+    "codes_ptr": "*u8",
+    "scales_ptr": "*u8",
+    "scaled_ptr": "*fp32",
+    "draws_ptr": "*i64",
+    "counts_ptr": "*i32",
+    "ts_ptr": "*fp32",
+    "codes_t_ptr": "*u8",
+    "scales_t_ptr": "*u8",
+    "scaled_t_ptr": "*bf16",
+    "draws_t_ptr": "*i64",
+    "counts_t_ptr": "*i32",
+    "ts_t_ptr": "*fp32",
+    "rows": "i32",
+    "cols": "i32",
+    "stride_x": "i32",
+    "rows_out": "i32",
+    "cols_p": "i32",
+    "rows_p": "i32",
+    "numerator": "fp32",
+    "numerator_t": "fp32",
+}
 _GEMM_TYPES = {
-    "a_codes": "*u8", "a_scales": "*u8", "b_codes": "*u8", "b_scales": "*u8", "out_ptr": "*fp32",
-    "a_ts_ptr": "*fp32", "b_ts_ptr": "*fp32", "M": "i32", "N": "i32", "K_a": "i32", "K_b": "i32",
-    "K": "i32", "stride_a_codes": "i32", "stride_a_scales": "i32", "stride_b_codes": "i32",
-    "stride_b_scales": "i32", "stride_out": "i32",
-}  # fmt: skip
+    "a_codes": "*u8",
+    "a_scales": "*u8",
+    "b_codes": "*u8",
+    "b_scales": "*u8",
+    "out_ptr": "*fp32",
+    "a_ts_ptr": "*fp32",
+    "b_ts_ptr": "*fp32",
+    "M": "i32",
+    "N": "i32",
+    "K_a": "i32",
+    "K_b": "i32",
+    "K": "i32",
+    "stride_a_codes": "i32",
+    "stride_a_scales": "i32",
+    "stride_b_codes": "i32",
+    "stride_b_scales": "i32",
+    "stride_out": "i32",
+}
 
 
 def _quantize_constants(scale_format: str, **overrides) -> dict:
@@ -39,13 +70,24 @@ def _quantize_constants(scale_format: str, **overrides) -> dict:
     fmt = SCALE_FORMATS[scale_format]
     is_mx = scale_format == "ue8m0"
     constants = {
-        "BS": 32 if is_mx else 16, "IS_MX": is_mx, "MX_CEIL": False,
-        "SCALE_MAX": 0.0 if is_mx else fmt.max_finite, "SCALE_BIAS": fmt.bias,
-        "SCALE_MANT": fmt.mantissa_bits, "SCALE_MIN_NORMAL": fmt.min_normal,
-        "SCALE_SUB_STEP": fmt.min_subnormal, "ZERO_CODE_TO_ONE": scale_format != "e4m3",
-        "ROUNDING": 0, "TWO_D": False, "ROWWISE": True, "TRANSPOSED": False, "WRITE_SCALED": False,
-        "WRITE_DRAWS": False, "STATS": True, "MEASURE_AMAX": is_mx,
-    }  # fmt: skip
+        "BS": 32 if is_mx else 16,
+        "IS_MX": is_mx,
+        "MX_CEIL": False,
+        "SCALE_MAX": 0.0 if is_mx else fmt.max_finite,
+        "SCALE_BIAS": fmt.bias,
+        "SCALE_MANT": fmt.mantissa_bits,
+        "SCALE_MIN_NORMAL": fmt.min_normal,
+        "SCALE_SUB_STEP": fmt.min_subnormal,
+        "ZERO_CODE_TO_ONE": scale_format != "e4m3",
+        "ROUNDING": 0,
+        "TWO_D": False,
+        "ROWWISE": True,
+        "TRANSPOSED": False,
+        "WRITE_SCALED": False,
+        "WRITE_DRAWS": False,
+        "STATS": True,
+        "MEASURE_AMAX": is_mx,
+    }
     constants.update(overrides)
     config = _tile_config(constants["BS"], constants["TWO_D"], constants["TRANSPOSED"], interpret=False)
     return {**constants, **config}
@@ -57,12 +99,27 @@ def _variants():
     quantize = _quantize_kernels.quantize_kernel
     ue5m3 = SCALE_FORMATS["ue5m3"]
     gemm = {
-        "A_BS": 16, "A_TWO_D": False, "A_TRANSPOSED": False, "A_IS_MX": False, "A_BIAS": 15,
-        "A_MANT": 3, "A_SUB_STEP": ue5m3.min_subnormal, "B_BS": 16, "B_TWO_D": True,
-        "B_TRANSPOSED": True, "B_IS_MX": False, "B_BIAS": 15, "B_MANT": 3,
-        "B_SUB_STEP": ue5m3.min_subnormal, "SUB": 16, "LATTICE_SNAP": True, "BM": 64, "BN": 64,
-        "num_warps": 8, "enable_fp_fusion": False,
-    }  # fmt: skip
+        "A_BS": 16,
+        "A_TWO_D": False,
+        "A_TRANSPOSED": False,
+        "A_IS_MX": False,
+        "A_BIAS": 15,
+        "A_MANT": 3,
+        "A_SUB_STEP": ue5m3.min_subnormal,
+        "B_BS": 16,
+        "B_TWO_D": True,
+        "B_TRANSPOSED": True,
+        "B_IS_MX": False,
+        "B_BIAS": 15,
+        "B_MANT": 3,
+        "B_SUB_STEP": ue5m3.min_subnormal,
+        "SUB": 16,
+        "LATTICE_SNAP": True,
+        "BM": 64,
+        "BN": 64,
+        "num_warps": 8,
+        "enable_fp_fusion": False,
+    }
     return [
         ("quantize ue5m3 rne", quantize, _QUANTIZE_TYPES, _quantize_constants("ue5m3")),
         ("quantize e4m3 16x16", quantize, _QUANTIZE_TYPES, _quantize_constants("e4m3", TWO_D=True)),

@@ -109,14 +109,23 @@ def test_rtz_add_is_exact_against_rational_arithmetic():
     raw = raw[np.isfinite(raw).all(axis=1)]
     # same-binade neighbours, exponent gaps of 20..60 (beyond float64's exactness), cancellation
     close = rng.standard_normal((1000, 2)).astype(np.float32)
-    gaps = np.stack(
-        [rng.standard_normal(1000), rng.standard_normal(1000) * 2.0 ** rng.integers(-60, -20, 1000)], 1
-    )
+    gaps = np.stack([rng.standard_normal(1000), rng.standard_normal(1000) * 2.0 ** rng.integers(-60, -20, 1000)], 1)
     cancel = np.stack([close[:, 0], -close[:, 0] * np.float32(1 + 2**-20)], 1)
     special = np.array(
-        [[1.0, -(2.0**-60)], [1.0, 2.0**-60], [-1.0, 2.0**-60], [F32_MAX, F32_MAX], [-F32_MAX, -F32_MAX],
-         [1e-45, -1e-45], [1e-45, 1e-45], [-0.0, 0.0], [-0.0, -0.0], [3.0, -3.0], [2.0**127, 2.0**-149]],
-    )  # fmt: skip
+        [
+            [1.0, -(2.0**-60)],
+            [1.0, 2.0**-60],
+            [-1.0, 2.0**-60],
+            [F32_MAX, F32_MAX],
+            [-F32_MAX, -F32_MAX],
+            [1e-45, -1e-45],
+            [1e-45, 1e-45],
+            [-0.0, 0.0],
+            [-0.0, -0.0],
+            [3.0, -3.0],
+            [2.0**127, 2.0**-149],
+        ],
+    )
     pairs = np.concatenate([raw, close, gaps, cancel, special]).astype(np.float32)
     a, b = torch.from_numpy(pairs[:, 0].copy()), torch.from_numpy(pairs[:, 1].copy())
     ours = rtz_add_f32(a, b)
@@ -251,8 +260,30 @@ def test_bad_operands_raise():
 def test_the_gemm_launch_is_a_torch_library_op_with_a_fake_and_compiles_without_a_graph_break():
     qa = quantize_blocks(torch.randn(24, 64), "ue5m3")
     qb = quantize_blocks(torch.randn(20, 64), "e4m3", two_d=True)
-    args = (qa.codes, qa.scale_codes, qb.codes, qb.scale_codes, qa.tensor_scale.reshape(1), qb.tensor_scale.reshape(1),
-            24, 20, 64, 64, 64, "ue5m3", 16, False, False, "e4m3", 16, True, False, False, 64, 64)  # fmt: skip
+    args = (
+        qa.codes,
+        qa.scale_codes,
+        qb.codes,
+        qb.scale_codes,
+        qa.tensor_scale.reshape(1),
+        qb.tensor_scale.reshape(1),
+        24,
+        20,
+        64,
+        64,
+        64,
+        "ue5m3",
+        16,
+        False,
+        False,
+        "e4m3",
+        16,
+        True,
+        False,
+        False,
+        64,
+        64,
+    )
     op = torch.ops.nemofp4.triton_hardware_gemm.default
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     assert torch.equal(bits(op(*args)), bits(hardware_gemm_reference(qa, qb)))

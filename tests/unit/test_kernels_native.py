@@ -94,8 +94,16 @@ def test_every_covered_operand_is_the_programs_and_the_references(layout, fmt, r
                 assert_same_bits(fast, slow, where)
                 if values:  # and the float64-checked reference, whose operand is the padded transpose
                     source = program.tokens_transposed(x) if layout == "tokens" else x
-                    ref = quantize_blocks(source.contiguous(), fmt, 16, layout == "tiles", 448.0, reference, rounding,
-                                          torch.Generator().manual_seed(3))  # fmt: skip
+                    ref = quantize_blocks(
+                        source.contiguous(),
+                        fmt,
+                        16,
+                        layout == "tiles",
+                        448.0,
+                        reference,
+                        rounding,
+                        torch.Generator().manual_seed(3),
+                    )
                     assert torch.equal(_bits(fast.scaled), _bits(ref.scaled_values())), where
 
 
@@ -119,8 +127,11 @@ def test_threads_split_an_operand_without_changing_a_bit(layout, native_calls):
 
 
 # Where each layout puts element (1, 3) of x: its block, as [rows, cols] slices of the result.
-_BLOCK_OF_1_3 = {"rows": (slice(1, 2), slice(0, 16)), "tiles": (slice(0, 16), slice(0, 16)),
-                 "tokens": (slice(3, 4), slice(0, 16))}  # fmt: skip
+_BLOCK_OF_1_3 = {
+    "rows": (slice(1, 2), slice(0, 16)),
+    "tiles": (slice(0, 16), slice(0, 16)),
+    "tokens": (slice(3, 4), slice(0, 16)),
+}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -134,11 +145,14 @@ def test_non_finite_inputs_give_the_programs_results(layout, native_calls):
     op = OperandQuant(scale_format="ue5m3", rounding="sr8")
 
     def both(t, reference):
-        fast = _quantize(layout, t, op, cores=NATIVE, pack=True, tensor_amax=reference,
-                         generator=torch.Generator().manual_seed(4))  # fmt: skip
+        fast = _quantize(
+            layout, t, op, cores=NATIVE, pack=True, tensor_amax=reference, generator=torch.Generator().manual_seed(4)
+        )
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(program, "_quantize_cores", _program_cores)
-            slow = _quantize(layout, t, op, pack=True, tensor_amax=reference, generator=torch.Generator().manual_seed(4))
+            slow = _quantize(
+                layout, t, op, pack=True, tensor_amax=reference, generator=torch.Generator().manual_seed(4)
+            )
         return fast, slow
 
     for reference in (None, torch.tensor(3.0), torch.tensor(float("inf"))):
@@ -163,11 +177,18 @@ def test_the_pair_and_the_forward_call_are_the_programs_draw_for_draw(native_cal
     dy_op = OperandQuant(scale_format="ue5m3", rounding="sr8")
     x_op, w_op = OperandQuant(scale_format="ue5m3"), OperandQuant(scale_format="ue5m3", two_d=True, rounding="sr8")
     calls = {
-        "pair": lambda **k: program.quantize_operand_pair(x, dy_op, dy_op, tensor_amax=torch.tensor(9.0),
-                                                           pack_xt=False, **k),
-        "forward": lambda **k: program.quantize((OperandRequest(x, x_op), OperandRequest(x, x_op, layout="tokens",
-                                                 pack=True, values=False), OperandRequest(w, w_op)), **k),
-    }  # fmt: skip
+        "pair": lambda **k: program.quantize_operand_pair(
+            x, dy_op, dy_op, tensor_amax=torch.tensor(9.0), pack_xt=False, **k
+        ),
+        "forward": lambda **k: program.quantize(
+            (
+                OperandRequest(x, x_op),
+                OperandRequest(x, x_op, layout="tokens", pack=True, values=False),
+                OperandRequest(w, w_op),
+            ),
+            **k,
+        ),
+    }
     for name, call in calls.items():
         generators = [torch.Generator().manual_seed(8) for _ in range(2)]
         fast = call(cores=NATIVE, generator=generators[0])
@@ -260,8 +281,9 @@ def test_the_library_is_built_once_into_the_cache_and_loaded_from_it(empty_nativ
     assert sorted(p.name for p in empty_native_cache.iterdir()) == built
 
 
-def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(empty_native_cache, monkeypatch,
-                                                                                 tmp_path):  # fmt: skip
+def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(
+    empty_native_cache, monkeypatch, tmp_path
+):
     """The failed build is tried once per process; ``auto`` warns once, naming the compiler's failure,
     and the compiled program quantizes (the same bits); an explicit ``native`` is an error naming it."""
     broken = tmp_path / "broken-c++"
@@ -272,8 +294,11 @@ def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(
     real_build = native._build
     monkeypatch.setattr(native, "_build", lambda *a: builds.append(a) or real_build(*a))
     monkeypatch.setattr(kernel_backends, "cpu_compile_available", lambda: True)
-    with pytest.warns(UserWarning, match="kernels='auto': could not build the native CPU FP4 quantizer .*broken-c\\+\\+ "
-                      "failed: no\\); the compiled torch program quantizes instead") as caught:  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match="kernels='auto': could not build the native CPU FP4 quantizer .*broken-c\\+\\+ "
+        "failed: no\\); the compiled torch program quantizes instead",
+    ) as caught:
         assert kernels.resolve_backend("auto", "cpu") == "compiled"
     assert len(caught) == 1
     with warnings.catch_warnings():  # once: the result is kept, no second build and no second warning
@@ -281,8 +306,11 @@ def test_a_compiler_that_fails_is_one_warning_for_auto_and_one_error_for_native(
         assert not native.available()
         assert kernels.resolve_backend("auto", "cpu") == "compiled"
     assert len(builds) == 1
-    with pytest.raises(ValueError, match="kernels='native' .* cannot run here: could not build .*broken-c\\+\\+ failed"
-                       ".*; use 'auto', 'compiled' .* or 'eager'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="kernels='native' .* cannot run here: could not build .*broken-c\\+\\+ failed"
+        ".*; use 'auto', 'compiled' .* or 'eager'",
+    ):
         kernels.resolve_backend("native", "cpu")
     assert not list(empty_native_cache.glob("*"))  # no partial library left behind
     x, op = torch.randn(16, 32), OperandQuant(scale_format="ue5m3")

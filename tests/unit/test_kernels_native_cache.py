@@ -45,8 +45,9 @@ def _compiler(tmp_path: Path, name: str, body: str) -> Path:
     """A stand-in C++ compiler: ``--version`` prints its name; a build runs ``body`` with ``$out`` the
     output file (the last argument)."""
     script = tmp_path / name
-    script.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo {name} 1.0; exit 0; fi\n'
-                      f'for out; do :; done\n{body}\n')  # fmt: skip
+    script.write_text(
+        f'#!/bin/sh\nif [ "$1" = --version ]; then echo {name} 1.0; exit 0; fi\nfor out; do :; done\n{body}\n'
+    )
     script.chmod(0o755)
     return script
 
@@ -64,8 +65,15 @@ def copier(tmp_path, real_library, monkeypatch):
 def _child(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh Python process on this cache (and this checkout's nemofp4)."""
     environment = {**os.environ, "NEMOFP4_CACHE_DIR": str(cache.parent), "PYTHONPATH": str(ROOT), **env}
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environment, capture_output=True, text=True,
-                          timeout=600, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 LOADS = "from nemofp4.kernels import native; assert native.available(), native.unavailable_reason(); print('loaded')"
@@ -133,8 +141,10 @@ def foreign_library(tmp_path_factory) -> bytes:
     """A C++ library that is not ours, built by the real compiler: one function, none of the kernels."""
     folder = tmp_path_factory.mktemp("foreign")
     (folder / "foreign.cpp").write_text('extern "C" int not_a_quantizer() { return 7; }\n')
-    subprocess.run([native.compiler(), "-shared", "-fPIC", str(folder / "foreign.cpp"), "-o", str(folder / "foreign.so")],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [native.compiler(), "-shared", "-fPIC", str(folder / "foreign.cpp"), "-o", str(folder / "foreign.so")],
+        check=True,
+    )
     return (folder / "foreign.so").read_bytes()
 
 
@@ -181,8 +191,11 @@ raise SystemExit('not killed')
 """
 
 
-KILLS = {"while compiling": {".partial"}, "before the library's rename": {".partial"},
-         "before the record's rename": {".so", ".partial"}}  # fmt: skip
+KILLS = {
+    "while compiling": {".partial"},
+    "before the library's rename": {".partial"},
+    "before the record's rename": {".so", ".partial"},
+}
 """Where the kill lands, and what the cache holds after it."""
 
 
@@ -197,8 +210,7 @@ def _kill(where: str, cache: Path, copier: Path, tmp_path: Path) -> subprocess.C
 
 
 @pytest.mark.parametrize("where", KILLS)
-def test_a_kill_during_the_build_leaves_a_cache_the_next_process_repairs(cache, copier, real_library, tmp_path,
-                                                                         where):  # fmt: skip
+def test_a_kill_during_the_build_leaves_a_cache_the_next_process_repairs(cache, copier, real_library, tmp_path, where):
     """A kill at each point of the build: the next process does not trust what it left (a temporary
     file, a library without its record), builds, loads, and removes the temporary file once stale."""
     killed = _kill(where, cache, copier, tmp_path)
@@ -226,17 +238,22 @@ def test_a_build_removes_stale_partial_files_and_keeps_fresh_ones(cache, copier,
 
 
 # ------------------------------------------------------------------------------------ the compiler setting
-@pytest.mark.parametrize("cxx,message", [
-    ("no-such-c++", "CXX='no-such-c\\+\\+' is not an executable on PATH; set it to a C\\+\\+ compiler"),
-    ("ccache g++", "CXX='ccache g\\+\\+' is a command with arguments; .* run CXX as one executable"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cxx,message",
+    [
+        ("no-such-c++", "CXX='no-such-c\\+\\+' is not an executable on PATH; set it to a C\\+\\+ compiler"),
+        ("ccache g++", "CXX='ccache g\\+\\+' is a command with arguments; .* run CXX as one executable"),
+    ],
+)
 def test_an_unusable_cxx_is_an_error_naming_it(cache, monkeypatch, cxx, message):
     """A set CXX that cannot run as one program (torch.compile runs it so) is never replaced by another
     compiler: the native library, the compiled program's check and every setting that compiles on CPU
     raise, naming it."""
     monkeypatch.setenv("CXX", cxx)
     checks = [native.available, toolchain.cpu_compile_available]
-    checks += [lambda setting=setting: kernels.resolve_backend(setting, "cpu") for setting in ("auto", "native", "compiled")]
+    checks += [
+        lambda setting=setting: kernels.resolve_backend(setting, "cpu") for setting in ("auto", "native", "compiled")
+    ]
     for check in checks:
         with pytest.raises(ValueError, match=message):
             check()
@@ -267,8 +284,10 @@ def _standin_step(backend: str) -> None:
 def test_explicit_native_without_a_compiler_is_one_error(no_compiler):
     """``native`` cannot run: the error names the setting, the cause and what can run instead, both
     where the start-up log resolves it and in a model's first step."""
-    match = ("kernels='native' \\(train.kernels, or nemofp4-eval's kernels\\) cannot run here: no C\\+\\+ compiler "
-             "\\(CXX is unset and none of c\\+\\+, g\\+\\+, clang\\+\\+ is on PATH\\); use 'auto' or 'eager'")
+    match = (
+        "kernels='native' \\(train.kernels, or nemofp4-eval's kernels\\) cannot run here: no C\\+\\+ compiler "
+        "\\(CXX is unset and none of c\\+\\+, g\\+\\+, clang\\+\\+ is on PATH\\); use 'auto' or 'eager'"
+    )
     with pytest.raises(ValueError, match=match):
         kernels.describe("cpu", "native")
     with pytest.raises(ValueError, match=match):
@@ -286,5 +305,7 @@ def test_auto_without_a_compiler_warns_once_and_runs_eagerly(no_compiler):
         _standin_step("auto")
         assert kernels.resolve_backend("auto", "cpu") == "eager"
     messages = [str(w.message) for w in caught if "kernels=" in str(w.message)]
-    assert messages == ["kernels='auto': no C++ compiler (CXX is unset and none of c++, g++, clang++ is on PATH); "
-                        "the eager torch program (op by op, slower) quantizes instead (the same numerics)"]
+    assert messages == [
+        "kernels='auto': no C++ compiler (CXX is unset and none of c++, g++, clang++ is on PATH); "
+        "the eager torch program (op by op, slower) quantizes instead (the same numerics)"
+    ]

@@ -18,9 +18,7 @@ from tests.conftest import quant_inputs as _inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-needs_compiler = pytest.mark.skipif(
-    not cpu_compile_available(), reason="needs a C++ compiler for torch.compile"
-)
+needs_compiler = pytest.mark.skipif(not cpu_compile_available(), reason="needs a C++ compiler for torch.compile")
 
 
 def slow(*values):
@@ -36,8 +34,7 @@ def _cores(compiled: bool):
     return COMPILED if compiled else EAGER
 
 
-def _forward(x, w, op_x, op_xt, op_w, *, x_amax=None, w_amax=None, pack_x=False, values_xt=True, pack_w=False,
-             **call):  # fmt: skip
+def _forward(x, w, op_x, op_xt, op_w, *, x_amax=None, w_amax=None, pack_x=False, values_xt=True, pack_w=False, **call):
     """X, X^T (``op_xt`` None: not asked for) and W as one program call, what a linear's forward asks."""
     requests = [OperandRequest(x, op_x, pack=pack_x, tensor_amax=x_amax)]
     if op_xt is not None:
@@ -49,8 +46,12 @@ def _forward(x, w, op_x, op_xt, op_w, *, x_amax=None, w_amax=None, pack_x=False,
 
 # Every case compiles a graph (about 10 s each on a cold machine): by default every scale format,
 # every rounding, both block layouts and both scale targets once; the whole table as slow tests.
-FAST = {("e4m3", 16, False, "sr_exact"), ("ue5m3", 16, False, "sr8"), ("ue5m3_cuda", 16, True, "rne"),
-        ("ue8m0", 32, True, "sr")}  # fmt: skip
+FAST = {
+    ("e4m3", 16, False, "sr_exact"),
+    ("ue5m3", 16, False, "sr8"),
+    ("ue5m3_cuda", 16, True, "rne"),
+    ("ue8m0", 32, True, "sr"),
+}
 COMPILED_CASES = [c if c[:4] in FAST else slow(*c) for c in CASES]
 # A BF16 operand is read in its own dtype, so it compiles a graph of its own: by default for one case.
 FAST_WITH_BF16 = ("ue5m3", 16, False, "sr8")
@@ -68,9 +69,7 @@ def test_compiled_program_is_bitwise_the_reference_and_the_eager_program(fmt, bl
             seeds = [torch.Generator().manual_seed(11) for _ in range(3)]
             ref = quantize_blocks(x, fmt, block, two_d, target, reference, rounding, seeds[0])
             eager = quantize_operand(x, op, tensor_amax=reference, generator=seeds[1], pack=True)
-            fast = quantize_operand(
-                x, op, tensor_amax=reference, generator=seeds[2], pack=True, cores=COMPILED
-            )
+            fast = quantize_operand(x, op, tensor_amax=reference, generator=seeds[2], pack=True, cores=COMPILED)
             where = f"{label}, reference={reference}"
             assert torch.equal(fast.scaled, ref.scaled_values()), where
             assert torch.equal(_bits(fast.scaled), _bits(eager.scaled)), where  # signed zeros too
@@ -80,9 +79,7 @@ def test_compiled_program_is_bitwise_the_reference_and_the_eager_program(fmt, bl
             assert torch.equal(fast.packed.scale_codes, ref.scale_codes), where
             assert torch.equal(fast.packed.unpack().scaled, fast.scaled), where
             expected = ref.stats()
-            assert fast.stats() == {
-                k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")
-            }
+            assert fast.stats() == {k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")}
             assert fast.num_blocks == eager.num_blocks and fast.shape == eager.shape, where
             # the same draws, and the same number of them
             assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[2])), where
@@ -136,22 +133,36 @@ def test_the_program_leaves_the_process_recompile_limit_alone():
     for fmt in ("e4m3", "ue5m3"):
         quantize_operand(torch.randn(16, 32), OperandQuant(scale_format=fmt), cores=COMPILED)
     assert torch._dynamo.config.recompile_limit == before
-    specs = [program.CoreSpec(fmt, 16, two_d, rounding, False, True) for fmt in ("e4m3", "ue5m3")
-             for two_d in (False, True) for rounding in ("rne", "sr", "sr8")]  # fmt: skip
+    specs = [
+        program.CoreSpec(fmt, 16, two_d, rounding, False, True)
+        for fmt in ("e4m3", "ue5m3")
+        for two_d in (False, True)
+        for rounding in ("rne", "sr", "sr8")
+    ]
     codes = {program._compiled((spec,))._torchdynamo_orig_callable.__code__ for spec in specs}
     assert len(codes) == len(specs) > before
 
 
 # (format, block, rounding, Hadamard, compiled in the default set): each runs eagerly, and compiled
 # (a compile each, about 10 s) by default for two of them, the others as slow tests.
-TOKEN_CASES = [("e4m3", 16, "sr", True, True), ("ue5m3", 16, "sr8", False, True), ("e4m3", 16, "rne", True, False),
-               ("ue5m3", 16, "rne", False, False), ("ue8m0", 32, "sr", True, False),
-               ("e4m3", 16, "sr_exact", False, False)]  # fmt: skip
+TOKEN_CASES = [
+    ("e4m3", 16, "sr", True, True),
+    ("ue5m3", 16, "sr8", False, True),
+    ("e4m3", 16, "rne", True, False),
+    ("ue5m3", 16, "rne", False, False),
+    ("ue8m0", 32, "sr", True, False),
+    ("e4m3", 16, "sr_exact", False, False),
+]
 TOKEN_PARAMS = [
-    pytest.param(*case[:4], compiled, marks=[needs_compiler] + ([] if case[4] else [pytest.mark.slow]) if compiled else [],
-                 id=f"{'-'.join(map(str, case[:4]))}-{'compiled' if compiled else 'eager'}")
-    for case in TOKEN_CASES for compiled in (False, True)
-]  # fmt: skip
+    pytest.param(
+        *case[:4],
+        compiled,
+        marks=[needs_compiler] + ([] if case[4] else [pytest.mark.slow]) if compiled else [],
+        id=f"{'-'.join(map(str, case[:4]))}-{'compiled' if compiled else 'eager'}",
+    )
+    for case in TOKEN_CASES
+    for compiled in (False, True)
+]
 
 
 @pytest.mark.parametrize("fmt,block,rounding,hadamard,compiled", TOKEN_PARAMS)
@@ -172,12 +183,16 @@ def test_tokens_operand_is_bitwise_the_quantization_of_the_padded_transpose(fmt,
         if hadamard:
             t = wgrad_hadamard_transform(t)
         ref = quantize_blocks(t.contiguous(), fmt, block, False, 448.0, reference, rounding, seeds[0])
-        ours = quantize_tokens_operand(x, op, tensor_amax=reference, generator=seeds[1], pack=True, cores=_cores(compiled))
+        ours = quantize_tokens_operand(
+            x, op, tensor_amax=reference, generator=seeds[1], pack=True, cores=_cores(compiled)
+        )
         where = f"reference={reference}"
         assert ours.shape == (48, 48) and ours.padded_shape == ref.padded_shape, where
         assert torch.equal(_bits(ours.scaled), _bits(ref.scaled_values())), where
         assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale_codes, ref.scale_codes), where
-        assert torch.equal(ours.tensor_scale, ref.tensor_scale) and torch.equal(ours.tensor_amax, ref.tensor_amax), where
+        assert torch.equal(ours.tensor_scale, ref.tensor_scale) and torch.equal(ours.tensor_amax, ref.tensor_amax), (
+            where
+        )
         assert torch.equal(ours.dequantize(), ref.dequantize()), where
         expected = ref.stats()
         assert ours.stats() == {k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")}, where
@@ -186,10 +201,13 @@ def test_tokens_operand_is_bitwise_the_quantization_of_the_padded_transpose(fmt,
 
 
 # (format, rounding, held reference, compiled): eager cases are cheap; each compiled one builds a graph.
-PAIR_PARAMS = [("ue5m3", "sr8", True, False), ("e4m3", "sr_exact", False, False),
-               pytest.param("ue5m3", "sr8", True, True, marks=needs_compiler),
-               pytest.param("ue5m3", "sr8", False, True, marks=[needs_compiler, pytest.mark.slow]),
-               pytest.param("e4m3", "rne", True, True, marks=[needs_compiler, pytest.mark.slow])]  # fmt: skip
+PAIR_PARAMS = [
+    ("ue5m3", "sr8", True, False),
+    ("e4m3", "sr_exact", False, False),
+    pytest.param("ue5m3", "sr8", True, True, marks=needs_compiler),
+    pytest.param("ue5m3", "sr8", False, True, marks=[needs_compiler, pytest.mark.slow]),
+    pytest.param("e4m3", "rne", True, True, marks=[needs_compiler, pytest.mark.slow]),
+]
 
 
 @pytest.mark.parametrize("fmt,rounding,held,compiled", PAIR_PARAMS)
@@ -209,8 +227,9 @@ def test_the_pair_is_bitwise_x_and_its_padded_transpose_quantized_one_after_the_
         ref_x = quantize_blocks(x, fmt, 16, False, 448.0, reference, rounding, seeds[0])
         t = torch.nn.functional.pad(x, (0, 0, 0, -tokens % 16)).t().contiguous()
         ref_xt = quantize_blocks(t, fmt, 16, False, 448.0, reference, rounding, seeds[0])
-        qx, qxt = quantize_operand_pair(x, op, op, tensor_amax=reference, generator=seeds[1], pack_x=True,
-                                        cores=_cores(compiled))  # fmt: skip
+        qx, qxt = quantize_operand_pair(
+            x, op, op, tensor_amax=reference, generator=seeds[1], pack_x=True, cores=_cores(compiled)
+        )
         for ours, ref in ((qx, ref_x), (qxt, ref_xt)):
             where = f"tokens={tokens}, {'X' if ours is qx else 'X^T'}"
             assert ours.shape == ref.shape and ours.padded_shape == ref.padded_shape, where
@@ -218,7 +237,9 @@ def test_the_pair_is_bitwise_x_and_its_padded_transpose_quantized_one_after_the_
             assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale_codes, ref.scale_codes), where
             assert torch.equal(ours.tensor_scale, ref.tensor_scale), where
             expected = ref.stats()
-            assert ours.stats() == {k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")}, where
+            assert ours.stats() == {k: expected[k] for k in ("saturated_blocks", "underflow_blocks", "zero_blocks")}, (
+                where
+            )
         assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1])), tokens
         if compiled:
             graphs = graphs or torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -234,18 +255,27 @@ def test_the_pair_refuses_a_hadamard_transform_on_x_transposed():
 
 
 _FORWARD_SPECS = {
-    "ue5m3 tiles, held references": (OperandQuant(scale_format="ue5m3"), OperandQuant(scale_format="ue5m3", two_d=True),
-                                     torch.tensor(7.0), torch.tensor(0.5)),
-    "e4m3, sr8 everywhere, measured": (OperandQuant(scale_format="e4m3", rounding="sr8"),
-                                       OperandQuant(scale_format="e4m3", rounding="sr8"), None, None),
+    "ue5m3 tiles, held references": (
+        OperandQuant(scale_format="ue5m3"),
+        OperandQuant(scale_format="ue5m3", two_d=True),
+        torch.tensor(7.0),
+        torch.tensor(0.5),
+    ),
+    "e4m3, sr8 everywhere, measured": (
+        OperandQuant(scale_format="e4m3", rounding="sr8"),
+        OperandQuant(scale_format="e4m3", rounding="sr8"),
+        None,
+        None,
+    ),
     "ue8m0": (OperandQuant(scale_format="ue8m0"), OperandQuant(scale_format="ue8m0"), None, None),
-}  # fmt: skip
+}
 
 
 # eager: every case; compiled (a graph each): one in the suite, one more behind the slow marker
 FORWARD_PARAMS = [(case, with_xt, False) for case in _FORWARD_SPECS for with_xt in (True, False)] + [
     pytest.param("e4m3, sr8 everywhere, measured", True, True, marks=needs_compiler),
-    pytest.param("ue5m3 tiles, held references", False, True, marks=[needs_compiler, pytest.mark.slow])]
+    pytest.param("ue5m3 tiles, held references", False, True, marks=[needs_compiler, pytest.mark.slow]),
+]
 
 
 @pytest.mark.parametrize("case,with_xt,compiled", FORWARD_PARAMS)
@@ -264,8 +294,19 @@ def test_the_forward_operands_are_bitwise_the_pair_then_the_weight(case, with_xt
     else:
         expected = quantize_operand(x, op_x, tensor_amax=x_amax, generator=seeds[0], pack=True), None
     expected += (quantize_operand(w, op_w, tensor_amax=w_amax, generator=seeds[0], pack=True),)
-    ours = _forward(x, w, op_x, op_x if with_xt else None, op_w, x_amax=x_amax, w_amax=w_amax, generator=seeds[1],
-                    pack_x=True, pack_w=True, cores=_cores(compiled))  # fmt: skip
+    ours = _forward(
+        x,
+        w,
+        op_x,
+        op_x if with_xt else None,
+        op_w,
+        x_amax=x_amax,
+        w_amax=w_amax,
+        generator=seeds[1],
+        pack_x=True,
+        pack_w=True,
+        cores=_cores(compiled),
+    )
     assert (ours[1] is None) is not with_xt
     for name, q, ref in zip(("X", "X^T", "W"), ours, expected, strict=True):
         if ref is None:
@@ -277,9 +318,14 @@ def test_the_forward_operands_are_bitwise_the_pair_then_the_weight(case, with_xt
     assert torch.equal(torch.rand(4, generator=seeds[0]), torch.rand(4, generator=seeds[1]))
 
 
-_PACKED_ALONE_CASES = [("rows", "ue5m3", False, False), ("tokens", "ue5m3", False, False),
-                       ("tokens", "e4m3", True, False), ("pair", "ue5m3", False, False), ("forward", "e4m3", False, False),
-                       pytest.param("forward", "ue5m3", False, True, marks=needs_compiler)]  # fmt: skip
+_PACKED_ALONE_CASES = [
+    ("rows", "ue5m3", False, False),
+    ("tokens", "ue5m3", False, False),
+    ("tokens", "e4m3", True, False),
+    ("pair", "ue5m3", False, False),
+    ("forward", "e4m3", False, False),
+    pytest.param("forward", "ue5m3", False, True, marks=needs_compiler),
+]
 
 
 @pytest.mark.parametrize("entry,fmt,hadamard,compiled", _PACKED_ALONE_CASES)
@@ -302,8 +348,9 @@ def test_an_operand_only_saved_for_backward_comes_packed_alone(entry, fmt, hadam
             return (quantize_tokens_operand(x, op, pack=True, values=values, **options),)
         if entry == "pair":
             return quantize_operand_pair(x, op, op, values_xt=values, **options)[::-1]
-        xt_first = _forward(x, w, op, op, OperandQuant(scale_format=fmt, two_d=True), pack_w=True, values_xt=values,
-                            **options)  # fmt: skip
+        xt_first = _forward(
+            x, w, op, op, OperandQuant(scale_format=fmt, two_d=True), pack_w=True, values_xt=values, **options
+        )
         return xt_first[1], xt_first[0], xt_first[2]
 
     (ours_xt, *ours_rest), (ref_xt, *ref_rest) = run(False, seeds[0]), run(True, seeds[1])
@@ -416,8 +463,11 @@ def test_backend_setting_picks_the_path(monkeypatch):
     for explicit in ("compiled", "native"):  # no compiler: an explicit compiling path is one clear error
         with pytest.raises(ValueError, match=f"kernels='{explicit}' .* cannot run here: no C\\+\\+ compiler"):
             kernels.resolve_backend(explicit, "cpu")
-    with pytest.raises(ValueError, match="kernels='native' .* cannot run here: it quantizes CPU tensors, and these "
-                       "are on cuda; use 'auto', 'triton', 'compiled' or 'eager'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="kernels='native' .* cannot run here: it quantizes CPU tensors, and these "
+        "are on cuda; use 'auto', 'triton', 'compiled' or 'eager'",
+    ):
         kernels.resolve_backend("native", "cuda")
     with pytest.raises(
         ValueError, match="unknown FP4 kernel backend 'fast'; valid: auto, triton, native, compiled, eager"
@@ -459,9 +509,7 @@ def test_a_failed_build_warns_falls_back_and_keeps_the_numerics(monkeypatch):
         builds.append(spec)
 
         def build(*args):
-            raise torch._dynamo.exc.BackendCompilerFailed(
-                "inductor", RuntimeError("no working C++ compiler"), None
-            )
+            raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler"), None)
 
         return build
 
@@ -469,7 +517,9 @@ def test_a_failed_build_warns_falls_back_and_keeps_the_numerics(monkeypatch):
     monkeypatch.setattr(program, "_failed_builds", set())
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
     op = OperandQuant(scale_format="ue5m3", rounding="sr8")
-    with pytest.warns(UserWarning, match=r"(?s)could not build the CPU FP4 quantizer for ue5m3 blocks of 16, sr8.*no working C"):
+    with pytest.warns(
+        UserWarning, match=r"(?s)could not build the CPU FP4 quantizer for ue5m3 blocks of 16, sr8.*no working C"
+    ):
         fast = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True, cores=COMPILED)
     eager = quantize_operand(x, op, generator=torch.Generator().manual_seed(3), pack=True)
     assert torch.equal(_bits(fast.scaled), _bits(eager.scaled))
@@ -509,7 +559,12 @@ def test_the_planner_plans_the_quantizer_the_kernels_resolve_for_a_gpu_job():
     """The planner does not read the knob itself: ``kernels.gpu_quantizer`` names the quantizer of a
     CUDA job for every setting, and refuses a name outside ``BACKENDS``."""
     assert {b: kernels.gpu_quantizer(b) for b in kernels.BACKENDS} == {
-        "auto": "triton", "triton": "triton", "native": "triton", "compiled": "triton", "eager": "eager"}  # fmt: skip
+        "auto": "triton",
+        "triton": "triton",
+        "native": "triton",
+        "compiled": "triton",
+        "eager": "eager",
+    }
     with pytest.raises(ValueError, match="train.kernels='fast'; valid"):
         kernels.gpu_quantizer("fast")
 
@@ -523,9 +578,13 @@ def test_set_quant_backend_reaches_every_linear_and_refuses_unknown_names():
     apply_recipe(model, get_recipe("ue5m3"), log=False)
     set_quant_backend(model, "eager")
     cpu = torch.device("cpu")
-    assert {(m.quant_backend, m.quant_state.kernels_for(cpu).name) for _, m in quant_linears(model)} == {("eager", "eager")}
+    assert {(m.quant_backend, m.quant_state.kernels_for(cpu).name) for _, m in quant_linears(model)} == {
+        ("eager", "eager")
+    }
     set_quant_backend(model, "auto")  # stored once per module: a new setting replaces what it resolved to
-    assert {m.quant_state.kernels_for(cpu).name for _, m in quant_linears(model)} == {kernels.resolve_backend("auto", cpu)}
+    assert {m.quant_state.kernels_for(cpu).name for _, m in quant_linears(model)} == {
+        kernels.resolve_backend("auto", cpu)
+    }
     with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):
         set_quant_backend(model, "reference")
 
@@ -584,8 +643,10 @@ def test_a_bf16_operand_quantizes_as_its_float32_copy_and_dequantizing_leaves_it
     from nemofp4.kernels.program import quantize_tokens_operand
 
     x = (torch.randn(39, 64, generator=torch.Generator().manual_seed(8)) * torch.logspace(-3, 3, 64)).bfloat16()
-    for quantize, op in ((quantize_operand, OperandQuant(scale_format=fmt, two_d=True)),
-                         (quantize_tokens_operand, OperandQuant(scale_format=fmt, rounding="sr8", hadamard=fmt == "e4m3"))):  # fmt: skip
+    for quantize, op in (
+        (quantize_operand, OperandQuant(scale_format=fmt, two_d=True)),
+        (quantize_tokens_operand, OperandQuant(scale_format=fmt, rounding="sr8", hadamard=fmt == "e4m3")),
+    ):
         ours = quantize(x, op, generator=torch.Generator().manual_seed(2), pack=True)
         copy = quantize(x.float(), op, generator=torch.Generator().manual_seed(2), pack=True)
         assert torch.equal(_bits(ours.scaled), _bits(copy.scaled)) and torch.equal(ours.codes, copy.codes)
@@ -608,18 +669,23 @@ def test_the_bitwise_sign_is_copysign_bit_for_bit():
     assert torch.equal(_bits(ours), _bits(torch.copysign(magnitudes, x)))
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("compiled", marks=needs_compiler),
-                                     pytest.param("native", marks=needs_compiler)])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend", ["eager", pytest.param("compiled", marks=needs_compiler), pytest.param("native", marks=needs_compiler)]
+)
 def test_kernels_quantize_blocks_runs_the_backend_not_the_reference(backend, monkeypatch):
     """``kernels.quantize_blocks(..., backend=)`` quantizes on the path the setting resolves to (never
     the float64 reference) and equals the reference bit for bit: codes, scale codes, tensor scale and
     reference, the decoded tensor and the block counts, for any leading dims, tiles, MX blocks, a held
     reference and stochastic rounding (the same draws: the generators agree after)."""
     real = quantize_blocks
-    cases = [((2, 5, 70), dict(scale_format="ue5m3")), ((37, 50), dict(scale_format="e4m3", two_d=True)),
-             ((70,), dict(scale_format="ue8m0")), ((9, 48), dict(scale_format="ue5m3", tensor_amax=3.0)),
-             ((33, 64), dict(scale_format="ue5m3", rounding="sr8")),
-             ((33, 64), dict(scale_format="e4m3", rounding="sr_exact"))]  # fmt: skip
+    cases = [
+        ((2, 5, 70), dict(scale_format="ue5m3")),
+        ((37, 50), dict(scale_format="e4m3", two_d=True)),
+        ((70,), dict(scale_format="ue8m0")),
+        ((9, 48), dict(scale_format="ue5m3", tensor_amax=3.0)),
+        ((33, 64), dict(scale_format="ue5m3", rounding="sr8")),
+        ((33, 64), dict(scale_format="e4m3", rounding="sr_exact")),
+    ]
     references = []
     for shape, kw in cases:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))) * 5

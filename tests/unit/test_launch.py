@@ -73,9 +73,16 @@ def _array(script: str, name: str) -> list[str]:
 )
 def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, container):
     config = _config(
-        tmp_path, nodes=nodes, gpus_per_node=gpus, mode=mode, container_image=container,
-        partition="batch", account="proj", time="1-00:00:00", overrides=["optim.lr=3e-4", "train.seed=7"],
-    )  # fmt: skip
+        tmp_path,
+        nodes=nodes,
+        gpus_per_node=gpus,
+        mode=mode,
+        container_image=container,
+        partition="batch",
+        account="proj",
+        time="1-00:00:00",
+        overrides=["optim.lr=3e-4", "train.seed=7"],
+    )
     script = render_sbatch_script(config)
     _bash_n(script, tmp_path)
     assert script.startswith("#!/bin/bash\n#SBATCH ")
@@ -84,11 +91,22 @@ def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, conta
     cpus = 8 * gpus if mode is LaunchMode.torchrun else 8
     options = _sbatch_options(script)
     assert options[:6] == [
-        "--job-name=nemofp4-tiny_ue5m3", f"--nodes={nodes}", f"--ntasks-per-node={tasks}",
-        f"--gpus-per-node={gpus}", f"--cpus-per-task={cpus}", "--time=1-00:00:00",
-    ]  # fmt: skip
-    for option in ("--partition=batch", "--account=proj", "--exclusive", f"--chdir={tmp_path}",
-                   "--signal=B:USR1@120", "--requeue", "--open-mode=append"):  # fmt: skip
+        "--job-name=nemofp4-tiny_ue5m3",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={tasks}",
+        f"--gpus-per-node={gpus}",
+        f"--cpus-per-task={cpus}",
+        "--time=1-00:00:00",
+    ]
+    for option in (
+        "--partition=batch",
+        "--account=proj",
+        "--exclusive",
+        f"--chdir={tmp_path}",
+        "--signal=B:USR1@120",
+        "--requeue",
+        "--open-mode=append",
+    ):
         assert option in options
     assert "--dependency=singleton" not in options
     # every #SBATCH line comes before the first command (sbatch stops reading at the first one)
@@ -101,21 +119,31 @@ def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, conta
     train_tail = ["experiment=tiny_ue5m3", "optim.lr=3e-4", "train.seed=7", 'run_dir="${run_dir}"']
     srun = _array(script, "srun_cmd")
     assert srun[:4] == [
-        'srun --nodes="${SLURM_NNODES}"', f"--ntasks-per-node={tasks}", f"--cpus-per-task={cpus}",
+        'srun --nodes="${SLURM_NNODES}"',
+        f"--ntasks-per-node={tasks}",
+        f"--cpus-per-task={cpus}",
         "--kill-on-bad-exit=1",
-    ]  # fmt: skip
+    ]
     assert srun[-1] == '"${train_cmd[@]}"'
     if mode is LaunchMode.torchrun:
         assert _array(script, "train_cmd") == [
-            "torchrun", '--nnodes="${SLURM_NNODES}"', f"--nproc_per_node={gpus}", "--rdzv_backend=c10d",
-            '--rdzv_endpoint="${head_node}:${rdzv_port}"', '--rdzv_id="${SLURM_JOB_ID}"',
-            *([] if container else ["--rdzv_conf=is_host=false"]), "-m nemofp4.train", *train_tail,
-        ]  # fmt: skip
+            "torchrun",
+            '--nnodes="${SLURM_NNODES}"',
+            f"--nproc_per_node={gpus}",
+            "--rdzv_backend=c10d",
+            '--rdzv_endpoint="${head_node}:${rdzv_port}"',
+            '--rdzv_id="${SLURM_JOB_ID}"',
+            *([] if container else ["--rdzv_conf=is_host=false"]),
+            "-m nemofp4.train",
+            *train_tail,
+        ]
         # the batch shell hosts the rendezvous store (where it has Python), so no agent takes it down
         assert ('python -m nemofp4.cli.rendezvous_store --port "${rdzv_port}"' in script) is (container is None)
-        assert srun[-2] == "bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun-agent"
-        assert ('export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" '
-                'PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"') in script
+        assert srun[-2] == 'bash -c \'trap "" USR1 TERM; exec "$@"\' torchrun-agent'
+        assert (
+            'export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT" '
+            'PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT"'
+        ) in script
     else:
         assert _array(script, "train_cmd") == ["python -m nemofp4.train", *train_tail]
         assert "torchrun" not in script.split("srun_cmd=(")[1]
@@ -128,15 +156,29 @@ def test_rendered_script_options_and_commands(tmp_path, nodes, gpus, mode, conta
 
 def test_singleton_chain_venv_env_and_extra_options(tmp_path):
     config = _config(
-        tmp_path, singleton=True, num_chained_jobs=3, venv=".venv", job_name="ue5m3-8b", signal="TERM@300",
-        requeue=False, exclusive=False, extra_sbatch=["--constraint=h100", "--mem=0"],
-        env={"NCCL_DEBUG": "WARN", "WEIRD": "a b"}, master_port=29555,
-    )  # fmt: skip
+        tmp_path,
+        singleton=True,
+        num_chained_jobs=3,
+        venv=".venv",
+        job_name="ue5m3-8b",
+        signal="TERM@300",
+        requeue=False,
+        exclusive=False,
+        extra_sbatch=["--constraint=h100", "--mem=0"],
+        env={"NCCL_DEBUG": "WARN", "WEIRD": "a b"},
+        master_port=29555,
+    )
     script = render_sbatch_script(config)
     _bash_n(script, tmp_path)
     options = _sbatch_options(script)
-    for option in ("--dependency=singleton", "--no-requeue", "--signal=B:TERM@300", "--constraint=h100",
-                   "--mem=0", "--job-name=ue5m3-8b"):  # fmt: skip
+    for option in (
+        "--dependency=singleton",
+        "--no-requeue",
+        "--signal=B:TERM@300",
+        "--constraint=h100",
+        "--mem=0",
+        "--job-name=ue5m3-8b",
+    ):
         assert option in options
     assert "--exclusive" not in options and "--requeue" not in options
     # chained jobs have different ids but continue one run
@@ -178,9 +220,16 @@ def test_invalid_configs_are_rejected(tmp_path, changes, message):
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("90", 5400), ("30:15", 1815), ("04:00:00", 14400), ("2-0", 172800), ("1-12:30", 131400),
-     ("1-00:00:10", 86410), ("UNLIMITED", None)],
-)  # fmt: skip
+    [
+        ("90", 5400),
+        ("30:15", 1815),
+        ("04:00:00", 14400),
+        ("2-0", 172800),
+        ("1-12:30", 131400),
+        ("1-00:00:10", 86410),
+        ("UNLIMITED", None),
+    ],
+)
 def test_parse_slurm_time(text, seconds):
     assert parse_slurm_time(text) == seconds
 
@@ -233,12 +282,17 @@ def _fake_cluster(tmp_path) -> tuple[Path, dict]:
     _executable(bin_dir / "torchrun", FAKE_TASK.format(python=sys.executable))
     _executable(bin_dir / "python", FAKE_TASK.format(python=sys.executable))
     _executable(bin_dir / "scontrol", '#!/bin/bash\nprintf "gpu-007\\ngpu-008\\n"\n')
-    _executable(bin_dir / "git", '#!/bin/bash\n[[ $1 == rev-parse ]] && echo 0123456789abcdef\nexit 0\n')
+    _executable(bin_dir / "git", "#!/bin/bash\n[[ $1 == rev-parse ]] && echo 0123456789abcdef\nexit 0\n")
     environ = {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_DIR": str(tmp_path),
-        "SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": "nemofp4-tiny_ue5m3", "SLURM_JOB_NODELIST": "gpu-[007-008]",
-        "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "HOME": os.environ.get("HOME", str(tmp_path)),
-    }  # fmt: skip
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_DIR": str(tmp_path),
+        "SLURM_JOB_ID": "12345",
+        "SLURM_JOB_NAME": "nemofp4-tiny_ue5m3",
+        "SLURM_JOB_NODELIST": "gpu-[007-008]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2",
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+    }
     return bin_dir, environ
 
 
@@ -267,9 +321,13 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
     script_path = tmp_path / "job.sbatch"
     script_path.write_text(render_sbatch_script(config))
     job = subprocess.Popen(
-        ["bash", str(script_path)], cwd=tmp_path, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        ["bash", str(script_path)],
+        cwd=tmp_path,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
     try:
         _wait_for(tmp_path / "task.json")
         job.send_signal(signal.SIGTERM)  # e.g. scancel: the shell must keep waiting for the step
@@ -291,10 +349,17 @@ def test_script_runs_survives_sigterm_and_forwards_the_warning_signal(tmp_path, 
     if mode is LaunchMode.torchrun:
         assert srun_args[:4] == ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=16", "--kill-on-bad-exit=1"]
         assert task["argv"] == [
-            "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d", f"--rdzv_endpoint=gpu-007:{port}",
-            "--rdzv_id=12345", "--rdzv_conf=is_host=false", "-m", "nemofp4.train", "experiment=tiny_ue5m3",
+            "--nnodes=2",
+            "--nproc_per_node=4",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=gpu-007:{port}",
+            "--rdzv_id=12345",
+            "--rdzv_conf=is_host=false",
+            "-m",
+            "nemofp4.train",
+            "experiment=tiny_ue5m3",
             f"run_dir={run_dir}",
-        ]  # fmt: skip
+        ]
         assert task["ignored"] == [10, 15]  # SIGUSR1 and SIGTERM are ignored by the agent
         assert task["torchelastic_signals"] == ["SIGINT,SIGHUP,SIGQUIT"] * 2
     else:
@@ -331,8 +396,11 @@ printf "gpu-007\\ngpu-008\\n"
 """
 
 
-@pytest.mark.parametrize(("write_request", "requeue_rc", "status"), [(True, 0, 0), (True, 1, 143), (False, 0, 0)],
-                         ids=["requeued", "requeue-fails", "stale-request-ignored"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("write_request", "requeue_rc", "status"),
+    [(True, 0, 0), (True, 1, 143), (False, 0, 0)],
+    ids=["requeued", "requeue-fails", "stale-request-ignored"],
+)
 def test_script_requeues_after_the_step_returns_when_the_trainer_asks(tmp_path, write_request, requeue_rc, status):
     """The trainer only leaves a request file; the batch script calls `scontrol requeue` after srun has
     returned (so no process of the step is signalled by it), once, and never for a stale request."""
@@ -347,8 +415,9 @@ def test_script_requeues_after_the_step_returns_when_the_trainer_asks(tmp_path, 
     run_dir = tmp_path / "runs" / "nemofp4-tiny_ue5m3"
     run_dir.mkdir(parents=True)
     (run_dir / ".requeue-request").write_text("job 1; an earlier run's\n")  # stale: removed before the step
-    result = subprocess.run(["bash", str(script_path)], cwd=tmp_path, env=environ, capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+    result = subprocess.run(
+        ["bash", str(script_path)], cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == status, result.stdout + result.stderr
     order = (tmp_path / "order").read_text().splitlines()
     assert order == (["srun-returned", "requeue 12345"] if write_request else ["srun-returned"])
@@ -365,7 +434,10 @@ def test_script_requeues_after_the_step_returns_when_the_trainer_asks(tmp_path, 
 def test_submit_writes_the_script_and_chains_jobs(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _executable(bin_dir / "sbatch", f'#!/bin/bash\necho "$@" >> "{tmp_path}/sbatch.calls"\necho "$((700 + $(wc -l < "{tmp_path}/sbatch.calls")));cluster"\n')  # fmt: skip
+    _executable(
+        bin_dir / "sbatch",
+        f'#!/bin/bash\necho "$@" >> "{tmp_path}/sbatch.calls"\necho "$((700 + $(wc -l < "{tmp_path}/sbatch.calls")));cluster"\n',
+    )
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     config = _config(tmp_path, singleton=True, num_chained_jobs=3)
     config.dry_run = False
@@ -393,8 +465,10 @@ def test_dry_run_prints_only_the_script(tmp_path, capsys):
     assert capsys.readouterr().out == render_sbatch_script(config)
     # `sbatch` of the printed script needs the log folder, since Slurm opens the log before the script runs
     assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
-        "runs", "runs/slurm", "runs/slurm/logs",
-    ]  # fmt: skip
+        "runs",
+        "runs/slurm",
+        "runs/slurm/logs",
+    ]
 
 
 def test_misspelled_trainer_override_fails_before_submission(tmp_path, capsys):
@@ -420,7 +494,7 @@ def test_interface_command_prints_the_script(tmp_path):
     assert result.returncode == 0, result.stderr
     script = result.stdout
     _bash_n(script, tmp_path)
-    assert "--nnodes=\"${SLURM_NNODES}\"" in script and "--nproc_per_node=8" in script
+    assert '--nnodes="${SLURM_NNODES}"' in script and "--nproc_per_node=8" in script
     assert "#SBATCH --nodes=4" in script and "experiment=nemotron_h_8b_ue5m3" in script
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.sbatch", "runs"]  # and the log folder only
     assert [p.name for p in (tmp_path / "runs").rglob("*")] == ["slurm", "logs"]
@@ -428,7 +502,9 @@ def test_interface_command_prints_the_script(tmp_path):
 
 def test_python_module_form(tmp_path):
     base = [sys.executable, "-m", "nemofp4.cli.launch", "check_train_config=false", "dry_run=true"]
-    result = _run_app([*base, "slurm.mode=srun", "slurm.gpus_per_node=4", 'train_overrides=["optim.lr=1e-3"]'], tmp_path)
+    result = _run_app(
+        [*base, "slurm.mode=srun", "slurm.gpus_per_node=4", 'train_overrides=["optim.lr=1e-3"]'], tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert "--ntasks-per-node=4" in result.stdout and "  optim.lr=1e-3" in result.stdout
 
@@ -456,9 +532,10 @@ def test_hydra_submitit_launcher_config_composes():
     ConfigStore.instance().store(name="launch_schema", node=LaunchConfig)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(
-            config_name="launch", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=batch"],
+            config_name="launch",
+            overrides=["hydra/launcher=slurm", "hydra.launcher.partition=batch"],
             return_hydra_config=True,
-        )  # fmt: skip
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert type(OmegaConf.to_object(launcher)).__name__ == "SlurmQueueConf"  # typed: typos fail
@@ -497,8 +574,14 @@ def test_cpu_nodes_render_gloo_ranks_without_gpus(tmp_path):
 
 
 def test_procs_per_node_on_gpu_nodes_and_environment_defaults(tmp_path):
-    config = _config(tmp_path, nodes=2, gpus_per_node=8, procs_per_node=4, mode=LaunchMode.srun,
-                     env={"NCCL_DEBUG": "INFO", "PYTORCH_CUDA_ALLOC_CONF": "", "NCCL_IB_HCA": "mlx5"})  # fmt: skip
+    config = _config(
+        tmp_path,
+        nodes=2,
+        gpus_per_node=8,
+        procs_per_node=4,
+        mode=LaunchMode.srun,
+        env={"NCCL_DEBUG": "INFO", "PYTORCH_CUDA_ALLOC_CONF": "", "NCCL_IB_HCA": "mlx5"},
+    )
     script = render_sbatch_script(config)
     options = _sbatch_options(script)
     assert "--gpus-per-node=8" in options and "--ntasks-per-node=4" in options and "--cpus-per-task=8" in options
@@ -529,22 +612,37 @@ def test_invalid_process_layouts_are_rejected(tmp_path, changes, message):
     ("overrides", "slurm", "error", "message"),
     [
         # 8 sequences of 8 per rank cannot be split over 2 ranks
-        (["distributed=fsdp", "train.global_batch=8", "train.micro_batch=8"], {}, ValueError,
-         r"2 node\(s\) x 1 process\(es\) = 2 rank\(s\): train.global_batch=8 is not a multiple"),
+        (
+            ["distributed=fsdp", "train.global_batch=8", "train.micro_batch=8"],
+            {},
+            ValueError,
+            r"2 node\(s\) x 1 process\(es\) = 2 rank\(s\): train.global_batch=8 is not a multiple",
+        ),
         (["distributed=none", "train.micro_batch=2"], {}, ValueError, "distributed.backend=none"),
-        (["distributed=fsdp", "train.micro_batch=2", "data.sources=[{prefix: data/tokens/nowhere}]"], {},
-         FileNotFoundError, "data/tokens/nowhere"),
-        (["distributed=fsdp", "train.micro_batch=2", "data.tokenizer=data/no_tokenizer"], {}, FileNotFoundError,
-         "data.tokenizer='data/no_tokenizer'"),
+        (
+            ["distributed=fsdp", "train.micro_batch=2", "data.sources=[{prefix: data/tokens/nowhere}]"],
+            {},
+            FileNotFoundError,
+            "data/tokens/nowhere",
+        ),
+        (
+            ["distributed=fsdp", "train.micro_batch=2", "data.tokenizer=data/no_tokenizer"],
+            {},
+            FileNotFoundError,
+            "data.tokenizer='data/no_tokenizer'",
+        ),
         (["distributed=deepspeed_zero1", "train.micro_batch=2"], {}, ValueError, "needs GPUs"),
         # 3 x 2 ranks: 8 is not a multiple of 2 x 6
-        (["distributed=fsdp", "train.micro_batch=2"], {"nodes": 3, "procs_per_node": 2}, ValueError,
-         "= 6 rank"),
+        (["distributed=fsdp", "train.micro_batch=2"], {"nodes": 3, "procs_per_node": 2}, ValueError, "= 6 rank"),
         # ... and the node counts that divide it are named
-        (["distributed=fsdp", "train.micro_batch=2"], {"nodes": 3, "procs_per_node": 2}, ValueError,
-         r"nearest world sizes that divide it: 2 nodes \(4 ranks, 1 micro-batch\(es\) per rank\)"),
+        (
+            ["distributed=fsdp", "train.micro_batch=2"],
+            {"nodes": 3, "procs_per_node": 2},
+            ValueError,
+            r"nearest world sizes that divide it: 2 nodes \(4 ranks, 1 micro-batch\(es\) per rank\)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_presubmit_checks_what_depends_on_the_job_shape(tmp_path, capsys, caplog, overrides, slurm, error, message):
     config = _shape_config(tmp_path, overrides, **slurm)
     config.dry_run = error is not FileNotFoundError  # a real submission: missing data is an error there
@@ -568,8 +666,10 @@ def test_presubmit_check_passes_and_says_what_the_job_runs(tmp_path, capsys, cap
         assert launch(config) == []
     summary = caplog.text
     assert "2 node(s) x 1 process(es) = 2 rank(s) (CPU only, gloo)" in summary
-    assert ("trains ue5m3 with fsdp (HSDP: 2 replicas x 1 shard(s)): 60 steps of 8 x 256 tokens (micro batch 2 x "
-            "2 rank(s) x 2 accumulation)") in summary
+    assert (
+        "trains ue5m3 with fsdp (HSDP: 2 replicas x 1 shard(s)): 60 steps of 8 x 256 tokens (micro batch 2 x "
+        "2 rank(s) x 2 accumulation)"
+    ) in summary
     assert f"run dir {tmp_path / 'run'}" in summary
     assert capsys.readouterr().out.startswith("#!/bin/bash\n")
     assert (tmp_path / "runs" / "slurm" / "logs").is_dir()
@@ -583,29 +683,40 @@ def test_presubmit_check_passes_and_says_what_the_job_runs(tmp_path, capsys, cap
         ({"nodes": 2, "procs_per_node": 2}, ["distributed.replicate_degree=1"], 1),  # the user's choice stands
         ({"nodes": 2, "procs_per_node": 2}, ["++distributed.replicate_degree=4"], 4),
     ],
-)  # fmt: skip
-def test_multi_node_fsdp_defaults_to_hsdp_in_the_script_and_the_composed_config(tmp_path, capsys, slurm, overrides,
-                                                                                  expected):
+)
+def test_multi_node_fsdp_defaults_to_hsdp_in_the_script_and_the_composed_config(
+    tmp_path, capsys, slurm, overrides, expected
+):
     """The rendered script carries distributed.replicate_degree=<nodes> unless the user set one, and the
     trainer's config composed from the script's own arguments has it."""
     from nemofp4.cli.train import compose_job_config
 
-    config = _shape_config(tmp_path, ["distributed=fsdp", "train.global_batch=8", "train.micro_batch=2", *overrides],
-                           **slurm)  # fmt: skip
+    config = _shape_config(
+        tmp_path, ["distributed=fsdp", "train.global_batch=8", "train.micro_batch=2", *overrides], **slurm
+    )
     config.dry_run = True
     launch(config)
     script = capsys.readouterr().out
     arguments = [a for a in _array(script, "train_cmd") if "=" in a and not a.startswith(("--", "run_dir="))]
     carried = [a for a in arguments if "replicate_degree" in a]
-    assert carried == ([] if expected == 1 and not overrides else [*overrides] if overrides
-                       else [f"distributed.replicate_degree={expected}"])  # fmt: skip
+    assert carried == (
+        []
+        if expected == 1 and not overrides
+        else [*overrides]
+        if overrides
+        else [f"distributed.replicate_degree={expected}"]
+    )
     job = compose_job_config([a.strip("'") for a in arguments])
     assert job.distributed.replicate_degree == expected
 
 
 def test_hsdp_default_needs_fsdp_and_a_divisor(tmp_path, capsys):
-    config = _shape_config(tmp_path, ["distributed=fsdp", "train.micro_batch=1", "distributed.replicate_degree=3"],
-                           nodes=2, procs_per_node=2)  # fmt: skip
+    config = _shape_config(
+        tmp_path,
+        ["distributed=fsdp", "train.micro_batch=1", "distributed.replicate_degree=3"],
+        nodes=2,
+        procs_per_node=2,
+    )
     with pytest.raises(ValueError, match="replicate_degree=3 does not divide the 4 ranks"):
         launch(config)
     from nemofp4.cli.launch import with_hsdp_default
@@ -617,8 +728,15 @@ def test_hsdp_default_needs_fsdp_and_a_divisor(tmp_path, capsys):
 
 
 def test_multirun_is_refused_with_the_sweep_command(tmp_path):
-    command = [sys.executable, "-m", "nemofp4.cli.launch", "-m", "check_train_config=false", "dry_run=true",
-               "slurm.nodes=1,2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "nemofp4.cli.launch",
+        "-m",
+        "check_train_config=false",
+        "dry_run=true",
+        "slurm.nodes=1,2",
+    ]
     result = _run_app(command, tmp_path)
     assert result.returncode != 0 and result.stdout == ""
     assert "hydra/launcher=slurm" in result.stderr

@@ -207,6 +207,11 @@ def test_training_imports_nothing_of_planning():
     """The plan sits above the trainer: whoever builds the job (the CLI) plans it and hands the
     trainer the resolved policy and the plan's summary."""
     graph = _module_graph()
-    offenders = sorted(f"{m} imports {t}" for m in graph if m.startswith("nemofp4.training")
-                       for t in graph[m] if t.startswith("nemofp4.planning"))  # fmt: skip
+    offenders = sorted(
+        f"{m} imports {t}"
+        for m in graph
+        if m.startswith("nemofp4.training")
+        for t in graph[m]
+        if t.startswith("nemofp4.planning")
+    )
     assert not offenders, "\n".join(offenders)

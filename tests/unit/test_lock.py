@@ -13,9 +13,16 @@ from packaging.utils import canonicalize_name
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11, as the locks
 
 REPO = Path(__file__).resolve().parents[2]
-LOCKED_PLATFORM = {"python_version": "3.11", "python_full_version": "3.11.0", "sys_platform": "linux",
-                   "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
-                   "platform_python_implementation": "CPython", "os_name": "posix"}  # fmt: skip
+LOCKED_PLATFORM = {
+    "python_version": "3.11",
+    "python_full_version": "3.11.0",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+}
 LOCK_EXTRAS = {"cpu": [], "dev": ["dev"], "gpu": ["dev", "gpu"]}
 
 

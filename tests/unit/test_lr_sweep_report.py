@@ -13,8 +13,14 @@ def _sweep():
 
 
 def _run(recipe, lr, seed, final, init=9.0):
-    return {"recipe": recipe, "lr": lr, "seed": seed, "status": "finished" if final is not None else "diverged",
-            "init_nll": init, "final_nll": final}  # fmt: skip
+    return {
+        "recipe": recipe,
+        "lr": lr,
+        "seed": seed,
+        "status": "finished" if final is not None else "diverged",
+        "init_nll": init,
+        "final_nll": final,
+    }
 
 
 def test_sensitivity_is_the_mean_gap_to_the_best_lr_with_divergence_capped_at_init():
@@ -22,11 +28,19 @@ def test_sensitivity_is_the_mean_gap_to_the_best_lr_with_divergence_capped_at_in
     args = sw.parse_args(["--recipes", "bf16", "nvfp4", "--lrs", "0.1", "0.01", "0.03", "--seeds", "1", "2"])
     assert args.lrs == [0.01, 0.03, 0.1]
     runs = [
-        _run("bf16", 0.01, 1, 5.0), _run("bf16", 0.03, 1, 5.5), _run("bf16", 0.1, 1, 6.5),
-        _run("bf16", 0.01, 2, 5.2), _run("bf16", 0.03, 2, 5.1), _run("bf16", 0.1, 2, 9.5),  # above init: capped
-        _run("nvfp4", 0.01, 1, 5.1), _run("nvfp4", 0.03, 1, 5.6), _run("nvfp4", 0.1, 1, None),  # diverged
-        _run("nvfp4", 0.01, 2, 5.3), _run("nvfp4", 0.03, 2, 5.7), _run("nvfp4", 0.1, 2, None),
-    ]  # fmt: skip
+        _run("bf16", 0.01, 1, 5.0),
+        _run("bf16", 0.03, 1, 5.5),
+        _run("bf16", 0.1, 1, 6.5),
+        _run("bf16", 0.01, 2, 5.2),
+        _run("bf16", 0.03, 2, 5.1),
+        _run("bf16", 0.1, 2, 9.5),  # above init: capped
+        _run("nvfp4", 0.01, 1, 5.1),
+        _run("nvfp4", 0.03, 1, 5.6),
+        _run("nvfp4", 0.1, 1, None),  # diverged
+        _run("nvfp4", 0.01, 2, 5.3),
+        _run("nvfp4", 0.03, 2, 5.7),
+        _run("nvfp4", 0.1, 2, None),
+    ]
     table = sw.aggregate(args, runs)["table"]
     # seed 1: (0 + 0.5 + 1.5) / 3; seed 2: (0.1 + 0 + 3.9) / 3 (9.5 capped at the initial 9.0)
     assert table["bf16"]["sensitivity_per_seed"] == {"1": pytest.approx(2 / 3), "2": pytest.approx(4 / 3)}
@@ -39,11 +53,27 @@ def test_sensitivity_is_the_mean_gap_to_the_best_lr_with_divergence_capped_at_in
 
 def test_extreme_seeds_train_only_at_the_ends_and_stay_out_of_the_sensitivity():
     sw = _sweep()
-    args = sw.parse_args(["--recipes", "bf16", "--lrs", "0.01", "0.03", "0.1", "--seeds", "1", "--extreme-seeds", "2", "3"])
-    assert sw.grid(args) == [("bf16", 0.01, 1), ("bf16", 0.01, 2), ("bf16", 0.01, 3), ("bf16", 0.03, 1),
-                             ("bf16", 0.1, 1), ("bf16", 0.1, 2), ("bf16", 0.1, 3)]  # fmt: skip
-    runs = [_run("bf16", 0.01, 1, 5.0), _run("bf16", 0.01, 2, 5.25), _run("bf16", 0.01, 3, 4.75),
-            _run("bf16", 0.03, 1, 5.5), _run("bf16", 0.1, 1, 6.5), _run("bf16", 0.1, 2, None), _run("bf16", 0.1, 3, 7.0)]  # fmt: skip
+    args = sw.parse_args(
+        ["--recipes", "bf16", "--lrs", "0.01", "0.03", "0.1", "--seeds", "1", "--extreme-seeds", "2", "3"]
+    )
+    assert sw.grid(args) == [
+        ("bf16", 0.01, 1),
+        ("bf16", 0.01, 2),
+        ("bf16", 0.01, 3),
+        ("bf16", 0.03, 1),
+        ("bf16", 0.1, 1),
+        ("bf16", 0.1, 2),
+        ("bf16", 0.1, 3),
+    ]
+    runs = [
+        _run("bf16", 0.01, 1, 5.0),
+        _run("bf16", 0.01, 2, 5.25),
+        _run("bf16", 0.01, 3, 4.75),
+        _run("bf16", 0.03, 1, 5.5),
+        _run("bf16", 0.1, 1, 6.5),
+        _run("bf16", 0.1, 2, None),
+        _run("bf16", 0.1, 3, 7.0),
+    ]
     row = sw.aggregate(args, runs)["table"]["bf16"]
     assert row["sensitivity_per_seed"] == {"1": pytest.approx((0 + 0.5 + 1.5) / 3)}  # seed 1 alone has the grid
     assert row["per_lr"]["0.01"]["seeds"] == 3 and row["per_lr"]["0.01"]["spread"] == pytest.approx(0.5)
@@ -71,14 +101,34 @@ def test_bad_arguments_name_the_value(capsys):
 
 def test_staleness_figure_and_table_from_quant_rows(tmp_path):
     sw = _sweep()
-    args = sw.parse_args(["--recipes", "ue5m3", "nvfp4", "--lrs", "0.01", "--seeds", "1", "--runs-root", str(tmp_path),
-                          "--study", "s", "--staleness-recipes", "ue5m3", "nvfp4"])  # fmt: skip
+    args = sw.parse_args(
+        [
+            "--recipes",
+            "ue5m3",
+            "nvfp4",
+            "--lrs",
+            "0.01",
+            "--seeds",
+            "1",
+            "--runs-root",
+            str(tmp_path),
+            "--study",
+            "s",
+            "--staleness-recipes",
+            "ue5m3",
+            "nvfp4",
+        ]
+    )
     held = {"x/saturated_blocks": 0.0, "x/underflow_blocks": 0.5, "x/amax_ratio": 2.0}
-    for recipe, layers in (("ue5m3", [held, {**held, "x/amax_ratio": 0.25}]), ("nvfp4", [{"x/saturated_blocks": 0.1,
-                                                                                          "x/underflow_blocks": 0.0}])):  # fmt: skip
+    for recipe, layers in (
+        ("ue5m3", [held, {**held, "x/amax_ratio": 0.25}]),
+        ("nvfp4", [{"x/saturated_blocks": 0.1, "x/underflow_blocks": 0.0}]),
+    ):
         path = sw.run_dir(args, recipe, 0.01, 1)
         path.mkdir(parents=True)
-        rows = [{"kind": "quant", "step": s, "layers": {f"l{i}": layer for i, layer in enumerate(layers)}} for s in (5, 10)]
+        rows = [
+            {"kind": "quant", "step": s, "layers": {f"l{i}": layer for i, layer in enumerate(layers)}} for s in (5, 10)
+        ]
         (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = sw.staleness_table(args).splitlines()
     assert "| `ue5m3` | x | 2 | 0.000 % | 50.000 % |" in table
@@ -89,9 +139,13 @@ def test_staleness_figure_and_table_from_quant_rows(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_run_stopped_on_a_non_finite_loss_is_recorded_as_diverged_and_other_failures_stop_the_sweep(tmp_path, monkeypatch):
+def test_a_run_stopped_on_a_non_finite_loss_is_recorded_as_diverged_and_other_failures_stop_the_sweep(
+    tmp_path, monkeypatch
+):
     sw = _sweep()
-    args = sw.parse_args(["--recipes", "bf16", "--lrs", "1", "--seeds", "1", "--runs-root", str(tmp_path), "--study", "s"])
+    args = sw.parse_args(
+        ["--recipes", "bf16", "--lrs", "1", "--seeds", "1", "--runs-root", str(tmp_path), "--study", "s"]
+    )
     path = sw.run_dir(args, "bf16", 1.0, 1)
 
     def failing(message):
@@ -100,10 +154,14 @@ def test_a_run_stopped_on_a_non_finite_loss_is_recorded_as_diverged_and_other_fa
             path_.mkdir(parents=True, exist_ok=True)
             (path_ / "train.log").write_text(message)
             return 1
+
         return train
 
-    monkeypatch.setattr(sw.study_common, "train_local", failing("nemofp4.training.nonfinite.NonFiniteError: step 7: "
-                                                                "non-finite loss (nan)"))  # fmt: skip
+    monkeypatch.setattr(
+        sw.study_common,
+        "train_local",
+        failing("nemofp4.training.nonfinite.NonFiniteError: step 7: non-finite loss (nan)"),
+    )
     sw.train_missing(args, [("bf16", 1.0, 1)])
     assert sw.is_done(args, path) and sw.has_diverged(path)
     rows = [{"kind": "eval", "step": 0, "val_loss": 9.0}, {"kind": "train", "step": 1, "loss": 9.0, "step_time_s": 0.5}]
@@ -120,7 +178,9 @@ def test_a_run_stopped_on_a_non_finite_loss_is_recorded_as_diverged_and_other_fa
 
 def test_the_report_keeps_the_hand_written_reading(tmp_path):
     sw = _sweep()
-    args = sw.parse_args(["--recipes", "bf16", "--lrs", "0.01", "0.1", "--seeds", "1", "--out", str(tmp_path), "--study", "s"])
+    args = sw.parse_args(
+        ["--recipes", "bf16", "--lrs", "0.01", "0.1", "--seeds", "1", "--out", str(tmp_path), "--study", "s"]
+    )
     runs = [_run("bf16", 0.01, 1, 5.0), _run("bf16", 0.1, 1, 6.0)]
     summary = sw.aggregate(args, runs)
     folder = tmp_path / "s"

@@ -25,8 +25,11 @@ def _cfg(*overrides: str):
 
 
 def _host(monkeypatch, gib: float, *, device_gib: float | None = None) -> None:
-    monkeypatch.setattr(memory_check, "available_memory",
-                        lambda device: (None if device_gib is None else int(device_gib * GIB), int(gib * GIB)))
+    monkeypatch.setattr(
+        memory_check,
+        "available_memory",
+        lambda device: (None if device_gib is None else int(device_gib * GIB), int(gib * GIB)),
+    )
 
 
 def test_seq_len_3e6_on_a_24_gib_host_is_refused_in_one_line_and_the_tiny_default_passes(monkeypatch):
@@ -55,22 +58,34 @@ def test_the_estimate_grows_with_tokens_and_shrinks_with_a_chunked_head_or_check
     assert need("train.seq_len=4096", "train.head_chunk_tokens=1024") < 0.6 * base
     assert need("train.seq_len=4096", "distributed.activation_checkpointing=full") < base
     assert need("train.seq_len=4096", "distributed.activation_checkpointing=auto") == need(
-        "train.seq_len=4096", "distributed.activation_checkpointing=full")  # auto: the least it can keep
+        "train.seq_len=4096", "distributed.activation_checkpointing=full"
+    )  # auto: the least it can keep
 
 
 def test_the_micro_batch_the_evaluation_and_the_ranks_of_a_host_are_named(monkeypatch):
     _host(monkeypatch, 2)
     with pytest.raises(ValueError, match=r"^train.seq_len=8192 x train.micro_batch=16 needs about [\d.]+ GiB"):
-        check_first_step_fits(_cfg("train.seq_len=8192", "train.micro_batch=16", "train.global_batch=16"),
-                              world_size=1, local_world_size=1, device=CPU)
+        check_first_step_fits(
+            _cfg("train.seq_len=8192", "train.micro_batch=16", "train.global_batch=16"),
+            world_size=1,
+            local_world_size=1,
+            device=CPU,
+        )
     with pytest.raises(ValueError, match=r"x eval.batch_size=64 \(the evaluation at start\) needs about"):
-        check_first_step_fits(_cfg("train.seq_len=8192", "train.micro_batch=1", "eval.batch_size=64",
-                                   "eval.num_sequences=64"), world_size=1, local_world_size=1, device=CPU)
+        check_first_step_fits(
+            _cfg("train.seq_len=8192", "train.micro_batch=1", "eval.batch_size=64", "eval.num_sequences=64"),
+            world_size=1,
+            local_world_size=1,
+            device=CPU,
+        )
     _host(monkeypatch, 8)
     fits = _cfg("train.seq_len=4096", "train.micro_batch=8", "eval.num_sequences=0")  # about 4.8 GiB
     check_first_step_fits(fits, world_size=2, local_world_size=1, device=CPU)
-    with pytest.raises(ValueError, match=r"for the first step on each of the 2 ranks of this host \(.*\); this host "
-                                         r"has 8.0 GiB available"):
+    with pytest.raises(
+        ValueError,
+        match=r"for the first step on each of the 2 ranks of this host \(.*\); this host "
+        r"has 8.0 GiB available",
+    ):
         check_first_step_fits(fits, world_size=2, local_world_size=2, device=CPU)
 
 
@@ -125,15 +140,23 @@ def test_a_refused_start_is_one_line_and_releases_the_run_lock(tmp_path, created
         run_dir.mkdir()
         (run_dir / "notes.txt").write_text("mine")
     args = ["experiment=tiny_bf16", f"run_dir={run_dir}", "logging.wandb=false"]
-    proc = subprocess.run([sys.executable, "-c", _REFUSED, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
-                          preexec_fn=_limit_address_space)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _REFUSED, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        preexec_fn=_limit_address_space,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     (line,) = proc.stderr.splitlines()
-    assert line.startswith("nemofp4-train: error: train.seq_len=256 x train.micro_batch=8 needs about 0.3 GiB for "
-                           "the first step (activations 0.1 GiB, logits 0.2 GiB); this host has 0.2 GiB available. "
-                           "Lower train.seq_len or train.micro_batch; train.head_chunk_tokens=1024 and "
-                           "distributed.activation_checkpointing=full also need less"), line
+    assert line.startswith(
+        "nemofp4-train: error: train.seq_len=256 x train.micro_batch=8 needs about 0.3 GiB for "
+        "the first step (activations 0.1 GiB, logits 0.2 GiB); this host has 0.2 GiB available. "
+        "Lower train.seq_len or train.micro_batch; train.head_chunk_tokens=1024 and "
+        "distributed.activation_checkpointing=full also need less"
+    ), line
     if created:
         assert not run_dir.exists()  # a start that fails removes the run directory it created
     else:
@@ -144,10 +167,23 @@ def test_seq_len_1e8_is_one_line_whatever_the_host(tmp_path):
     """No host has the 100 TiB it needs: refused by the real host's numbers, before the validation set (25 GiB
     of token ids) or anything else is allocated; the address space is capped should that ever change."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "nemofp4.train", "experiment=tiny_bf16", "train.seq_len=100000000",
-                           f"run_dir={run_dir}", "logging.wandb=false"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
-                          preexec_fn=_limit_address_space)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemofp4.train",
+            "experiment=tiny_bf16",
+            "train.seq_len=100000000",
+            f"run_dir={run_dir}",
+            "logging.wandb=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        preexec_fn=_limit_address_space,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     (line,) = proc.stderr.splitlines()
     assert line.startswith("nemofp4-train: error: train.seq_len=100000000 x train.micro_batch=8 needs about "), line
@@ -176,12 +212,27 @@ def test_the_estimate_is_close_to_the_peak_a_first_step_takes_on_cpu(tmp_path, e
     full checkpointing)."""
 
     def peak_and_estimate(seq_len: int, micro_batch: int) -> tuple[int, int]:
-        args = ["experiment=tiny_bf16", f"train.seq_len={seq_len}", f"train.micro_batch={micro_batch}",
-                f"train.global_batch={micro_batch}", "train.max_steps=1", "eval.num_sequences=0",
-                "checkpoint.save_final=false", "logging.wandb=false", "logging.plots=false", *extra]
-        proc = subprocess.run([sys.executable, "-c", _PEAK, *args, f"run_dir={tmp_path / str(seq_len)}"], cwd=REPO,
-                              capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin",
-                              "HOME": str(tmp_path), "OMP_NUM_THREADS": "2"}, preexec_fn=_limit_address_space)  # fmt: skip
+        args = [
+            "experiment=tiny_bf16",
+            f"train.seq_len={seq_len}",
+            f"train.micro_batch={micro_batch}",
+            f"train.global_batch={micro_batch}",
+            "train.max_steps=1",
+            "eval.num_sequences=0",
+            "checkpoint.save_final=false",
+            "logging.wandb=false",
+            "logging.plots=false",
+            *extra,
+        ]
+        proc = subprocess.run(
+            [sys.executable, "-c", _PEAK, *args, f"run_dir={tmp_path / str(seq_len)}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "2"},
+            preexec_fn=_limit_address_space,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         peak = int(proc.stdout.split("VmHWM")[-1].split()[0]) * 1024
         estimate = first_step_memory(_cfg(*args), world_size=1, device=CPU)

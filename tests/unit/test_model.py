@@ -170,9 +170,15 @@ def test_param_groups_exclude_ssm_params_norms_and_biases(tiny):
     assert len(no_decay_names) + len(decay_names) == len(names)
     for name in no_decay_names:
         assert name.rsplit(".", 1)[-1] in ("A_log", "D", "dt_bias", "bias") or "norm" in name, name
-    for name in ("layers.0.mixer.A_log", "layers.0.mixer.D", "layers.0.mixer.dt_bias",
-                 "layers.0.mixer.norm.weight", "layers.0.norm.weight", "norm_f.weight",
-                 "layers.0.mixer.conv1d.bias"):  # fmt: skip
+    for name in (
+        "layers.0.mixer.A_log",
+        "layers.0.mixer.D",
+        "layers.0.mixer.dt_bias",
+        "layers.0.mixer.norm.weight",
+        "layers.0.norm.weight",
+        "norm_f.weight",
+        "layers.0.mixer.conv1d.bias",
+    ):
         assert name in no_decay_names
     assert "embeddings.weight" in decay_names and "layers.0.mixer.in_proj.weight" in decay_names
     tied = build_model(get_model_config("tiny", tie_word_embeddings=True))
@@ -252,9 +258,11 @@ class ScaledLinear(nn.Module):
         return self.linear(x) * self.scale
 
 
-@pytest.mark.parametrize("block_type,linear,mlp_activation",
-                         [(bt, n, "relu2") for bt, names in LINEAR_NAMES.items() for n in names]
-                         + [("mlp", n, "swiglu") for n in SWIGLU_LINEAR_NAMES["mlp"]])
+@pytest.mark.parametrize(
+    "block_type,linear,mlp_activation",
+    [(bt, n, "relu2") for bt, names in LINEAR_NAMES.items() for n in names]
+    + [("mlp", n, "swiglu") for n in SWIGLU_LINEAR_NAMES["mlp"]],
+)
 def test_swapped_linear_changes_the_output(block_type, linear, mlp_activation):
     torch.manual_seed(0)
     model = build_model(get_model_config("tiny", mlp_activation=mlp_activation)).eval()

@@ -91,15 +91,14 @@ def test_8b_parameter_counts_on_meta(name, expected, non_embedding):
     assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "use_conv_bias": False},
-                                       {"mlp_activation": "swiglu"}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"tie_word_embeddings": True, "use_conv_bias": False}, {"mlp_activation": "swiglu"}]
+)
 def test_num_parameters_is_exact(overrides):
     cfg = get_model_config("small", **overrides)
     model = build_model(cfg, device="meta")
     assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
-    embedding = model.embeddings.weight.numel() + (
-        0 if cfg.tie_word_embeddings else model.lm_head.weight.numel()
-    )
+    embedding = model.embeddings.weight.numel() + (0 if cfg.tie_word_embeddings else model.lm_head.weight.numel())
     assert cfg.num_non_embedding_parameters() == cfg.num_parameters() - embedding
 
 
@@ -125,6 +124,8 @@ def test_flops_per_token_equals_counted_forward_flops_times_three(mlp_activation
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(ids)
     # the math backend computes every score; the formula counts the causal half (2 B H L^2 d a layer)
-    masked = cfg.hybrid_layer_pattern.count("*") * 2 * batch * cfg.num_attention_heads * seq_len**2 * cfg.attention_head_dim
+    masked = (
+        cfg.hybrid_layer_pattern.count("*") * 2 * batch * cfg.num_attention_heads * seq_len**2 * cfg.attention_head_dim
+    )
     assert cfg.flops_per_token(seq_len) * batch * seq_len == 3 * (counter.get_total_flops() - masked)
     assert cfg.flops_per_token(seq_len) > 6 * cfg.num_non_embedding_parameters()

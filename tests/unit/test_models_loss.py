@@ -25,7 +25,6 @@ def _tiny_parallelized(precision: str):
     return cfg, model
 
 
-
 def _problem(tokens=37, width=24, vocab=101, dtype=torch.float32, seed=0, bias=False):
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(1, tokens, width, generator=g) * 2).to(dtype).requires_grad_()
@@ -148,8 +147,12 @@ def test_lm_loss_with_head_chunks_needs_the_head_method():
     from nemofp4.models import lm_loss
 
     with pytest.raises(ValueError, match="head_chunk_tokens=8 needs a model whose lm_head"):
-        lm_loss(torch.nn.Linear(4, 4), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
-                head_chunk_tokens=8)
+        lm_loss(
+            torch.nn.Linear(4, 4),
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.zeros(1, 2, dtype=torch.long),
+            head_chunk_tokens=8,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- head precision

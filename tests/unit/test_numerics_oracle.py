@@ -86,8 +86,14 @@ def _positions() -> list[tuple[float, float, Fraction]]:
     """(|y|, lower grid point, exact fraction of the step): a grid of fractions in every binade,
     the issue's cases, and fractions with bits below 2^-24 (where sr8's float32 sum rounds)."""
     fracs = [Fraction(k, 64) for k in range(64)] + [
-        Fraction(1, 512), Fraction(1, 512) - Fraction(1, 2**26), Fraction(1, 256) - Fraction(1, 2**20),
-        Fraction(255, 256), Fraction(511, 512), Fraction(1, 2**9), Fraction(1, 2**12), Fraction(3, 2**10),
+        Fraction(1, 512),
+        Fraction(1, 512) - Fraction(1, 2**26),
+        Fraction(1, 256) - Fraction(1, 2**20),
+        Fraction(255, 256),
+        Fraction(511, 512),
+        Fraction(1, 2**9),
+        Fraction(1, 2**12),
+        Fraction(3, 2**10),
     ]
     out = []
     for lo, hi in zip(E2M1_GRID, E2M1_GRID[1:]):
@@ -131,7 +137,9 @@ if TRITON_INTERPRETER:
 
 
 @pytest.mark.parametrize("rounding,scale_format", [("sr", "e4m3"), ("sr8", "ue5m3")])
-@pytest.mark.parametrize("path", ["minifloat", "eager", "compiled", pytest.param("triton", marks=needs_triton_interpreter)])
+@pytest.mark.parametrize(
+    "path", ["minifloat", "eager", "compiled", pytest.param("triton", marks=needs_triton_interpreter)]
+)
 def test_rounding_probability_is_the_exact_count_over_all_random_bytes(rounding, scale_format, path, monkeypatch):
     if path == "compiled" and not cpu_compile_available():
         pytest.skip("needs a C++ compiler for torch.compile")
@@ -150,8 +158,15 @@ def test_rounding_probability_is_the_exact_count_over_all_random_bytes(rounding,
         from nemofp4.kernels.quantize import triton_quantize
 
         monkeypatch.setattr(_quantize_kernels, "_sr8_draws_along_cols", _byte_of_copy)
-        q, _ = triton_quantize(x, scale_format=scale_format, block_size=16, tensor_amax=2688.0, rounding=rounding,
-                               seed=blocks, _config={"BM": 512, "BK": 16})  # fmt: skip
+        q, _ = triton_quantize(
+            x,
+            scale_format=scale_format,
+            block_size=16,
+            tensor_amax=2688.0,
+            rounding=rounding,
+            seed=blocks,
+            _config={"BM": 512, "BK": 16},
+        )
         assert float(q.tensor_scale) == 1.0
         out = q.dequantize()
     else:
@@ -228,7 +243,10 @@ def _oracle_wgrad_rht(x: torch.Tensor) -> torch.Tensor:
 def _rht_inputs():
     g = torch.Generator().manual_seed(17)
     yield "issue bf16 48x64", torch.randn(64, 48, generator=g).to(torch.bfloat16)  # X^T [K, T]
-    yield "wide range", (torch.randn(32, 64, generator=g) * torch.exp2(torch.randint(-4, 5, (32, 64), generator=g))).to(torch.bfloat16)  # noqa: E501
+    yield (
+        "wide range",
+        (torch.randn(32, 64, generator=g) * torch.exp2(torch.randint(-4, 5, (32, 64), generator=g))).to(torch.bfloat16),
+    )  # noqa: E501
     yield "tie-heavy", torch.randint(-300, 301, (32, 64), generator=g).to(torch.bfloat16)
 
 
@@ -288,7 +306,11 @@ def _gemm_inputs():
     yield "issue 32x16", torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g)
     wide = lambda r: torch.randn(r, 64, generator=g) * torch.exp2(torch.randint(-20, 21, (r, 1), generator=g).float())  # noqa: E731
     yield "wide range", wide(48), wide(32)
-    yield "tie-heavy", torch.randint(-6, 7, (32, 64), generator=g).float() * 0.75, torch.randint(-6, 7, (16, 64), generator=g).float()
+    yield (
+        "tie-heavy",
+        torch.randint(-6, 7, (32, 64), generator=g).float() * 0.75,
+        torch.randint(-6, 7, (16, 64), generator=g).float(),
+    )
 
 
 def test_nvfp4_gemm_tensor_scale_product_is_te_order():
@@ -356,7 +378,9 @@ def test_hardware_gemm_ends_with_the_papers_1_over_1024_snap(scale_format):
     qa, qb = quantize_blocks(x, scale_format), quantize_blocks(w, scale_format, two_d=True)
     unit = lambda q: dataclasses.replace(q, tensor_amax=torch.tensor(2688.0), tensor_scale=torch.tensor(1 / 2688.0))  # noqa: E731
     acc = hardware_gemm_torch(unit(qa), unit(qb)).numpy()
-    te_or_paper = _oracle_te_alpha if scale_format == "e4m3" else lambda ga, gb: _oracle_paper_alpha(ga, gb, 448.0, 448.0)
+    te_or_paper = (
+        _oracle_te_alpha if scale_format == "e4m3" else lambda ga, gb: _oracle_paper_alpha(ga, gb, 448.0, 448.0)
+    )
     alpha = te_or_paper(float(qa.tensor_amax), float(qb.tensor_amax))
     expected = (np.round(acc * f32(1024)) / f32(1024)).astype(f32) * alpha
     ours = gemm(GemmOperand(qa), GemmOperand(qb), mode="hardware", compute_dtype=torch.float32).numpy()

@@ -7,11 +7,17 @@ import pytest
 from nemofp4.training.parallel import DistributedConfig
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"backend": "fsdp", "gradient_sync": "never"}, r"gradient_sync='never'; valid: \('per_step', 'per_micro_batch'\)"),
-    ({"backend": "fsdp", "replicate_degree": 0}, r"replicate_degree=0; must be >= 1"),
-    ({"backend": "deepspeed_zero2", "replicate_degree": 2}, r"replicate_degree=2 needs distributed.backend=fsdp"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"backend": "fsdp", "gradient_sync": "never"},
+            r"gradient_sync='never'; valid: \('per_step', 'per_micro_batch'\)",
+        ),
+        ({"backend": "fsdp", "replicate_degree": 0}, r"replicate_degree=0; must be >= 1"),
+        ({"backend": "deepspeed_zero2", "replicate_degree": 2}, r"replicate_degree=2 needs distributed.backend=fsdp"),
+    ],
+)
 def test_bad_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DistributedConfig(**kwargs)
@@ -20,8 +26,9 @@ def test_bad_settings_are_named(kwargs, message):
 def test_hydra_override_reaches_the_typed_config():
     from nemofp4.cli.train import compose_job_config
 
-    cfg = compose_job_config(["distributed=fsdp", "distributed.replicate_degree=4",
-                              "distributed.gradient_sync=per_micro_batch"])  # fmt: skip
+    cfg = compose_job_config(
+        ["distributed=fsdp", "distributed.replicate_degree=4", "distributed.gradient_sync=per_micro_batch"]
+    )
     assert cfg.distributed.replicate_degree == 4 and cfg.distributed.gradient_sync == "per_micro_batch"
 
 
@@ -48,18 +55,31 @@ def test_collective_timeout_recognizes_only_timeouts_and_names_the_operation():
         assert collective_timeout(err) == "a collective"  # raised outside torch.distributed and nemofp4
 
 
-@pytest.mark.parametrize("value, policy", [
-    (True, "full"), (False, "none"), ("true", "full"), ("False", "none"), ("full", "full"), ("none", "none"),
-    ("mlp", "mlp"), ("MLP+mamba", "mamba+mlp"), ("attention+mamba+mlp", "mamba+attention+mlp"),
-    ("every_2", "every_2"), ("every_1", "full"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, policy",
+    [
+        (True, "full"),
+        (False, "none"),
+        ("true", "full"),
+        ("False", "none"),
+        ("full", "full"),
+        ("none", "none"),
+        ("mlp", "mlp"),
+        ("MLP+mamba", "mamba+mlp"),
+        ("attention+mamba+mlp", "mamba+attention+mlp"),
+        ("every_2", "every_2"),
+        ("every_1", "full"),
+    ],
+)
 def test_activation_checkpointing_accepts_policies_and_the_old_booleans(value, policy):
     assert DistributedConfig(activation_checkpointing=value).activation_checkpointing == policy
 
 
 @pytest.mark.parametrize("value", ["moe", "mlp+mlp", "every_0", "every_x", "mlp,mamba"])
 def test_a_bad_checkpointing_policy_is_named_with_what_is_valid(value):
-    with pytest.raises(ValueError, match=re.escape(f"activation_checkpointing={value!r}; valid: none, full, block types")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"activation_checkpointing={value!r}; valid: none, full, block types")
+    ):
         DistributedConfig(activation_checkpointing=value)
 
 

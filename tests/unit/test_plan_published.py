@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("plan_against_published", ROOT / "scripts/plan/plan_against_published.py")
+    spec = importlib.util.spec_from_file_location(
+        "plan_against_published", ROOT / "scripts/plan/plan_against_published.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

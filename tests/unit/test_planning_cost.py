@@ -46,11 +46,12 @@ _grouped_conv_backward._get_raw = True
 # weight gradient of a grouped convolution
 CPU_SDPA = {
     aten._scaled_dot_product_flash_attention_for_cpu: _raw(flop_registry[aten._scaled_dot_product_flash_attention]),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        _raw(flop_registry[aten._scaled_dot_product_flash_attention_backward]),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _raw(
+        flop_registry[aten._scaled_dot_product_flash_attention_backward]
+    ),
     aten.convolution_backward: _grouped_conv_backward,
     aten.addmm_: _raw(flop_registry[aten.addmm]),  # the chunked loss accumulates the head's gradient in place
-}  # fmt: skip
+}
 
 
 def _counted(model_cfg, recipe_name, *, seq_len, micro_batch, checkpointing, head_chunk_tokens, fake):
@@ -78,29 +79,49 @@ def _counted(model_cfg, recipe_name, *, seq_len, micro_batch, checkpointing, hea
     def of(ops):  # FLOPs of these ops inside the blocks (attributed to the block running them)
         return sum(v for block in blocks for op, v in block.items() if str(op).split(".")[-1] in ops)
 
-    attention = of({"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"})
-    return {"linear GEMMs": of({"mm", "addmm", "fp4_linear", "fp4_linear_backward"}), "attention": attention,
-            "SSD scan": of({"bmm", "baddbmm", "convolution", "convolution_backward"}),
-            "head and loss": counter.get_total_flops() - sum(sum(b.values()) for b in blocks),
-            "total": counter.get_total_flops()}  # fmt: skip
+    attention = of(
+        {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+    )
+    return {
+        "linear GEMMs": of({"mm", "addmm", "fp4_linear", "fp4_linear_backward"}),
+        "attention": attention,
+        "SSD scan": of({"bmm", "baddbmm", "convolution", "convolution_backward"}),
+        "head and loss": counter.get_total_flops() - sum(sum(b.values()) for b in blocks),
+        "total": counter.get_total_flops(),
+    }
 
 
 CASES = {
     "tiny": (get_model_config("tiny", vocab_size=2048), dict(seq_len=128, micro_batch=2, fake=False)),
-    "8b-slice": (get_model_config("nemotron_h_8b_paper", hybrid_layer_pattern="M*-"),
-                 dict(seq_len=2048, micro_batch=1, fake=True)),
-}  # fmt: skip
+    "8b-slice": (
+        get_model_config("nemotron_h_8b_paper", hybrid_layer_pattern="M*-"),
+        dict(seq_len=2048, micro_batch=1, fake=True),
+    ),
+}
 
 
-@pytest.mark.parametrize("case, recipe_name, head_chunk_tokens", [
-    ("tiny", "bf16", 0), ("tiny", "ue5m3", 256), ("8b-slice", "ue5m3", 256),
-    pytest.param("8b-slice", "bf16", 0, marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, recipe_name, head_chunk_tokens",
+    [
+        ("tiny", "bf16", 0),
+        ("tiny", "ue5m3", 256),
+        ("8b-slice", "ue5m3", 256),
+        pytest.param("8b-slice", "bf16", 0, marks=pytest.mark.slow),
+    ],
+)
 def test_flops_by_component_match_the_flop_counter(case, recipe_name, head_chunk_tokens):
     model_cfg, run = CASES[case]
     counted = _counted(model_cfg, recipe_name, checkpointing="none", head_chunk_tokens=head_chunk_tokens, **run)
-    cost = step_cost(model_cfg, get_recipe(recipe_name), DistributedConfig(), world_size=1, seq_len=run["seq_len"],
-                     micro_batch=run["micro_batch"], grad_accum=1, head_chunk_tokens=head_chunk_tokens)  # fmt: skip
+    cost = step_cost(
+        model_cfg,
+        get_recipe(recipe_name),
+        DistributedConfig(),
+        world_size=1,
+        seq_len=run["seq_len"],
+        micro_batch=run["micro_batch"],
+        grad_accum=1,
+        head_chunk_tokens=head_chunk_tokens,
+    )
     for name in ("linear GEMMs", "attention", "SSD scan", "head and loss"):
         assert cost.flops[name] == pytest.approx(counted[name], rel=0.05), (name, cost.flops[name], counted[name])
     assert cost.flops["recompute"] == 0
@@ -112,21 +133,41 @@ def test_recompute_flops_are_the_checkpointed_blocks_forward(policy):
     model_cfg, run = CASES["8b-slice"]
     plain = _counted(model_cfg, "ue5m3", checkpointing="none", head_chunk_tokens=256, **run)["total"]
     checkpointed = _counted(model_cfg, "ue5m3", checkpointing=policy, head_chunk_tokens=256, **run)["total"]
-    cost = step_cost(model_cfg, get_recipe("ue5m3"), DistributedConfig(activation_checkpointing=policy), world_size=1,
-                     seq_len=run["seq_len"], micro_batch=1, grad_accum=1, head_chunk_tokens=256)  # fmt: skip
+    cost = step_cost(
+        model_cfg,
+        get_recipe("ue5m3"),
+        DistributedConfig(activation_checkpointing=policy),
+        world_size=1,
+        seq_len=run["seq_len"],
+        micro_batch=1,
+        grad_accum=1,
+        head_chunk_tokens=256,
+    )
     assert cost.flops["recompute"] == pytest.approx(checkpointed - plain, rel=0.05)
 
 
-@pytest.mark.parametrize("dist_kwargs, layout", [
-    ({}, "FSDP"),
-    ({"replicate_degree": 8}, "HSDP 8x8"),
-    pytest.param({"gradient_sync": "per_micro_batch"}, "FSDP", marks=pytest.mark.slow),
-    pytest.param({"reshard_after_forward": False}, "FSDP", marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "dist_kwargs, layout",
+    [
+        ({}, "FSDP"),
+        ({"replicate_degree": 8}, "HSDP 8x8"),
+        pytest.param({"gradient_sync": "per_micro_batch"}, "FSDP", marks=pytest.mark.slow),
+        pytest.param({"reshard_after_forward": False}, "FSDP", marks=pytest.mark.slow),
+    ],
+)
 def test_collective_bytes_match_what_fsdp2_issues(dist_kwargs, layout):
-    model_cfg = get_model_config("nemotron_h_8b_paper", hybrid_layer_pattern="M*-", hidden_size=512, vocab_size=4096,
-                                 ffn_hidden_size=1024, num_attention_heads=4, num_key_value_heads=1, mamba_num_heads=16,
-                                 mamba_head_dim=64, mamba_num_groups=8)  # fmt: skip
+    model_cfg = get_model_config(
+        "nemotron_h_8b_paper",
+        hybrid_layer_pattern="M*-",
+        hidden_size=512,
+        vocab_size=4096,
+        ffn_hidden_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        mamba_num_heads=16,
+        mamba_head_dim=64,
+        mamba_num_groups=8,
+    )
     dist_cfg = DistributedConfig(backend="fsdp", activation_checkpointing="mlp", **dist_kwargs)
     step = dict(seq_len=256, micro_batch=1, grad_accum=3, head_chunk_tokens=128)
     sim = simulate_memory(model_cfg, get_recipe("bf16"), dist_cfg, world_size=64, **step)
@@ -153,8 +194,10 @@ def test_the_projection_follows_the_hardware():
     # native FP4 GEMMs (TE's NVFP4) run at the FP4 peak where there is one
     te = step_cost(model, get_recipe("nvfp4_te"), dist_cfg, **step)
     assert te.fp4_native_flops > 0
-    assert te.project(get_device("gb200"), "FSDP").step_s < step_cost(model, get_recipe("nvfp4"), dist_cfg, **step).project(
-        get_device("gb200"), "FSDP").step_s  # fmt: skip
+    assert (
+        te.project(get_device("gb200"), "FSDP").step_s
+        < step_cost(model, get_recipe("nvfp4"), dist_cfg, **step).project(get_device("gb200"), "FSDP").step_s
+    )
     assert 0 < h200.mfu < 1 and 0 < gb200.mfu < 1
 
 
@@ -170,7 +213,9 @@ def test_both_layouts_are_costed_and_the_head_settings_move_their_items():
     hsdp = step_cost(model, ue5m3, DistributedConfig(backend="fsdp", replicate_degree=4), **step)
     assert hsdp.configured == "HSDP 4x16" and set(hsdp.layouts) == {"FSDP", "HSDP 8x8", "HSDP 4x16"}
     assert set(step_cost(model, ue5m3, DistributedConfig(backend="fsdp"), gpus_per_node=4, **step).layouts) == {
-        "FSDP", "HSDP 16x4"}  # a GB200 host has 4 GPUs  # fmt: skip
+        "FSDP",
+        "HSDP 16x4",
+    }  # a GB200 host has 4 GPUs
     # the FP4 recipes' head is FP32: gathered in FP32 twice per micro-batch; kept gathered, once
     head = model.vocab_size * model.hidden_size
     kept = step_cost(model, ue5m3, DistributedConfig(backend="fsdp"), keep_head_gathered=True, **step)
@@ -179,7 +224,8 @@ def test_both_layouts_are_costed_and_the_head_settings_move_their_items():
     # a BF16 head gathers half the bytes and computes at the BF16 peak
     bf16 = step_cost(model, ue5m3, DistributedConfig(backend="fsdp"), head_precision="bf16", **step)
     assert fsdp.collectives["FSDP"]["all-gather"] - bf16.collectives["FSDP"]["all-gather"] == pytest.approx(
-        63 / 64 * 2 * head * 2 * 12)  # fmt: skip
+        63 / 64 * 2 * head * 2 * 12
+    )
     assert (fsdp.precision["head and loss"], bf16.precision["head and loss"]) == ("fp32", "bf16")
     with pytest.raises(ValueError, match="head_precision='fp16'; valid: fp32, tf32, bf16"):
         step_cost(model, ue5m3, DistributedConfig(), head_precision="fp16", **step)
@@ -193,10 +239,20 @@ def test_mfu_counts_attention_as_the_projection_runs_it_and_stays_under_one(mode
 
     model = llama3_8b() if model_name == "llama3_8b" else get_model_config(model_name)
     dist_cfg = DistributedConfig(backend="fsdp", activation_checkpointing="none")
-    cost = step_cost(model, get_recipe("bf16"), dist_cfg, world_size=8, seq_len=8192, micro_batch=2, grad_accum=1,
-                     head_precision="bf16")  # fmt: skip
+    cost = step_cost(
+        model,
+        get_recipe("bf16"),
+        dist_cfg,
+        world_size=8,
+        seq_len=8192,
+        micro_batch=2,
+        grad_accum=1,
+        head_precision="bf16",
+    )
     attention_layers = model.hybrid_layer_pattern.count("*")
     causal_half = 6 * model.num_attention_heads * model.attention_head_dim * 8192 * attention_layers * cost.tokens
-    assert causal_half == pytest.approx(cost.flops["attention"] / 3.5 * 3 / 2)  # 3x the causal forward, of 3.5x the full
+    assert causal_half == pytest.approx(
+        cost.flops["attention"] / 3.5 * 3 / 2
+    )  # 3x the causal forward, of 3.5x the full
     for device in ("h100", "gb200"):
         assert 0 < cost.project(get_device(device), "FSDP").mfu <= 1.0

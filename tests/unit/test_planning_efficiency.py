@@ -34,8 +34,16 @@ def test_the_gemm_curve_passes_through_its_measured_points_and_rises_with_size()
 def cost_8b():
     model = get_model_config("nemotron_h_8b_paper")
     dist_cfg = DistributedConfig(backend="fsdp", activation_checkpointing="full")
-    return step_cost(model, get_recipe("ue5m3"), dist_cfg, world_size=64, seq_len=8192, micro_batch=1,
-                     grad_accum=12, head_chunk_tokens=1024)  # fmt: skip
+    return step_cost(
+        model,
+        get_recipe("ue5m3"),
+        dist_cfg,
+        world_size=64,
+        seq_len=8192,
+        micro_batch=1,
+        grad_accum=12,
+        head_chunk_tokens=1024,
+    )
 
 
 @pytest.mark.parametrize("device", ["h100", "h200", "h100_hbm2e_500w", "b200", "gb200"])
@@ -95,8 +103,13 @@ def test_op_level_recompute_adds_its_share_of_each_named_linears_forward():
     model = llama3_8b()
     step = dict(world_size=8, seq_len=1024, micro_batch=1, grad_accum=3)
     plain = step_cost(model, get_recipe("bf16"), DistributedConfig(backend="fsdp"), **step)
-    sac = step_cost(model, get_recipe("bf16"), DistributedConfig(backend="fsdp"), **step,
-                    recompute_linears=(("k_proj", 1.0), ("gate_up_proj", 0.5)))  # fmt: skip
+    sac = step_cost(
+        model,
+        get_recipe("bf16"),
+        DistributedConfig(backend="fsdp"),
+        **step,
+        recompute_linears=(("k_proj", 1.0), ("gate_up_proj", 0.5)),
+    )
     d, kv, f = model.hidden_size, model.num_key_value_heads * model.attention_head_dim, model.ffn_hidden_size
     per_layer = 2 * 1024 * (d * kv + 0.5 * d * 2 * f)  # forward FLOPs of k_proj and half of gate_up_proj
     assert sac.flops["recompute"] - plain.flops["recompute"] == pytest.approx(3 * 32 * per_layer)
@@ -104,6 +117,7 @@ def test_op_level_recompute_adds_its_share_of_each_named_linears_forward():
     # a block the policy recomputes whole is not counted again by the op-level policy
     full = DistributedConfig(backend="fsdp", activation_checkpointing="full")
     assert step_cost(model, get_recipe("bf16"), full, **step, recompute_linears=(("k_proj", 1.0),)).flops == (
-        step_cost(model, get_recipe("bf16"), full, **step).flops)
+        step_cost(model, get_recipe("bf16"), full, **step).flops
+    )
     first = step_cost(model, get_recipe("bf16"), DistributedConfig(backend="fsdp"), **step, recompute_blocks=(0, 1))
     assert 0 < first.flops["recompute"] < sac.flops["recompute"]

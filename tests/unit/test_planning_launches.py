@@ -36,12 +36,11 @@ def test_the_elementwise_bytes_grow_with_the_tokens_and_the_kernels_do_not():
 def test_an_eager_step_pays_more_elementwise_bytes_and_launches_than_a_compiled_one():
     step = dict(world_size=8, seq_len=1024, micro_batch=1, grad_accum=2)
     eager = step_cost(llama3_8b(), get_recipe("bf16"), DistributedConfig(backend="fsdp"), **step)
-    compiled = step_cost(
-        llama3_8b(), get_recipe("bf16"), DistributedConfig(backend="fsdp", compile=True), **step
-    )
+    compiled = step_cost(llama3_8b(), get_recipe("bf16"), DistributedConfig(backend="fsdp", compile=True), **step)
     assert eager.elementwise_bytes > 2 * compiled.elementwise_bytes and eager.kernels > compiled.kernels
     blocks = {t: sum(x.block_type == t for x in llama3_8b().layer_types) for t in ("attention", "mlp")}
-    per_micro_batch = sum(n * count_block_launches(llama3_8b(), t, micro_batch=1, seq_len=1024).eager_kernels
-                          for t, n in blocks.items())  # fmt: skip
+    per_micro_batch = sum(
+        n * count_block_launches(llama3_8b(), t, micro_batch=1, seq_len=1024).eager_kernels for t, n in blocks.items()
+    )
     assert eager.kernels == 2 * per_micro_batch
     assert eager.flops == compiled.flops  # fusing moves bytes, not FLOPs

@@ -52,15 +52,31 @@ def _real_saved_bytes(model_cfg, recipe, *, ac: bool, seq_len: int, micro_batch:
 def _measured(model_name: str, recipe_name: str):
     """One measurement per model and recipe: every policy and world size of a test reuses it. On the
     Triton glue (fast under fake tensors): an FP4 linear saves the same packed operands on every path."""
-    return measure(get_model_config("tiny", **MODELS[model_name]), get_recipe(recipe_name), seq_len=128, micro_batch=2,
-                   compute_dtype="float32", quantizer="triton")  # fmt: skip
+    return measure(
+        get_model_config("tiny", **MODELS[model_name]),
+        get_recipe(recipe_name),
+        seq_len=128,
+        micro_batch=2,
+        compute_dtype="float32",
+        quantizer="triton",
+    )
 
 
 def _plan(model_name, recipe_name, dist_cfg, *, world_size=1, grad_accum=1, device_memory_gib=1.0, **kwargs):
-    return plan_memory(get_model_config("tiny", **MODELS[model_name]), get_recipe(recipe_name), dist_cfg,
-                       world_size=world_size, seq_len=128, micro_batch=2, grad_accum=grad_accum,
-                       device_memory_gib=device_memory_gib, compute_dtype="float32", quantizer="triton",
-                       measured=_measured(model_name, recipe_name), **kwargs)  # fmt: skip
+    return plan_memory(
+        get_model_config("tiny", **MODELS[model_name]),
+        get_recipe(recipe_name),
+        dist_cfg,
+        world_size=world_size,
+        seq_len=128,
+        micro_batch=2,
+        grad_accum=grad_accum,
+        device_memory_gib=device_memory_gib,
+        compute_dtype="float32",
+        quantizer="triton",
+        measured=_measured(model_name, recipe_name),
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("ac", [False, True], ids=["no-ac", "ac"])
@@ -68,15 +84,19 @@ def _plan(model_name, recipe_name, dist_cfg, *, world_size=1, grad_accum=1, devi
 @pytest.mark.parametrize("model_name", ["tiny-v512", pytest.param("mamba-heavy", marks=pytest.mark.slow)])
 def test_planned_activations_match_real_saves_within_10_percent(model_name, recipe_name, ac):
     plan = _plan(model_name, recipe_name, DistributedConfig(activation_checkpointing=ac))
-    real = _real_saved_bytes(get_model_config("tiny", **MODELS[model_name]), get_recipe(recipe_name), ac=ac,
-                             seq_len=128, micro_batch=2)  # fmt: skip
+    real = _real_saved_bytes(
+        get_model_config("tiny", **MODELS[model_name]), get_recipe(recipe_name), ac=ac, seq_len=128, micro_batch=2
+    )
     assert plan.activations_after_forward == pytest.approx(real, rel=0.10), (plan.activations_after_forward, real)
 
 
 def test_fp4_saves_less_than_bf16_and_checkpointing_keeps_only_block_inputs():
     model_cfg = get_model_config("tiny", **MODELS["tiny-v512"])
-    plans = {(name, ac): _plan("tiny-v512", name, DistributedConfig(activation_checkpointing=ac))
-             for name in ("bf16", "ue5m3") for ac in (False, True)}  # fmt: skip
+    plans = {
+        (name, ac): _plan("tiny-v512", name, DistributedConfig(activation_checkpointing=ac))
+        for name in ("bf16", "ue5m3")
+        for ac in (False, True)
+    }
     bf16, fp4 = plans["bf16", False].layers, plans["ue5m3", False].layers
     assert sum(c.saved_bytes for c in fp4) < sum(c.saved_bytes for c in bf16)
     for cost in plans["bf16", True].layers:
@@ -99,8 +119,13 @@ def test_state_is_sharded_by_fsdp_and_gradient_accumulators_appear_with_per_step
     middle = fsdp.moment("backward", "layers.5", "middle")
     assert middle.items["gradients"] == 4 * n  # every FP32 accumulator, unsharded, between micro-batches
     assert fsdp.moment("backward", "layers.5", "last").items["communication buffers"] > 0  # the head's reduce-scatter
-    per_micro = _plan("tiny-v512", "bf16", DistributedConfig(backend="fsdp", gradient_sync="per_micro_batch"),
-                      world_size=4, grad_accum=3)  # fmt: skip
+    per_micro = _plan(
+        "tiny-v512",
+        "bf16",
+        DistributedConfig(backend="fsdp", gradient_sync="per_micro_batch"),
+        world_size=4,
+        grad_accum=3,
+    )
     assert per_micro.moment("backward", "layers.5", "middle").items["gradients"] == 4 * n // 4
     assert per_micro.peak.total < fsdp.peak.total
     assert fsdp.format().splitlines()[-1].endswith(("fits", "does not fit"))
@@ -124,15 +149,22 @@ def test_groups_kept_gathered_since_forward_are_counted_until_their_backward():
     assert gathered(kept, "forward", "layers.3") - gathered(resharded, "forward", "layers.3") == sum(blocks[:3])
     assert gathered(resharded, "forward", "loss") == 0 and gathered(resharded, "backward", "loss") == 0
     assert gathered(head, "forward", "loss") == head_bytes and gathered(head, "backward", "loss") == head_bytes
-    assert gathered(head, "backward", "layers.3") == gathered(resharded, "backward", "layers.3")  # resharded after its backward
+    assert gathered(head, "backward", "layers.3") == gathered(
+        resharded, "backward", "layers.3"
+    )  # resharded after its backward
     # backward gathers nothing again: no prefetch buffer for the next block
     assert gathered(kept, "backward", "layers.0") == gathered(resharded, "backward", "layers.0")
-    assert gathered(kept, "backward", "layers.3") - gathered(resharded, "backward", "layers.3") == sum(blocks[:3]) - blocks[2]
+    assert (
+        gathered(kept, "backward", "layers.3") - gathered(resharded, "backward", "layers.3")
+        == sum(blocks[:3]) - blocks[2]
+    )
 
 
 def test_checkpointing_policies_order_their_activations():
-    plans = {p: _plan("mamba-heavy", "ue5m3", DistributedConfig(), activation_checkpointing=p)
-             for p in ("none", "mamba", "mlp", "full")}  # fmt: skip
+    plans = {
+        p: _plan("mamba-heavy", "ue5m3", DistributedConfig(), activation_checkpointing=p)
+        for p in ("none", "mamba", "mlp", "full")
+    }
     after = {p: plan.activations_after_forward for p, plan in plans.items()}
     assert after["full"] < after["mamba"] < after["none"] and after["full"] < after["mlp"] < after["none"]
     # the Mamba blocks save most: checkpointing them alone keeps less than checkpointing the MLP alone
@@ -150,9 +182,21 @@ def test_plan_cli_prints_the_table_a_recommendation_and_the_step_cost(capsys, mo
     """`nemofp4-plan` over the training tree: overrides compose as for nemofp4-train."""
     from nemofp4.cli import plan as plan_cli
 
-    monkeypatch.setattr("sys.argv", ["nemofp4-plan", "model=tiny", "precision=ue5m3", "train.seq_len=64",
-                                     "train.micro_batch=2", "train.global_batch=4", "world_size=2",
-                                     "device_memory_gib=0.01", "distributed=fsdp", "device=h100"])  # fmt: skip
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "nemofp4-plan",
+            "model=tiny",
+            "precision=ue5m3",
+            "train.seq_len=64",
+            "train.micro_batch=2",
+            "train.global_batch=4",
+            "world_size=2",
+            "device_memory_gib=0.01",
+            "distributed=fsdp",
+            "device=h100",
+        ],
+    )
     plan_cli.main()
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
@@ -184,11 +228,15 @@ def test_trainer_start_hook_warns_when_the_plan_exceeds_the_device(monkeypatch, 
     assert plan.total_bytes > 4 * GIB  # the reserve alone
 
     # a device between the plans with and without checkpointing: the warning names the cheapest policy that fits
-    full = planning.plan_for_job(cfg, world_size=1, device_memory_gib=1.0, activation_checkpointing="full",
-                                 measured=plan.measured)  # fmt: skip
+    full = planning.plan_for_job(
+        cfg, world_size=1, device_memory_gib=1.0, activation_checkpointing="full", measured=plan.measured
+    )
     _Props.total_memory = (plan.total_bytes + full.total_bytes) // 2
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="nemofp4.test_plan"):
         planning.log_plan(cfg, world_size=1, device=torch.device("cuda", 0), log=logger)
-    assert re.search(r"; fits at 4 GiB with checkpointing on .+ \(distributed\.activation_checkpointing=[a-z_+0-9]+\), "
-                     r"\+\d+% FLOPs", caplog.text), caplog.text  # fmt: skip
+    assert re.search(
+        r"; fits at 4 GiB with checkpointing on .+ \(distributed\.activation_checkpointing=[a-z_+0-9]+\), "
+        r"\+\d+% FLOPs",
+        caplog.text,
+    ), caplog.text

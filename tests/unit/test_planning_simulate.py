@@ -20,9 +20,17 @@ from nemofp4.recipes import get_recipe
 from nemofp4.training.parallel import DistributedConfig
 
 REDUCED = get_model_config(
-    "nemotron_h_8b_paper", hybrid_layer_pattern="M*-", hidden_size=512, vocab_size=16384, ffn_hidden_size=2688,
-    num_attention_heads=4, num_key_value_heads=1, mamba_num_heads=16, mamba_head_dim=64, mamba_num_groups=8,
-)  # fmt: skip
+    "nemotron_h_8b_paper",
+    hybrid_layer_pattern="M*-",
+    hidden_size=512,
+    vocab_size=16384,
+    ffn_hidden_size=2688,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    mamba_num_heads=16,
+    mamba_head_dim=64,
+    mamba_num_groups=8,
+)
 STEP = dict(seq_len=1024, micro_batch=1, grad_accum=3, head_chunk_tokens=256, mamba_scan="mamba_ssm")
 
 
@@ -41,31 +49,36 @@ def _compare(recipe_name: str, world_size: int, checkpointing: str, **dist_kwarg
     return sim, plan
 
 
-@pytest.mark.parametrize("recipe_name, world_size, checkpointing", [
-    ("ue5m3", 8, "full"),
-    ("bf16", 64, "none"),
-    pytest.param("ue5m3", 64, "full", marks=pytest.mark.slow),
-    pytest.param("ue5m3", 8, "none", marks=pytest.mark.slow),
-    pytest.param("ue5m3", 64, "none", marks=pytest.mark.slow),
-    pytest.param("nvfp4", 8, "full", marks=pytest.mark.slow),
-    pytest.param("nvfp4", 64, "full", marks=pytest.mark.slow),
-    pytest.param("nvfp4", 8, "none", marks=pytest.mark.slow),
-    pytest.param("nvfp4", 64, "none", marks=pytest.mark.slow),
-    pytest.param("bf16", 8, "full", marks=pytest.mark.slow),
-    pytest.param("bf16", 64, "full", marks=pytest.mark.slow),
-    pytest.param("bf16", 8, "none", marks=pytest.mark.slow),
-    pytest.param("nvfp4_te", 8, "none", marks=pytest.mark.slow),  # TE's linears by their stand-ins
-    pytest.param("nvfp4_te", 64, "full", marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe_name, world_size, checkpointing",
+    [
+        ("ue5m3", 8, "full"),
+        ("bf16", 64, "none"),
+        pytest.param("ue5m3", 64, "full", marks=pytest.mark.slow),
+        pytest.param("ue5m3", 8, "none", marks=pytest.mark.slow),
+        pytest.param("ue5m3", 64, "none", marks=pytest.mark.slow),
+        pytest.param("nvfp4", 8, "full", marks=pytest.mark.slow),
+        pytest.param("nvfp4", 64, "full", marks=pytest.mark.slow),
+        pytest.param("nvfp4", 8, "none", marks=pytest.mark.slow),
+        pytest.param("nvfp4", 64, "none", marks=pytest.mark.slow),
+        pytest.param("bf16", 8, "full", marks=pytest.mark.slow),
+        pytest.param("bf16", 64, "full", marks=pytest.mark.slow),
+        pytest.param("bf16", 8, "none", marks=pytest.mark.slow),
+        pytest.param("nvfp4_te", 8, "none", marks=pytest.mark.slow),  # TE's linears by their stand-ins
+        pytest.param("nvfp4_te", 64, "full", marks=pytest.mark.slow),
+    ],
+)
 def test_the_plan_matches_the_simulation_item_by_item(recipe_name, world_size, checkpointing):
     sim, _ = _compare(recipe_name, world_size, checkpointing)
     assert sim.micro_batches == 3 and not dist.is_initialized()  # the fake process group is gone
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dist_kwargs", [dict(replicate_degree=8), dict(gradient_sync="per_micro_batch"),
-                                         dict(reshard_after_forward=False)],
-                         ids=["hsdp", "per-micro-batch", "no-reshard-after-forward"])  # fmt: skip
+@pytest.mark.parametrize(
+    "dist_kwargs",
+    [dict(replicate_degree=8), dict(gradient_sync="per_micro_batch"), dict(reshard_after_forward=False)],
+    ids=["hsdp", "per-micro-batch", "no-reshard-after-forward"],
+)
 def test_the_plan_matches_the_simulation_for_hsdp_per_micro_batch_reduction_and_no_resharding(dist_kwargs):
     _compare("ue5m3", 64, "mlp", **dist_kwargs)
 
@@ -81,7 +94,9 @@ def test_simulate_refuses_a_backend_it_cannot_measure_before_planning():
     from nemofp4.cli.train import compose_job_config
 
     job = compose_job_config(["model=tiny", "distributed.backend=deepspeed_zero2"])
-    with pytest.raises(ValueError, match=r"simulate=true with distributed.backend='deepspeed_zero2': .*use distributed=fsdp"):
+    with pytest.raises(
+        ValueError, match=r"simulate=true with distributed.backend='deepspeed_zero2': .*use distributed=fsdp"
+    ):
         plan_report(job, world_size=2, simulate=True)
     with pytest.raises(ValueError, match="the simulation measures FSDP2 runs"):
         simulate_memory(REDUCED, get_recipe("bf16"), DistributedConfig(), world_size=1, **STEP)

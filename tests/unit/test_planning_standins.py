@@ -34,9 +34,15 @@ def test_the_scan_stand_in_returns_what_the_torch_scan_returns_and_saves_what_th
             (y, state), saved = _saved(mixer_module.ssd_scan, x, dt, A, B, C, chunk)
         assert (y.shape, y.dtype, state.shape) == (y_ref.shape, y_ref.dtype, state_ref.shape)
         # MambaChunkScanCombinedFn.forward: save_for_backward(out, x, dt, dA_cumsum, A, B, C, ...)
-        assert saved == [((b, length, h, p), torch.bfloat16), ((b, length, h, p), torch.bfloat16), ((b, length, h), torch.float32),
-                         ((b, h, length // chunk, chunk), torch.float32), ((h,), torch.float32),
-                         ((b, length, g, n), torch.bfloat16), ((b, length, g, n), torch.bfloat16)]  # fmt: skip
+        assert saved == [
+            ((b, length, h, p), torch.bfloat16),
+            ((b, length, h, p), torch.bfloat16),
+            ((b, length, h), torch.float32),
+            ((b, h, length // chunk, chunk), torch.float32),
+            ((h,), torch.float32),
+            ((b, length, g, n), torch.bfloat16),
+            ((b, length, g, n), torch.bfloat16),
+        ]
         y.float().sum().backward()
         assert x.grad.shape == x.shape and dt.grad.shape == dt.shape and B.grad.dtype == B.dtype
     assert mixer_module.ssd_scan.__name__ == "ssd_scan"  # restored
@@ -56,8 +62,12 @@ def test_the_conv_stand_in_saves_the_input_view_and_weights():
 
 def test_the_plan_counts_the_scan_the_run_uses():
     model = get_model_config("nemotron_h_8b_paper", hybrid_layer_pattern="M")
-    saves = {scan: measure_blocks(model, get_recipe("bf16"), seq_len=2048, micro_batch=1, dtype=torch.bfloat16,
-                                  mamba_ssm=scan == "mamba_ssm")[0].saved_bytes for scan in ("torch", "mamba_ssm")}  # fmt: skip
+    saves = {
+        scan: measure_blocks(
+            model, get_recipe("bf16"), seq_len=2048, micro_batch=1, dtype=torch.bfloat16, mamba_ssm=scan == "mamba_ssm"
+        )[0].saved_bytes
+        for scan in ("torch", "mamba_ssm")
+    }
     assert saves["mamba_ssm"] < 0.6 * saves["torch"]  # the torch scan saves every chunk's decay matrix
     from nemofp4.models.nemotron_h.ssd import mamba_ssm_available
 

@@ -130,14 +130,19 @@ def test_te_fp8_is_measured_without_transformer_engine(name):
     emulated 1-D FP8 weight is not either: its parameter)."""
     model, tokens = get_model_config("tiny"), 128
     te_recipe, emulated_recipe = get_recipe(name), get_recipe(TE_FP8[name])
-    te, emulated = (measure_blocks(model, r, seq_len=tokens, micro_batch=1, dtype=torch.bfloat16)
-                    for r in (te_recipe, emulated_recipe))  # fmt: skip
+    te, emulated = (
+        measure_blocks(model, r, seq_len=tokens, micro_batch=1, dtype=torch.bfloat16)
+        for r in (te_recipe, emulated_recipe)
+    )
     part, emulated_xt = te_recipe.parts["fp8"], emulated_recipe.parts["fp8"].x_wgrad
     specs = linear_specs(model, te_recipe)
     assert te and all(block.quantized_linears for block in te)
     for te_block, emu_block in zip(te, emulated, strict=True):
-        assert (te_block.kind, te_block.layers, te_block.quantized_linears) == (emu_block.kind, emu_block.layers,
-                                                                                emu_block.quantized_linears)  # fmt: skip
+        assert (te_block.kind, te_block.layers, te_block.quantized_linears) == (
+            emu_block.kind,
+            emu_block.layers,
+            emu_block.quantized_linears,
+        )
         difference = 0
         for s in (s for s in specs if s.layer == te_block.layers[0]):
             k, n = s.in_features, s.out_features
@@ -165,7 +170,8 @@ def test_the_cost_says_where_a_device_does_not_run_the_recipe():
     step = dict(world_size=2, seq_len=128, micro_batch=1, grad_accum=2)
     mx, fp8 = (step_cost(model, get_recipe(r), dist_cfg, **step) for r in ("mxfp8_te", "fp8_te"))
     assert "H100 SXM5 80GB does not run Transformer Engine's MXFP8BlockScaling, which needs MXFP8 tensor cores" in (
-        cost_table(mx, get_device("h100")))  # fmt: skip
+        cost_table(mx, get_device("h100"))
+    )
     assert "does not run" not in cost_table(mx, get_device("b200")) + cost_table(fp8, get_device("h100"))
 
 
@@ -201,8 +207,10 @@ def test_the_transposes_are_costed_where_fp8_gemms_are_tn_only():
     assert all(p.seconds(h100) > 0 and p.seconds(b200) == 0 for p in transposes)
     assert not h100.fp8_gemm_any_layout and b200.fp8_gemm_any_layout
     written = sum(p.count * p.nbytes for p in transposes) / 1e9
-    traffic = {d.name: float(cost_table(cost, d).split(" GB of HBM traffic")[0].rsplit("| ", 1)[1].replace(",", ""))
-               for d in (h100, b200)}  # fmt: skip
+    traffic = {
+        d.name: float(cost_table(cost, d).split(" GB of HBM traffic")[0].rsplit("| ", 1)[1].replace(",", ""))
+        for d in (h100, b200)
+    }
     assert traffic[h100.name] - traffic[b200.name] == pytest.approx(written, abs=0.1)
     assert {p.role for p in cost.quant_passes} == {"x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad"}
 
@@ -215,8 +223,10 @@ def test_emulated_fp8_plans_count_one_byte_an_element(recipe):
     quantizer's traffic counts it."""
     model, tokens = get_model_config("tiny"), 64
     r = get_recipe(recipe)
-    triton, eager = (measure_blocks(model, r, seq_len=tokens, micro_batch=1, dtype=torch.bfloat16, quantizer=q)
-                     for q in ("triton", "eager"))  # fmt: skip
+    triton, eager = (
+        measure_blocks(model, r, seq_len=tokens, micro_batch=1, dtype=torch.bfloat16, quantizer=q)
+        for q in ("triton", "eager")
+    )
     assert [b.saved_bytes for b in triton] == [b.saved_bytes for b in eager]
     op = r.parts["fp8"].w
     for s in linear_specs(model, r):
@@ -224,6 +234,13 @@ def test_emulated_fp8_plans_count_one_byte_an_element(recipe):
             n, k = s.out_features, s.in_features
             scales = 0 if op.format.per_tensor else n * math.ceil(k / op.block_size)
             assert cached_weight_bytes(s)[0] == n * _round_up(k, op.block_size) + scales + 8
-    cost = step_cost(model, r, DistributedConfig(activation_checkpointing="none"), world_size=1, seq_len=tokens,
-                     micro_batch=1, grad_accum=1)  # fmt: skip
+    cost = step_cost(
+        model,
+        r,
+        DistributedConfig(activation_checkpointing="none"),
+        world_size=1,
+        seq_len=tokens,
+        micro_batch=1,
+        grad_accum=1,
+    )
     assert all(p.nbytes == p.elements * 13.0 for p in cost.quant_passes)  # 12.5 for an FP4 operand

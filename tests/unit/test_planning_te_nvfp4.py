@@ -58,7 +58,11 @@ def test_te_operands_are_the_emulated_nvfp4_operands(disable_rht):
         tiles = 16 if q.two_d else 1  # a 16x16 tile's scale stands for 16 of TE's per-row block scales
         assert q.scale_codes.numel() * tiles == op.blocks and q.block_size == 16 and q.scale_format == "e4m3", op
         emulated_op = config.operand(op.role)
-        assert (emulated_op.hadamard, emulated_op.rounding != "rne", q.two_d) == (op.hadamard, op.stochastic, op.two_d), op
+        assert (emulated_op.hadamard, emulated_op.rounding != "rne", q.two_d) == (
+            op.hadamard,
+            op.stochastic,
+            op.two_d,
+        ), op
     # TE keeps X^T for wgrad; under FSDP2 it re-quantizes W in backward rather than keep it
     assert [op.role for op in te if op.saved] == ["x_wgrad"]
 
@@ -73,15 +77,23 @@ def test_nvfp4_te_is_measured_without_transformer_engine():
     if transformer_engine_status()[0]:
         pytest.skip("Transformer Engine is usable here")
     model, tokens = get_model_config("tiny"), 128
-    te_recipe, emulated_recipe = get_recipe("nvfp4_te", num_bf16_last_layers=0), get_recipe("nvfp4", num_bf16_last_layers=0)
-    te, emulated = (measure_blocks(model, r, seq_len=tokens, micro_batch=1, dtype=torch.bfloat16)
-                    for r in (te_recipe, emulated_recipe))  # fmt: skip
+    te_recipe, emulated_recipe = (
+        get_recipe("nvfp4_te", num_bf16_last_layers=0),
+        get_recipe("nvfp4", num_bf16_last_layers=0),
+    )
+    te, emulated = (
+        measure_blocks(model, r, seq_len=tokens, micro_batch=1, dtype=torch.bfloat16)
+        for r in (te_recipe, emulated_recipe)
+    )
     part = te_recipe.parts["fp4"]
     specs = linear_specs(model, te_recipe)
     assert te and all(block.quantized_linears for block in te)
     for te_block, emu_block in zip(te, emulated, strict=True):
-        assert (te_block.kind, te_block.layers, te_block.quantized_linears) == (emu_block.kind, emu_block.layers,
-                                                                          emu_block.quantized_linears)  # fmt: skip
+        assert (te_block.kind, te_block.layers, te_block.quantized_linears) == (
+            emu_block.kind,
+            emu_block.layers,
+            emu_block.quantized_linears,
+        )
         # the emulation keeps X^T (codes, a scale per block, tensor scale and amax) and W's 16x16 tiles
         # (zero-padded to whole tiles); TE keeps X^T (codes, padded scales, amax) alone
         difference = 0
@@ -92,13 +104,21 @@ def test_nvfp4_te_is_measured_without_transformer_engine():
             emulated_w = tiles * 16 * 16 // 2 + tiles + 8
             difference += emulated_xt + emulated_w - te_linear_operands(tokens, k, n, part)[-1].nbytes
         # to a few bytes per linear: what the emulated linear's own state creates in forward (its amaxes)
-        assert 0 <= emu_block.saved_bytes - te_block.saved_bytes - difference <= 8 * te_block.quantized_linears, te_block.kind
+        assert 0 <= emu_block.saved_bytes - te_block.saved_bytes - difference <= 8 * te_block.quantized_linears, (
+            te_block.kind
+        )
 
 
 def test_te_quantizer_passes_and_the_hadamard_transform_per_role():
     part = get_recipe("nvfp4_te").parts["fp4"]
     x, w_fwd, w_bwd, dy = te_quantizations(TOKENS, K, N, part)
-    assert (x.source, x.phase, w_fwd.phase, w_bwd.phase, dy.phase) == ("x", "forward", "forward", "backward", "backward")
+    assert (x.source, x.phase, w_fwd.phase, w_bwd.phase, dy.phase) == (
+        "x",
+        "forward",
+        "forward",
+        "backward",
+        "backward",
+    )
     passes = x.passes()
     # fused: an amax pass (the transformed copy's amax in the same read) and one cast pass; the transform
     # is computed in both, charged to X^T
@@ -117,20 +137,31 @@ def test_te_quantizer_passes_and_the_hadamard_transform_per_role():
 def test_native_fp4_is_costed_per_device_and_the_ablation_splits_the_difference():
     assert get_device("gb200").fp32_tflops == 90 and get_device("b200").fp32_tflops == 80
     assert {d: (get_device(d).fp4_tflops, get_device(d).fp8_tflops) for d in ("h100", "h200", "b200", "gb200")} == {
-        "h100": (0, 1979), "h200": (0, 1979), "b200": (9000, 4500), "gb200": (10000, 5000)}  # fmt: skip
+        "h100": (0, 1979),
+        "h200": (0, 1979),
+        "b200": (9000, 4500),
+        "gb200": (10000, 5000),
+    }
     model = get_model_config("nemotron_h_8b_paper")
     step = dict(world_size=64, seq_len=8192, micro_batch=1, grad_accum=2, head_chunk_tokens=1024)
     dist_cfg = DistributedConfig(backend="fsdp", activation_checkpointing="none")
     te = step_cost(model, get_recipe("nvfp4_te"), dist_cfg, **step)
     gb200, h200 = te.project(get_device("gb200"), "FSDP"), te.project(get_device("h200"), "FSDP")
-    assert gb200.compute_s["linear GEMMs"] < get_device("h200").bf16_tflops / get_device("gb200").fp4_tflops * h200.compute_s["linear GEMMs"] * 1.5
+    assert (
+        gb200.compute_s["linear GEMMs"]
+        < get_device("h200").bf16_tflops / get_device("gb200").fp4_tflops * h200.compute_s["linear GEMMs"] * 1.5
+    )
     assert te.quantized_elements == 0 and all(not p.emulated for p in te.quant_passes)
     assert {p.role for p in te.quant_passes} == {"x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad"}
     # the body excludes the head and loss
-    assert gb200.body_s == pytest.approx(gb200.quant_s + sum(v for k, v in gb200.compute_s.items() if k != "head and loss"))
+    assert gb200.body_s == pytest.approx(
+        gb200.quant_s + sum(v for k, v in gb200.compute_s.items() if k != "head and loss")
+    )
     # emulated: the RHT is a separate X^T quantization and the transformed copies' amax passes
     emulated = step_cost(model, get_recipe("nvfp4"), dist_cfg, **step).project(get_device("h200"), "FSDP")
-    plain = step_cost(model, get_recipe("nvfp4", disable_rht=True), dist_cfg, **step).project(get_device("h200"), "FSDP")
+    plain = step_cost(model, get_recipe("nvfp4", disable_rht=True), dist_cfg, **step).project(
+        get_device("h200"), "FSDP"
+    )
     assert emulated.quant_s - plain.quant_s == pytest.approx(emulated.hadamard_s) and plain.hadamard_s == 0
 
 
@@ -158,4 +189,5 @@ def test_the_recommendation_names_every_kth_block_in_english():
     from nemofp4.planning.job import _policy_words
 
     assert [_policy_words(f"every_{k}") for k in (2, 3, 4, 11, 21)] == [
-        f"with checkpointing on every {k} block" for k in ("2nd", "3rd", "4th", "11th", "21st")]  # fmt: skip
+        f"with checkpointing on every {k} block" for k in ("2nd", "3rd", "4th", "11th", "21st")
+    ]

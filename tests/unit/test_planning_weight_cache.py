@@ -24,8 +24,11 @@ def test_the_planned_cache_bytes_are_what_a_step_caches(recipe):
     ids = torch.randint(0, model_cfg.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
     with cached_weights(model):
         lm_loss(model, ids[:, :-1], ids[:, 1:]).backward()
-        cached = {name: {key: sum(t.nbytes for t in q.tensors()) for key, q in m.quant_state.weight_cache.items()}
-                  for name, m in model.named_modules() if isinstance(m, QuantLinear)}  # fmt: skip
+        cached = {
+            name: {key: sum(t.nbytes for t in q.tensors()) for key, q in m.quant_state.weight_cache.items()}
+            for name, m in model.named_modules()
+            if isinstance(m, QuantLinear)
+        }
     planned = {s.fqn: cached_weight_bytes(s) for s in linear_specs(model_cfg, get_recipe(recipe)) if s.kind == "fp4"}
     assert planned.keys() == cached.keys()
     for fqn, (fprop, dgrad) in planned.items():
@@ -40,11 +43,16 @@ def test_the_cost_model_counts_each_weight_once_per_step(policy):
     kwargs = dict(world_size=1, seq_len=64, micro_batch=2, grad_accum=4)
     per_micro_batch = step_cost(model_cfg, recipe, dist_cfg, weight_cache=False, **kwargs).quantized_elements
     once = step_cost(model_cfg, recipe, dist_cfg, weight_cache=True, **kwargs).quantized_elements
-    weight_elements = sum(s.in_features * s.out_features for s in linear_specs(model_cfg, recipe)
-                          if s.kind == "fp4" and s.layer is not None)  # fmt: skip
+    weight_elements = sum(
+        s.in_features * s.out_features
+        for s in linear_specs(model_cfg, recipe)
+        if s.kind == "fp4" and s.layer is not None
+    )
     passes = 3 if policy == "full" else 2  # per micro-batch: W (and its recompute), W^T; once per step: W, W^T
     assert per_micro_batch - once == weight_elements * (4 * passes - 2)
     # one micro-batch per step: nothing to reuse
     single = dict(kwargs, grad_accum=1)
-    assert (step_cost(model_cfg, recipe, dist_cfg, weight_cache=True, **single).quantized_elements
-            == step_cost(model_cfg, recipe, dist_cfg, weight_cache=False, **single).quantized_elements)
+    assert (
+        step_cost(model_cfg, recipe, dist_cfg, weight_cache=True, **single).quantized_elements
+        == step_cost(model_cfg, recipe, dist_cfg, weight_cache=False, **single).quantized_elements
+    )

@@ -108,8 +108,9 @@ def test_under_the_batch_script_the_requeue_is_a_request_file_not_scontrol(tmp_p
     assert request.read_text() == "job 4242; it resumes from /ckpt/step-7\n"
     assert not (tmp_path / "calls.log").exists()
     assert "asked the batch script to requeue SLURM job 4242" in caplog.text
-    unwritable = PreemptionHandler(install=False, scontrol=scontrol,
-                                   environ={**environ, "NEMOFP4_REQUEUE_REQUEST": str(tmp_path / "no" / "dir")})
+    unwritable = PreemptionHandler(
+        install=False, scontrol=scontrol, environ={**environ, "NEMOFP4_REQUEUE_REQUEST": str(tmp_path / "no" / "dir")}
+    )
     assert unwritable.requeue_and_exit_code() == NOT_REQUEUED_EXIT_CODE  # the request could not be left
 
 
@@ -208,8 +209,13 @@ sys.exit(code)
 
 def test_signals_after_the_requeue_do_not_change_the_exit_status(tmp_path):
     scontrol = _fake_scontrol(tmp_path)
-    result = subprocess.run([sys.executable, "-c", AFTER_REQUEUE, scontrol], capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", AFTER_REQUEUE, scontrol],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "still here 0\n" and "Traceback" not in result.stderr
     assert (tmp_path / "calls.log").read_text() == "requeue 77\n"
@@ -234,13 +240,25 @@ with PreemptionHandler(environ={}, exit_grace_s=float(sys.argv[1])):
 
 def test_a_rank_stuck_in_a_collective_exits_soon_after_sigterm(tmp_path):
     port = _free_port()
-    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
+    environ = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "LOCAL_WORLD_SIZE": "2",
+    }
     procs = []
     for rank in range(2):
         log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen([sys.executable, "-c", STUCK_RANK, "2"], stdout=log, stderr=subprocess.STDOUT,
-                                      env={**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)}))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", STUCK_RANK, "2"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            )
+        )
     try:
         deadline = time.monotonic() + 120
         while "entering the collective" not in (tmp_path / "rank0.log").read_text():

@@ -10,8 +10,14 @@ from tests.conftest import TOKENIZER, read_all, shipped_chapters
 
 
 def _run(tmp_path, input_path, name="out"):
-    cfg = PreprocessConfig(input=str(input_path), tokenizer=TOKENIZER, output_prefix=str(tmp_path / name / "tokens"),
-                           workers=1, progress=False, single_file=True)
+    cfg = PreprocessConfig(
+        input=str(input_path),
+        tokenizer=TOKENIZER,
+        output_prefix=str(tmp_path / name / "tokens"),
+        workers=1,
+        progress=False,
+        single_file=True,
+    )
     preprocess(cfg)
     return read_all(tmp_path / name / "tokens")
 

@@ -13,8 +13,6 @@ from tests.conftest import quant_inputs as _inputs
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
-
 @pytest.mark.parametrize("fmt,block,two_d,rounding,target", CASES)
 def test_fast_quantizer_is_bitwise_the_reference(fmt, block, two_d, rounding, target):
     for label, x in _inputs():

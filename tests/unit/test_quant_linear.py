@@ -48,9 +48,15 @@ def _reference_operands(config, x_TK, w_NK, dy_TN, gen_seed):
 
     def q(t, op, generator=None, two_d=None):
         return quantize_blocks(
-            t, op.scale_format, op.block_size, op.two_d if two_d is None else two_d, op.scale_target, None,
-            op.rounding, generator,
-        )  # fmt: skip
+            t,
+            op.scale_format,
+            op.block_size,
+            op.two_d if two_d is None else two_d,
+            op.scale_target,
+            None,
+            op.rounding,
+            generator,
+        )
 
     gen = torch.Generator().manual_seed(gen_seed)
     xt, dyt = _pad_tokens_t(x_TK), _pad_tokens_t(dy_TN)
@@ -78,7 +84,9 @@ def test_each_gemm_equals_float64_reference_of_its_quantized_operands(recipe):
     captured = {name: (qa, qb, b_t, out) for name, qa, qb, b_t, out in layer._capture}
     assert set(captured) == {"fprop", "dgrad", "wgrad"}
 
-    expected = _reference_operands(config, x.reshape(-1, 96), layer.weight.detach(), dy.reshape(-1, 80), _mix_seed(7, 0, 1, 3))
+    expected = _reference_operands(
+        config, x.reshape(-1, 96), layer.weight.detach(), dy.reshape(-1, 80), _mix_seed(7, 0, 1, 3)
+    )
     for gemm_name, (qa, qb, b_transposed, out) in captured.items():
         ref_a, ref_b = expected[gemm_name]
         # Operands: bitwise the independent quantization (layout, blocks, reference, SR bits).
@@ -191,8 +199,16 @@ def test_plain_eager_runs_the_ops_programs_without_the_ops_to_the_bit(recipe, gr
         for step in (1, 2):
             layer.set_step(step, seed=7, rank=0)
             x = torch.randn(3, 40, 96, generator=gen).requires_grad_(grads != "input without grad")
-            args = (x, layer.weight, layer.bias, layer.quant_state, True, torch.float32, x.requires_grad,
-                    layer.weight.requires_grad)  # fmt: skip
+            args = (
+                x,
+                layer.weight,
+                layer.bias,
+                layer.quant_state,
+                True,
+                torch.float32,
+                x.requires_grad,
+                layer.weight.requires_grad,
+            )
             y = ops.forward(*args)[0] if through_ops else layer(x)
             assert (y.grad_fn.name() == "_EagerFP4LinearBackward") is not through_ops
             y.backward(torch.randn(3, 40, 80, generator=gen))

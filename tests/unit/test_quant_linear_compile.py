@@ -40,7 +40,9 @@ def _step(module, x, dy, step):
 
 def _assert_bitwise(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b.view(torch.int32) if b.dtype == torch.float32 else b)
+    assert torch.equal(
+        a.view(torch.int32) if a.dtype == torch.float32 else a, b.view(torch.int32) if b.dtype == torch.float32 else b
+    )
 
 
 @pytest.mark.parametrize("recipe", ["ue5m3", "nvfp4", "fp8", "mxfp8"])

@@ -83,7 +83,10 @@ def test_held_references_are_module_state_under_the_same_keys_with_any_wrappers(
 def test_an_older_checkpoint_with_wrapper_names_restores_by_canonical_name():
     model, optimizer = _fresh()
     _train(model, optimizer, range(1, 2))
-    legacy = {k.replace("layers.0.", "layers.0._checkpoint_wrapped_module."): v for k, v in reference_state_dict(model).items()}
+    legacy = {
+        k.replace("layers.0.", "layers.0._checkpoint_wrapped_module."): v
+        for k, v in reference_state_dict(model).items()
+    }
     assert legacy.keys() != reference_state_dict(model).keys()
     fresh, _ = _fresh()
     load_reference_state_dict(fresh, legacy)
@@ -150,8 +153,10 @@ def _write_old_layout(model, folder: str, layout: str) -> dict:
     if layout == "dcp":
         state["quant"] = saved
     else:
-        rank_state["references"] = {k.replace(".mixer.", "._checkpoint_wrapped_module.mixer."): v
-                                    for k, v in reference_state_dict(model).items()}  # fmt: skip
+        rank_state["references"] = {
+            k.replace(".mixer.", "._checkpoint_wrapped_module.mixer."): v
+            for k, v in reference_state_dict(model).items()
+        }
     with pytest.warns(UserWarning, match="single process"):
         dcp.save(state, checkpoint_id=folder, no_dist=True)
     return {"quant_state": layout} if layout else {}, rank_state
@@ -192,8 +197,9 @@ def test_the_current_layout_resumes_the_module_state_and_each_ranks_own_referenc
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_path), no_dist=True)
     trainer_state = quant.trainer_entries()
-    assert_equal(reference_state_dict(_resume(str(tmp_path), trainer_state, quant.rank_entries())),
-                 reference_state_dict(model))  # fmt: skip
+    assert_equal(
+        reference_state_dict(_resume(str(tmp_path), trainer_state, quant.rank_entries())), reference_state_dict(model)
+    )
     assert reference_state_dict(_resume(str(tmp_path), trainer_state, {}, restore=False)) == {}
     # ranks that hold their own references (distributed.reduce_references=false) keep them in their files
     own = {k: v * 2 if k.endswith("amax") else v for k, v in reference_state_dict(model).items()}

@@ -56,8 +56,9 @@ def _train(recipe: str, *, cache: bool, checkpointing: bool = False):
                 loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
                 (loss / ACCUM).backward()
                 losses.append(loss.detach())
-        generators = [m.quant_state.generator.get_state() if m.quant_state.generator is not None else None
-                      for m in linears]  # fmt: skip
+        generators = [
+            m.quant_state.generator.get_state() if m.quant_state.generator is not None else None for m in linears
+        ]
         record.append((losses, [p.grad.clone() for p in model.parameters()], generators, reference_state_dict(model)))
         assert all(m.quant_state.weight_cache is None for m in linears)  # freed before the optimizer step
         optimizer.step()
@@ -69,25 +70,32 @@ def _assert_identical(a, b) -> None:
         for what, xa, xb in zip(("losses", "gradients"), ra[:2], rb[:2], strict=True):
             assert all(torch.equal(x, y) for x, y in zip(xa, xb, strict=True)), f"step {step}: {what} differ"
         assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(ra[2], rb[2], strict=True)), (
-            f"step {step}: a generator drew other bits")
+            f"step {step}: a generator drew other bits"
+        )
         assert ra[3].keys() == rb[3].keys() and all(torch.equal(ra[3][k], rb[3][k]) for k in ra[3]), (
-            f"step {step}: held references differ")
+            f"step {step}: held references differ"
+        )
 
 
-@pytest.mark.parametrize("recipe", [r if r in DEFAULT_SET else pytest.param(r, marks=pytest.mark.slow) for r in FP4_RECIPES])
+@pytest.mark.parametrize(
+    "recipe", [r if r in DEFAULT_SET else pytest.param(r, marks=pytest.mark.slow) for r in FP4_RECIPES]
+)
 def test_quantizing_each_weight_once_per_step_trains_bit_for_bit_the_same(recipe, monkeypatch):
     calls = []
     quantize = _Quantizer.__call__
-    monkeypatch.setattr(_Quantizer, "__call__",
-                        lambda self, role, *a, **k: calls.append(role) or quantize(self, role, *a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        _Quantizer, "__call__", lambda self, role, *a, **k: calls.append(role) or quantize(self, role, *a, **k)
+    )
     per_micro_batch = _train(recipe, cache=False)
     w_per_micro_batch, calls[:] = calls.count(Role.W), []
     once = _train(recipe, cache=True)
     _assert_identical(per_micro_batch, once)
     assert calls.count(Role.W) * ACCUM == w_per_micro_batch  # the cache is used: one in ACCUM quantizations
     # the held references refreshed at step 3 (INTERVAL 2), as they would without the cache
-    held = any(p.kind == "fp4" and p.reference_roles() and any(p.reference_interval(r) for r in p.reference_roles())
-               for p in get_recipe(recipe).parts.values())  # fmt: skip
+    held = any(
+        p.kind == "fp4" and p.reference_roles() and any(p.reference_interval(r) for r in p.reference_roles())
+        for p in get_recipe(recipe).parts.values()
+    )
     refreshed = {int(v) for k, v in once[-1][3].items() if k.endswith(".refresh_step")}
     assert refreshed == ({3} if held else set())
 

@@ -148,4 +148,3 @@ def test_current_scaling_nvfp4_never_saturates_on_the_same_tensor():
     _, x2, qx = _fprop_x("nvfp4")
     assert float(qx.tensor_amax) == float(x2.abs().max())
     assert int(qx.counts["saturated_blocks"]) == 0
-

@@ -34,8 +34,20 @@ from tests.conftest import StandInModel
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "precision"
-ALL = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed", "fp8",
-       "mxfp8", "fp8_te", "mxfp8_te"]
+ALL = [
+    "bf16",
+    "nvfp4",
+    "nvfp4_te",
+    "ue5m3",
+    "ue5m3_te_settings",
+    "nvfp4_all_fp4_no_rht",
+    "mxfp4",
+    "nvfp4_delayed",
+    "fp8",
+    "mxfp8",
+    "fp8_te",
+    "mxfp8_te",
+]
 EMULATED = [name for name in ALL if not name.endswith("_te")]
 
 
@@ -56,11 +68,20 @@ def test_registry_lists_every_recipe_and_each_instantiates_with_its_own_descript
         assert recipe.name == name
         assert len(recipe.description) > 20
         # a copy-pasted docstring (Bridge's "MXFP8" on an NVFP4 recipe) would fail this
-        key = {"bf16": "BF16", "nvfp4": "NVFP4", "nvfp4_te": "Transformer Engine", "ue5m3": "UE5M3",
-               "ue5m3_te_settings": "UE5M3", "nvfp4_all_fp4_no_rht": "NVFP4", "mxfp4": "MXFP4",
-               "nvfp4_delayed": "sample-and-hold", "fp8": "Float8CurrentScaling",
-               "mxfp8": "MXFP8BlockScaling", "fp8_te": "Float8CurrentScaling",
-               "mxfp8_te": "MXFP8BlockScaling"}[name]  # fmt: skip
+        key = {
+            "bf16": "BF16",
+            "nvfp4": "NVFP4",
+            "nvfp4_te": "Transformer Engine",
+            "ue5m3": "UE5M3",
+            "ue5m3_te_settings": "UE5M3",
+            "nvfp4_all_fp4_no_rht": "NVFP4",
+            "mxfp4": "MXFP4",
+            "nvfp4_delayed": "sample-and-hold",
+            "fp8": "Float8CurrentScaling",
+            "mxfp8": "MXFP8BlockScaling",
+            "fp8_te": "Float8CurrentScaling",
+            "mxfp8_te": "MXFP8BlockScaling",
+        }[name]
         assert key in recipe.description, (name, recipe.description)
 
 
@@ -113,15 +134,20 @@ def test_recipe_settings_match_the_fact_sheet():
     assert {ue5m3.operand(r).scale_format for r in ("x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad")} == {"ue5m3"}
     assert ue5m3.w.two_d and ue5m3.x.reference_interval == 50
     assert (ue5m3.dy_dgrad.rounding, ue5m3.dy_wgrad.rounding, ue5m3.x.rounding, ue5m3.w.rounding) == (
-        "sr8", "sr8", "rne", "rne",
-    )  # fmt: skip
+        "sr8",
+        "sr8",
+        "rne",
+        "rne",
+    )
     assert not ue5m3.x_wgrad.hadamard and not ue5m3.dy_wgrad.hadamard
     nvfp4 = get_recipe("nvfp4").parts["fp4"]
     assert nvfp4.x.scale_format == "e4m3" and nvfp4.x.reference_interval == 0 and nvfp4.w.two_d
     assert nvfp4.x_wgrad.hadamard and nvfp4.dy_wgrad.hadamard and not nvfp4.x.hadamard
     assert nvfp4.dy_dgrad.rounding == "sr" and nvfp4.x_wgrad.rounding == "rne"
     te_settings = get_recipe("ue5m3_te_settings").parts["fp4"]
-    assert te_settings.x.scale_format == "ue5m3" and te_settings.x.reference_interval == 1 and te_settings.x_wgrad.hadamard
+    assert (
+        te_settings.x.scale_format == "ue5m3" and te_settings.x.reference_interval == 1 and te_settings.x_wgrad.hadamard
+    )
     ablation = get_recipe("nvfp4_all_fp4_no_rht").parts["fp4"]
     assert ablation.x.scale_format == "e4m3" and not ablation.x_wgrad.hadamard
     mx = get_recipe("mxfp4").parts["fp4"]
@@ -237,7 +263,9 @@ def test_every_recipe_has_a_precision_yaml_that_builds_it():
 def test_a_knob_the_recipe_does_not_have_is_an_error_naming_it_the_recipe_and_its_knobs():
     recipe = recipe_from_config(precision_config("ue5m3", reference_interval=1, gemm="decoded"))
     assert recipe.parts["fp4"].x.reference_interval == 1 and recipe.parts["fp4"].gemm == "decoded"
-    with pytest.raises(ValueError, match=r"precision.scale_target=2048.0: recipe 'bf16' has no such knob; its knobs are none"):
+    with pytest.raises(
+        ValueError, match=r"precision.scale_target=2048.0: recipe 'bf16' has no such knob; its knobs are none"
+    ):
         recipe_from_config({"name": "bf16", "scale_target": 2048.0})
     with pytest.raises(ValueError, match=r"num_bf16_last_layers=1: recipe 'ue5m3'.*'block_size', 'gemm'"):
         get_recipe("ue5m3", num_bf16_last_layers=1)
@@ -279,8 +307,11 @@ def test_compare_recipes_passes_a_precision_knob_only_to_recipes_that_have_it():
     from tests.conftest import load_script
 
     script = load_script("scripts/study/compare_recipes.py")
-    args = SimpleNamespace(preset="tiny", steps=3, train_override=[
-        "precision.num_bf16_last_layers=1", "precision.restore_references=false", "optim.lr=1e-3"])  # fmt: skip
+    args = SimpleNamespace(
+        preset="tiny",
+        steps=3,
+        train_override=["precision.num_bf16_last_layers=1", "precision.restore_references=false", "optim.lr=1e-3"],
+    )
     for recipe, kept in (("nvfp4", True), ("ue5m3", False), ("bf16", False)):
         overrides = script.train_overrides(args, recipe, seed=1)
         assert ("precision.num_bf16_last_layers=1" in overrides) is kept, recipe

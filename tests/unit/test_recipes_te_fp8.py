@@ -87,7 +87,8 @@ def test_layer_tables_every_linear_but_the_head_in_te_fp8_and_the_bf16_tail(name
     # the same rows as the emulated recipe's table, kind aside
     emulated_table, _ = _table("nemotron_h_8b_paper", emulated)
     assert [(r.fqn, r.part, r.kind.replace("fp4", "te_fp8")) for r in emulated_table.rows] == [
-        (r.fqn, r.part, r.kind) for r in table.rows]  # fmt: skip
+        (r.fqn, r.part, r.kind) for r in table.rows
+    ]
     tail, _ = _table("nemotron_h_8b_paper", name, num_bf16_last_layers=8)
     assert tail.counts() == {"te_fp8": 96, "bf16": 16, "fp32": 1}
     assert sorted({r.layer for r in tail.rows if r.kind == "bf16"}) == list(range(44, 52))
@@ -127,13 +128,21 @@ def test_which_gpus_run_which_te_recipe():
 
     # TE's rules (quantization.py): FP8 from SM 8.9; MXFP8 on 10.x and 11.x, not 12.x; NVFP4 on 10.x here
     assert runs((8, 6)) == {"NVFP4BlockScaling": False, "Float8CurrentScaling": False, "MXFP8BlockScaling": False}
-    assert runs((8, 9)) == runs((9, 0)) == {"NVFP4BlockScaling": False, "Float8CurrentScaling": True,
-                                             "MXFP8BlockScaling": False}  # fmt: skip
+    assert (
+        runs((8, 9))
+        == runs((9, 0))
+        == {"NVFP4BlockScaling": False, "Float8CurrentScaling": True, "MXFP8BlockScaling": False}
+    )
     assert runs((10, 0)) == dict.fromkeys(TE_RECIPES, True)
     assert runs((12, 0)) == {"NVFP4BlockScaling": False, "Float8CurrentScaling": True, "MXFP8BlockScaling": False}
     # per-tensor FP8 keeps a transpose where FP8 GEMMs are TN-only (nvte_is_non_tn_fp8_gemm_supported)
     assert [quant_te.fp8_gemm_any_layout(c) for c in ((9, 0), (10, 0), (11, 0), (12, 0), (13, 0))] == [
-        False, True, True, False, True]  # fmt: skip
+        False,
+        True,
+        True,
+        False,
+        True,
+    ]
 
 
 # ------------------------------------------------------------------------------------ TE's recipe objects
@@ -213,12 +222,17 @@ def test_availability_follows_te_and_the_gpu(monkeypatch):
     # a TE without its own checks: the capability rule
     assert transformer_engine_status(fp8) == (True, "")
     ok, reason = transformer_engine_status(mxfp8)
-    assert not ok and reason == ("the GPU (NVIDIA H100 80GB HBM3, SM 9.0) cannot run MXFP8BlockScaling, which needs "
-                                 "MXFP8 tensor cores (SM 10.x: Blackwell)")  # fmt: skip
+    assert not ok and reason == (
+        "the GPU (NVIDIA H100 80GB HBM3, SM 9.0) cannot run MXFP8BlockScaling, which needs "
+        "MXFP8 tensor cores (SM 10.x: Blackwell)"
+    )
     # TE's own check, where it has one, decides
     reason = "Device compute capability 10.0 or higher required for MXFP8 execution."
     _fake_transformer_engine(monkeypatch, checkers={"is_mxfp8_available": lambda return_reason=False: (False, reason)})
-    assert transformer_engine_status(mxfp8) == (False, f"Transformer Engine reports MXFP8BlockScaling unavailable ({reason})")
+    assert transformer_engine_status(mxfp8) == (
+        False,
+        f"Transformer Engine reports MXFP8BlockScaling unavailable ({reason})",
+    )
     # a knob the installed TE cannot honour is refused before any linear is swapped
     _fake_transformer_engine(monkeypatch, qparams=False)
     ok, reason = transformer_engine_status(get_recipe("fp8_te", power_of_two_scales=True).parts["fp8"])
@@ -248,13 +262,26 @@ def test_nemofp4_train_with_fp8_te_here_exits_with_that_one_line(tmp_path):
         pytest.skip("Transformer Engine runs Float8CurrentScaling here")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([sys.executable, "-m", "nemofp4.cli.train", "experiment=tiny_bf16", "precision=fp8_te",
-                           f"run_dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemofp4.cli.train",
+            "experiment=tiny_bf16",
+            "precision=fp8_te",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("nemofp4-train: error: recipe 'fp8_te' runs te.Linear under Transformer Engine's "
-                               "Float8CurrentScaling, but ")  # fmt: skip
+    assert lines[0].startswith(
+        "nemofp4-train: error: recipe 'fp8_te' runs te.Linear under Transformer Engine's Float8CurrentScaling, but "
+    )
     assert "Use precision=fp8 instead" in lines[0]
     assert not (tmp_path / "run" / "checkpoints").exists()

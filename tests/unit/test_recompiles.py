@@ -17,10 +17,19 @@ STEPS, STATS_INTERVAL = 120, 50
 
 def _small_ue5m3_model(**recipe_knobs):
     config = get_model_config(
-        "tiny", hybrid_layer_pattern="M*-", hidden_size=64, ffn_hidden_size=128, vocab_size=256,
-        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, num_attention_heads=2, num_key_value_heads=1,
-        attention_head_dim=32, chunk_size=16,
-    )  # fmt: skip
+        "tiny",
+        hybrid_layer_pattern="M*-",
+        hidden_size=64,
+        ffn_hidden_size=128,
+        vocab_size=256,
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        ssm_state_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_head_dim=32,
+        chunk_size=16,
+    )
     torch.manual_seed(0)
     model = build_model(config, device="cpu")
     model.init_weights()

@@ -18,16 +18,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEP = 2
 BAD = [
-    pytest.param("x.refresh_step", torch.tensor(10**9), r"x\.refresh_step=1000000000 \(valid: 0 \(empty\) or a step "
-                 r"from 1 to the checkpoint's step 2\)", id="refresh step beyond the checkpoint's step"),
+    pytest.param(
+        "x.refresh_step",
+        torch.tensor(10**9),
+        r"x\.refresh_step=1000000000 \(valid: 0 \(empty\) or a step "
+        r"from 1 to the checkpoint's step 2\)",
+        id="refresh step beyond the checkpoint's step",
+    ),
     pytest.param("x.refresh_step", torch.tensor(STEP + 1), r"x\.refresh_step=3 ", id="refresh step one past"),
     pytest.param("x.refresh_step", torch.tensor(-1), r"x\.refresh_step=-1 ", id="negative refresh step"),
     pytest.param("x.amax", torch.tensor(float("nan")), r"x\.amax=nan ", id="nan amax"),
     pytest.param("x.amax", torch.tensor(float("inf")), r"x\.amax=inf ", id="inf amax"),
     pytest.param("x.amax", torch.tensor(-1.0), r"x\.amax=-1\.0 \(valid: a finite amax >= 0", id="negative amax"),
-    pytest.param("x.amax", torch.tensor(0.0), r"x\.amax=0 with x\.refresh_step=1 \(valid: a held amax > 0",
-                 id="zero amax held"),
-]  # fmt: skip
+    pytest.param(
+        "x.amax", torch.tensor(0.0), r"x\.amax=0 with x\.refresh_step=1 \(valid: a held amax > 0", id="zero amax held"
+    ),
+]
 
 
 def _trained():
@@ -72,7 +78,9 @@ def test_a_good_state_loads_with_empty_references_and_a_refresh_at_the_checkpoin
 
 def test_each_ranks_own_references_are_checked_too():
     model = _trained()
-    own = {k: (torch.tensor(float("inf")) if k.endswith(".dy.amax") else v) for k, v in reference_state_dict(model).items()}
+    own = {
+        k: (torch.tensor(float("inf")) if k.endswith(".dy.amax") else v) for k, v in reference_state_dict(model).items()
+    }
     first = sorted(k for k in own if k.endswith(".dy.amax"))[0].removesuffix(".dy.amax")
     with pytest.raises(ValueError, match=rf"module {first} is invalid: dy\.amax=inf "):
         _load(model, {"model": get_model_state_dict(model)}, {"references": own})

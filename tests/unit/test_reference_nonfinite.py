@@ -40,9 +40,12 @@ def test_a_non_finite_first_sample_is_dropped_when_the_step_is_skipped_and_the_n
     model = nn.Sequential(nn.Linear(32, 32, bias=False))
     part = next(p for p in get_recipe("ue5m3").parts.values() if hasattr(p, "reference_roles"))
     QuantLinear.from_linear(model[0], part)
-    (_, linear), = quant_linears(model)
+    ((_, linear),) = quant_linears(model)
     linear.quant_state.references = state
-    assert QuantTraining(model, QuantTrainingConfig(kernels="eager")).discard_nonfinite() == ["0.dy"] and "dy" not in state.held
+    assert (
+        QuantTraining(model, QuantTrainingConfig(kernels="eager")).discard_nonfinite() == ["0.dy"]
+        and "dy" not in state.held
+    )
     state.step = 2
     assert state.get("dy", torch.tensor([3.0]), training=True, backend=EAGER).item() == 3.0
     assert state.held["dy"].refresh_step == 2

@@ -40,10 +40,15 @@ def test_the_store_serves_clients_ignores_slurms_signals_and_leaves_with_its_par
     port, ready = free_port(), tmp_path / "ready"
     # a stand-in batch shell: starts the store in the background, then waits until told to exit
     shell = subprocess.Popen(
-        ["bash", "-c", f'{sys.executable} -m nemofp4.cli.rendezvous_store --port {port} --ready-file {ready} & '
-                       'echo $!; read -r'],  # fmt: skip
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            "bash",
+            "-c",
+            f"{sys.executable} -m nemofp4.cli.rendezvous_store --port {port} --ready-file {ready} & echo $!; read -r",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         store_pid = int(shell.stdout.readline())
         _wait(ready.is_file, "the ready file")
@@ -71,9 +76,18 @@ def test_a_taken_port_is_an_error_and_no_ready_file(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "nemofp4.cli.rendezvous_store", "--port", str(port), "--ready-file",
-             str(tmp_path / "ready")],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "nemofp4.cli.rendezvous_store",
+                "--port",
+                str(port),
+                "--ready-file",
+                str(tmp_path / "ready"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode != 0
     assert not (tmp_path / "ready").exists()

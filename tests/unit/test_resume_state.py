@@ -25,8 +25,7 @@ from nemofp4.training.parallel import DistributedConfig
 from nemofp4.training.resume import ResumableState, Saved, load_resume_checkpoint
 from tests.conftest import fresh_standin, train_standin
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore:.*single process:UserWarning")]  # fmt: skip
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:.*single process:UserWarning")]
 
 
 class Counter:
@@ -47,8 +46,12 @@ def _state(steps):
     train_standin(model, optimizer, steps)
     quant = QuantTraining(model, QuantTrainingConfig(kernels="eager"))
     engine = TorchEngine(model, optimizer, distributed=DistributedConfig(), grad_accum=1, world_size=1, grad_clip=1.0)
-    return ResumableState(engine=engine, quant=quant, progress=Counter(step=len(steps), tokens_seen=7 * len(steps)),
-                          loader=Counter(position=3 * len(steps)))  # fmt: skip
+    return ResumableState(
+        engine=engine,
+        quant=quant,
+        progress=Counter(step=len(steps), tokens_seen=7 * len(steps)),
+        loader=Counter(position=3 * len(steps)),
+    )
 
 
 def _save(tmp_path, state):
@@ -59,8 +62,13 @@ def _save(tmp_path, state):
 
 def _pieces(state):
     model, optimizer = state.engine.model, state.engine.optimizer
-    return (without_quant_state(model.state_dict()), reference_state_dict(model),
-            get_optimizer_state_dict(model, optimizer), state.progress.values, state.loader.values)  # fmt: skip
+    return (
+        without_quant_state(model.state_dict()),
+        reference_state_dict(model),
+        get_optimizer_state_dict(model, optimizer),
+        state.progress.values,
+        state.loader.values,
+    )
 
 
 def _assert_equal(a, b):
@@ -88,8 +96,14 @@ def test_every_piece_of_the_set_resumes_bit_for_bit(tmp_path):
     reset_references(fresh.engine.model)  # step 1's references are step 2's: empty them to tell
     assert reference_state_dict(fresh.engine.model) == {} and reference_state_dict(saved.engine.model) != {}
     seen = []
-    resumed = load_resume_checkpoint(mgr, "auto", run_dir=tmp_path, rank=0, state=fresh,
-                                     refuse=lambda trainer_state, folder: seen.append(dict(trainer_state)))  # fmt: skip
+    resumed = load_resume_checkpoint(
+        mgr,
+        "auto",
+        run_dir=tmp_path,
+        rank=0,
+        state=fresh,
+        refuse=lambda trainer_state, folder: seen.append(dict(trainer_state)),
+    )
     assert resumed == folder
     assert seen[0]["step"] == 2 and seen[0]["quant_state"] == "module"
     _assert_equal(_pieces(fresh), _pieces(saved))

@@ -23,8 +23,13 @@ from nemofp4.training.run_identity import (
 
 def _write_lock(run_dir, **holder):
     run_dir.mkdir(parents=True, exist_ok=True)
-    base = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": "", "slurm_restart_count": 0,
-            "started": "2026-01-01T00:00:00+00:00"}
+    base = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": "",
+        "slurm_restart_count": 0,
+        "started": "2026-01-01T00:00:00+00:00",
+    }
     (run_dir / LOCK_FILE).write_text(json.dumps({**base, **holder}))
 
 
@@ -100,9 +105,14 @@ SMALL = ["model=tiny", "data=tiny", "train.max_steps=10", "run_dir=runs/small"] 
 
 def test_identity_refuses_recipe_model_seed_and_unnamed_changes_by_key():
     saved = compose_job_config(SMALL)
-    for override, key in [("precision=ue5m3", "precision.name"), ("train.seed=1", "train.seed"),
-                          ("model.ffn_hidden_size=256", "model.ffn_hidden_size"), ("train.global_batch=32", "train.global_batch"),
-                          ("optim.lr=0.5", "optim.lr"), ("distributed=deepspeed_zero1", "distributed.backend")]:
+    for override, key in [
+        ("precision=ue5m3", "precision.name"),
+        ("train.seed=1", "train.seed"),
+        ("model.ffn_hidden_size=256", "model.ffn_hidden_size"),
+        ("train.global_batch=32", "train.global_batch"),
+        ("optim.lr=0.5", "optim.lr"),
+        ("distributed=deepspeed_zero1", "distributed.backend"),
+    ]:
         current = compose_job_config([*SMALL, override])
         with pytest.raises(ValueError, match=rf"{key}: .* -> ") as err:
             check_resume_config(saved, current, step=5, saved_total=10, new_total=10, where="checkpoint x")
@@ -123,12 +133,22 @@ def test_a_refused_resume_lists_one_changed_key_a_line():
 
 def test_identity_accepts_safe_keys_named_keys_and_a_longer_budget(caplog):
     saved = compose_job_config(SMALL)
-    safe = compose_job_config([*SMALL, "logging.log_interval=7", "eval.interval=3", "checkpoint.keep_last_k=1",
-                               "train.micro_batch=4", "run_dir=elsewhere", "distributed=fsdp"])
+    safe = compose_job_config(
+        [
+            *SMALL,
+            "logging.log_interval=7",
+            "eval.interval=3",
+            "checkpoint.keep_last_k=1",
+            "train.micro_batch=4",
+            "run_dir=elsewhere",
+            "distributed=fsdp",
+        ]
+    )
     assert check_resume_config(saved, safe, step=5, saved_total=10, new_total=10, where="c") == []
     accepted = compose_job_config([*SMALL, "optim.lr=0.5", "resume_accept=[optim]"])
-    assert [c.key for c in check_resume_config(saved, accepted, step=5, saved_total=10, new_total=10,
-                                               where="c")] == ["optim.lr"]
+    assert [c.key for c in check_resume_config(saved, accepted, step=5, saved_total=10, new_total=10, where="c")] == [
+        "optim.lr"
+    ]
     longer = compose_job_config([*SMALL[:2], "train.max_steps=20"])
     with caplog.at_level(logging.WARNING, logger="nemofp4"):
         check_resume_config(saved, longer, step=10, saved_total=10, new_total=20, where="c")
@@ -164,20 +184,33 @@ def test_the_default_run_dir_tells_differently_configured_runs_apart():
     # the two nvfp4 runs of docs/training.md and docs/recipes.md, followed in order
     assert run_dir("experiment=tiny_ue5m3", "precision=nvfp4") == "runs/tiny-nvfp4"
     assert run_dir("experiment=tiny_ue5m3", "precision=nvfp4", "precision.num_bf16_last_layers=2") == (
-        "runs/tiny-nvfp4-precision.num_bf16_last_layers=2")
+        "runs/tiny-nvfp4-precision.num_bf16_last_layers=2"
+    )
     # keys a resume refuses to change name the run, sorted; '/' cannot split the name
     assert run_dir("train.seed=3", "optim.lr=1e-2", "data.tokenizer=a/b") == (
-        "runs/tiny-bf16-data.tokenizer=a_b,optim.lr=1e-2,train.seed=3")
+        "runs/tiny-bf16-data.tokenizer=a_b,optim.lr=1e-2,train.seed=3"
+    )
     # the same run observed, saved, laid out or budgeted otherwise finds its directory again
-    same = ("train.max_steps=600", "train.kernels=eager", "distributed=fsdp", "train.micro_batch=4",
-            "logging.wandb=false", "eval.num_sequences=8", "checkpoint.interval=2", "resume=auto")
+    same = (
+        "train.max_steps=600",
+        "train.kernels=eager",
+        "distributed=fsdp",
+        "train.micro_batch=4",
+        "logging.wandb=false",
+        "eval.num_sequences=8",
+        "checkpoint.interval=2",
+        "resume=auto",
+    )
     assert run_dir("experiment=tiny_ue5m3", *same) == "runs/tiny-ue5m3"
     # a change accepted into the run (resume_accept) resumes it; a fixed key cannot be accepted, so it names the run
     assert run_dir("experiment=tiny_ue5m3", "optim.lr=1e-2", "resume_accept=[optim]") == "runs/tiny-ue5m3"
     assert run_dir("experiment=tiny_ue5m3", "optim.lr=1e-2", "schedule.warmup_steps=5", "resume_accept=[optim.lr]") == (
-        "runs/tiny-ue5m3-schedule.warmup_steps=5")
+        "runs/tiny-ue5m3-schedule.warmup_steps=5"
+    )
     assert changes_the_run("train.seed", ["train"]) and not changes_the_run("train.grad_clip", ["train"])
-    assert run_dir("experiment=tiny_ue5m3", "precision.reference_interval=10", "run_dir=runs/mine") == "runs/mine"  # given: used as given
+    assert (
+        run_dir("experiment=tiny_ue5m3", "precision.reference_interval=10", "run_dir=runs/mine") == "runs/mine"
+    )  # given: used as given
     assert run_dir("hydra.mode=MULTIRUN", "optim.lr=1e-3") == "runs/tiny-bf16"  # a sweep's jobs add their own
 
 
@@ -196,7 +229,8 @@ def test_a_field_added_after_the_checkpoint_compares_as_its_default():
     older = older.replace("  grad_clip: 1.0\n", "")
     assert config_changes(older, cfg) == []
     assert [c.key for c in config_changes(older, compose_job_config([*SMALL, "train.grad_clip=0.5"]))] == [
-        "train.grad_clip"]
+        "train.grad_clip"
+    ]
 
 
 def _two_ranks(rank: int, port: int, run_dir: str, results: str) -> None:
@@ -228,4 +262,8 @@ def test_only_rank_0_takes_the_lock_and_every_rank_learns_a_refusal(tmp_path):
         holder.kill()
         holder.wait()
     for rank in (0, 1):
-        assert (tmp_path / f"rank-{rank}").read_text().startswith(f"locked: run_dir {tmp_path / 'run'} is in use by pid {holder.pid}")
+        assert (
+            (tmp_path / f"rank-{rank}")
+            .read_text()
+            .startswith(f"locked: run_dir {tmp_path / 'run'} is in use by pid {holder.pid}")
+        )

@@ -39,8 +39,12 @@ def _checkpoint(tmp_path: Path) -> tuple[CheckpointManager, Path]:
 
     model_sd, optim_sd = get_state_dict(model, optim)
     mgr = CheckpointManager(tmp_path / "checkpoints", CheckpointConfig())
-    folder = mgr.save(1, dcp_state={"model": model_sd, "optim": optim_sd},
-                      trainer_state={"step": 1, "config": "name: x\n"}, rank_state={"rng": torch.zeros(3)})
+    folder = mgr.save(
+        1,
+        dcp_state={"model": model_sd, "optim": optim_sd},
+        trainer_state={"step": 1, "config": "name: x\n"},
+        rank_state={"rng": torch.zeros(3)},
+    )
     return mgr, folder
 
 
@@ -118,8 +122,10 @@ def test_numpy_generator_state_of_older_checkpoints_loads_but_an_object_array_pa
 
     np.random.seed(5)
     state, expected = np.random.get_state(), np.random.rand()
-    torch.save({"rng": {"numpy": state, "python": __import__("random").getstate(), "torch": torch.get_rng_state()}},
-               tmp_path / "old.pt")
+    torch.save(
+        {"rng": {"numpy": state, "python": __import__("random").getstate(), "torch": torch.get_rng_state()}},
+        tmp_path / "old.pt",
+    )
     set_rng_state(load_tensors(tmp_path / "old.pt")["rng"])
     assert np.random.rand() == expected
     proof = tmp_path / "pwned"

@@ -14,8 +14,11 @@ _SCRIPT_PATH = re.compile(r"(?<![\w/.])scripts/[\w./-]+?\.(?:py|sh)\b")
 
 
 def _scripts() -> list[str]:
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scripts").rglob("*")
-                  if p.is_file() and p.suffix in (".py", ".sh") and "__pycache__" not in p.parts)  # fmt: skip
+    return sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "scripts").rglob("*")
+        if p.is_file() and p.suffix in (".py", ".sh") and "__pycache__" not in p.parts
+    )
 
 
 def test_every_script_is_named_in_the_docs():
@@ -33,9 +36,16 @@ def test_scripts_are_grouped_by_what_they_are_for():
 
 
 def test_every_script_path_the_repository_names_exists():
-    texts = [*DOCS, ROOT / "Makefile", ROOT / ".ci" / "run", ROOT / "pyproject.toml",
-             *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), *(ROOT / "scripts").rglob("*.sh"),
-             *(ROOT / "nemofp4").rglob("*.py")]  # fmt: skip
+    texts = [
+        *DOCS,
+        ROOT / "Makefile",
+        ROOT / ".ci" / "run",
+        ROOT / "pyproject.toml",
+        *(ROOT / "tests").rglob("*.py"),
+        *(ROOT / "scripts").rglob("*.py"),
+        *(ROOT / "scripts").rglob("*.sh"),
+        *(ROOT / "nemofp4").rglob("*.py"),
+    ]
     missing = {}
     for path in texts:
         if not path.is_file() or "__pycache__" in path.parts:

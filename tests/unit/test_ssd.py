@@ -9,8 +9,9 @@ import torch
 from nemofp4.models.nemotron_h.ssd import mamba_ssm_available, ssd_chunked, ssd_reference, ssd_scan
 
 
-def make_inputs(batch=2, seq_len=37, heads=6, head_dim=4, groups=3, state=5, dtype=torch.float64, seed=0,
-                with_state=False):  # fmt: skip
+def make_inputs(
+    batch=2, seq_len=37, heads=6, head_dim=4, groups=3, state=5, dtype=torch.float64, seed=0, with_state=False
+):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, seq_len, heads, head_dim, generator=g, dtype=dtype)
     # Realistic step sizes (softplus outputs around Nemotron-H's init range) and decays A in [-8, -0.5].
@@ -37,8 +38,7 @@ def test_chunked_matches_step_by_step_reference_float64(groups, seq_len, chunk, 
 
 @pytest.mark.parametrize("chunk,nemotron_8b_like", [(32, False), (256, True)])
 def test_chunked_float32_within_1e4_relative_of_reference(chunk, nemotron_8b_like):
-    x, dt, A, B, C, s0 = make_inputs(batch=2, seq_len=280, heads=8, head_dim=16, groups=2, state=32,
-                                     with_state=True)  # fmt: skip
+    x, dt, A, B, C, s0 = make_inputs(batch=2, seq_len=280, heads=8, head_dim=16, groups=2, state=32, with_state=True)
     if nemotron_8b_like:  # A = -(1..128) as initialized, dt around the init range [1e-3, 1e-1]
         A = -torch.linspace(1.0, 128.0, 8, dtype=torch.float64)
         dt = torch.exp(torch.empty_like(dt).uniform_(-7.0, -2.3, generator=torch.Generator().manual_seed(3)))
@@ -66,9 +66,7 @@ def test_reference_is_the_recurrence_on_a_hand_checked_case():
         )
         expected.append(C[0, t, 0, 0].item() * s)
     y, state = ssd_reference(x, dt, A, B, C)
-    torch.testing.assert_close(
-        y.flatten(), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12
-    )
+    torch.testing.assert_close(y.flatten(), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     assert state.item() == pytest.approx(s, rel=1e-12)
 
 
@@ -92,9 +90,7 @@ def test_state_passing_two_halves_equal_one_pass(split):
 
 
 def test_gradcheck_small_case():
-    x, dt, A, B, C, s0 = make_inputs(
-        batch=1, seq_len=7, heads=4, head_dim=2, groups=2, state=3, with_state=True
-    )
+    x, dt, A, B, C, s0 = make_inputs(batch=1, seq_len=7, heads=4, head_dim=2, groups=2, state=3, with_state=True)
     inputs = tuple(t.clone().requires_grad_(True) for t in (x, dt, A, B, C, s0))
     assert torch.autograd.gradcheck(lambda *a: ssd_chunked(*a[:5], 3, a[5]), inputs)
 

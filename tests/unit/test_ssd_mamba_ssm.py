@@ -65,8 +65,9 @@ def scan_inputs(batch=1, seq_len=10, heads=4, head_dim=8, groups=2, state=8, see
 
 def run_scan(impl, inputs, chunk_size):
     leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
-    y, final = ssd_scan(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size,
-                        leaves["initial_state"], impl=impl)  # fmt: skip
+    y, final = ssd_scan(
+        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size, leaves["initial_state"], impl=impl
+    )
     g = torch.Generator().manual_seed(1)
     weights = torch.randn(y.shape, generator=g), torch.randn(final.shape, generator=g)
     loss = (y * weights[0]).sum() + (final * weights[1]).sum()
@@ -83,8 +84,15 @@ def test_the_kernel_scan_matches_the_torch_scan_with_an_initial_state_and_a_part
 
 
 def _mixer_config(**overrides):
-    widths = dict(hidden_size=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, mamba_num_groups=2,
-                  chunk_size=4, vocab_size=64)  # fmt: skip
+    widths = dict(
+        hidden_size=16,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        mamba_num_groups=2,
+        chunk_size=4,
+        vocab_size=64,
+    )
     return get_model_config("tiny", **{**widths, **overrides})
 
 
@@ -107,7 +115,11 @@ def test_the_mixer_through_the_kernel_matches_the_mixer_through_the_torch_scan(k
         xi = x.clone().requires_grad_()
         out = mixer(xi)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        return {"out": out.detach(), "grad x": xi.grad, **{f"grad {n}": p.grad.clone() for n, p in mixer.named_parameters()}}
+        return {
+            "out": out.detach(),
+            "grad x": xi.grad,
+            **{f"grad {n}": p.grad.clone() for n, p in mixer.named_parameters()},
+        }
 
     kernel, torch_scan = _with_scan("mamba_ssm", monkeypatch, step), _with_scan("torch", monkeypatch, step)
     assert len(kernel) == 2 + len(list(mixer.parameters()))
@@ -166,8 +178,15 @@ def _scan_memory(scan, batch, seq_len, heads, head_dim, groups, state, chunk_siz
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        saved.append((tuple(t.shape), t.dtype, t.stride(), t.untyped_storage().nbytes(),
-                      storages.index(ptr) if ptr in storages else None))  # fmt: skip
+        saved.append(
+            (
+                tuple(t.shape),
+                t.dtype,
+                t.stride(),
+                t.untyped_storage().nbytes(),
+                storages.index(ptr) if ptr in storages else None,
+            )
+        )
         return t
 
     live = _LiveBytesCollected(*inputs) if count_bytes else contextlib.nullcontext()

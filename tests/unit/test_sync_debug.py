@@ -19,8 +19,9 @@ def _trainer(tmp_path, *overrides):
     from nemofp4.cli.train import compose_job_config
     from nemofp4.training.trainer import Trainer
 
-    return Trainer(compose_job_config([*FAST_IN_PROCESS, f"run_dir={tmp_path / 'run'}", "train.max_steps=3",
-                                       *overrides]))  # fmt: skip
+    return Trainer(
+        compose_job_config([*FAST_IN_PROCESS, f"run_dir={tmp_path / 'run'}", "train.max_steps=3", *overrides])
+    )
 
 
 def test_an_unknown_mode_is_refused_naming_the_valid_ones():
@@ -79,8 +80,17 @@ def test_the_scope_holds_the_steps_device_work_after_the_first_and_no_host_read(
             assert mine == [("forward", 0), ("clip", 0), ("optimizer", 0)], mine
         else:
             # the micro-batches' scope, then the engine's finish_step: clipping, the host read, the update
-            assert mine == [("set", "error"), ("forward", "error"), ("set", 0), ("set", "error"), ("clip", "error"),
-                            ("set", 0), ("set", "error"), ("optimizer", "error"), ("set", 0)], mine  # fmt: skip
+            assert mine == [
+                ("set", "error"),
+                ("forward", "error"),
+                ("set", 0),
+                ("set", "error"),
+                ("clip", "error"),
+                ("set", 0),
+                ("set", "error"),
+                ("optimizer", "error"),
+                ("set", 0),
+            ], mine
     reads = [(s, m) for s, what, m in events if what == "read"]
     assert any(s == 3 for s, _ in reads)  # the loss and the gradient norm are read every step ...
     assert all(m == 0 for _, m in reads), reads  # ... outside the scope

@@ -10,8 +10,20 @@ from nemofp4.models import build_model, get_model_config
 from nemofp4.recipes import apply_recipe, list_recipes, recipe_from_config
 from nemofp4.training.config import JobConfig, compute_budget
 
-RECIPES = ["bf16", "nvfp4", "nvfp4_te", "ue5m3", "ue5m3_te_settings", "nvfp4_all_fp4_no_rht", "mxfp4", "nvfp4_delayed", "fp8",
-           "mxfp8", "fp8_te", "mxfp8_te"]
+RECIPES = [
+    "bf16",
+    "nvfp4",
+    "nvfp4_te",
+    "ue5m3",
+    "ue5m3_te_settings",
+    "nvfp4_all_fp4_no_rht",
+    "mxfp4",
+    "nvfp4_delayed",
+    "fp8",
+    "mxfp8",
+    "fp8_te",
+    "mxfp8_te",
+]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -40,9 +52,18 @@ def test_paper_experiment_reproduces_the_8b_run():
     assert cfg.model == get_model_config("nemotron_h_8b_paper") and cfg.model.num_key_value_heads == 4
     assert cfg.precision.name == "ue5m3" and cfg.distributed.backend == "fsdp"
     assert (cfg.optim.lr, cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay) == (
-        8e-4, 0.9, 0.95, 1e-8, 0.1)  # fmt: skip
+        8e-4,
+        0.9,
+        0.95,
+        1e-8,
+        0.1,
+    )
     assert (cfg.schedule.name, cfg.schedule.warmup_steps, cfg.schedule.decay_fraction, cfg.schedule.min_lr_ratio) == (
-        "wsd", 0, 0.15, 0.01)  # fmt: skip
+        "wsd",
+        0,
+        0.15,
+        0.01,
+    )
     assert (cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.train.grad_clip) == (8192, 768, 42, 1.0)
     assert compute_budget(cfg.train, dp_size=32).total_steps == 30_000
 
@@ -76,8 +97,10 @@ def test_invalid_value_is_rejected_by_the_dataclass():
         compose_job_config(["train.dtype=float16"])
 
 
-@pytest.mark.parametrize("experiment", ["nemotron_h_8b_bf16", "nemotron_h_8b_nvfp4", "nemotron_h_8b_ue5m3",
-                                        "nemotron_h_8b_ue5m3_te_settings"])
+@pytest.mark.parametrize(
+    "experiment",
+    ["nemotron_h_8b_bf16", "nemotron_h_8b_nvfp4", "nemotron_h_8b_ue5m3", "nemotron_h_8b_ue5m3_te_settings"],
+)
 def test_8b_presets_keep_the_papers_fp32_head_and_keep_it_gathered(experiment):
     cfg = compose_job_config([f"experiment={experiment}"])
     assert cfg.model.head_precision == "fp32"  # the paper reproductions: the authors' FP32 output layer

@@ -163,10 +163,21 @@ class NemotronHConfig:
         layer_types = parse_pattern(self.hybrid_layer_pattern)
         errors: list[str] = []
         positive = (
-            "hidden_size", "vocab_size", "ffn_hidden_size", "num_attention_heads", "num_key_value_heads",
-            "attention_head_dim", "max_position_embeddings", "mamba_num_heads", "mamba_head_dim",
-            "mamba_expand", "ssm_state_size", "mamba_num_groups", "conv_kernel", "chunk_size",
-        )  # fmt: skip
+            "hidden_size",
+            "vocab_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "attention_head_dim",
+            "max_position_embeddings",
+            "mamba_num_heads",
+            "mamba_head_dim",
+            "mamba_expand",
+            "ssm_state_size",
+            "mamba_num_groups",
+            "conv_kernel",
+            "chunk_size",
+        )
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -176,11 +187,15 @@ class NemotronHConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 errors.append(f"{name}={value!r} must be a positive float")
         if self.head_precision not in HEAD_PRECISIONS:
-            errors.append(f"head_precision={self.head_precision!r} must be one of {', '.join(HEAD_PRECISIONS)} "
-                          "(fp32: the paper's FP32 head, tf32: TF32 tensor cores, bf16: BF16 GEMMs, FP32 loss)")
+            errors.append(
+                f"head_precision={self.head_precision!r} must be one of {', '.join(HEAD_PRECISIONS)} "
+                "(fp32: the paper's FP32 head, tf32: TF32 tensor cores, bf16: BF16 GEMMs, FP32 loss)"
+            )
         if self.mlp_activation not in MLP_ACTIVATIONS:
-            errors.append(f"mlp_activation={self.mlp_activation!r} must be one of {', '.join(MLP_ACTIVATIONS)} "
-                          "(relu2: Nemotron-H's squared-ReLU MLP, swiglu: a gated SiLU MLP, gate and up fused)")
+            errors.append(
+                f"mlp_activation={self.mlp_activation!r} must be one of {', '.join(MLP_ACTIVATIONS)} "
+                "(relu2: Nemotron-H's squared-ReLU MLP, swiglu: a gated SiLU MLP, gate and up fused)"
+            )
         if errors:
             raise ValueError("invalid NemotronHConfig: " + "; ".join(errors))
 

@@ -120,7 +120,9 @@ def _time_step_limit(config: NemotronHConfig) -> tuple[float, float]:
 def _clamps_dt_to_min(hf: dict) -> bool:
     """Inverse of :func:`_time_step_limit`. A config without the key is a released one: (0, inf)."""
     # transformers >= 5.25 writes a non-finite float as {"__float__": "Infinity"} in config.json
-    low, high = (float(v["__float__"] if isinstance(v, dict) else v) for v in hf.get("time_step_limit") or (0, math.inf))
+    low, high = (
+        float(v["__float__"] if isinstance(v, dict) else v) for v in hf.get("time_step_limit") or (0, math.inf)
+    )
     time_step_min = float(hf.get("time_step_min", hf.get("mamba_dt_min", 0.001)))
     if high != math.inf or low not in (0.0, time_step_min):
         raise ValueError(
@@ -193,8 +195,14 @@ def from_hf_config(hf_config) -> NemotronHConfig:
     )
 
 
-INIT_ONLY_FIELDS = ("chunk_size", "max_position_embeddings", "time_step_max", "time_step_floor", "init_std",
-                    "rescale_prenorm_residual")
+INIT_ONLY_FIELDS = (
+    "chunk_size",
+    "max_position_embeddings",
+    "time_step_max",
+    "time_step_floor",
+    "init_std",
+    "rescale_prenorm_residual",
+)
 """Config fields that do not change what given weights compute: the SSD chunk (speed and memory; the
 numerics only up to rounding), the context length (NoPE: it documents intent) and the fields read only
 by random initialization. Weights trained under one value continue under another."""
@@ -276,16 +284,18 @@ def hf_weight_files(path: str | Path) -> list[str]:
     if index.is_file():
         weight_map = _read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{index} has no 'weight_map' object of tensor names to file names (as "
-                             "save_pretrained writes it)")
+            raise ValueError(
+                f"{index} has no 'weight_map' object of tensor names to file names (as save_pretrained writes it)"
+            )
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names {missing}, which are not in {path}")
         others = sorted(p.name for p in path.glob("*.safetensors") if p.name not in files)
         if others:
-            raise ValueError(f"{path} holds {others} besides the files of {index.name} ({files}); move them out "
-                             "of the model folder")
+            raise ValueError(
+                f"{path} holds {others} besides the files of {index.name} ({files}); move them out of the model folder"
+            )
         return files
     if (path / "model.safetensors").is_file():
         return ["model.safetensors"]
@@ -357,8 +367,6 @@ def import_hf(
         for name, tensor in model.state_dict().items():
             source_tensor = hf_state[names[name]]
             if source_tensor.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: HF shape {tuple(source_tensor.shape)} != ours {tuple(tensor.shape)}"
-                )
+                raise ValueError(f"{name}: HF shape {tuple(source_tensor.shape)} != ours {tuple(tensor.shape)}")
             tensor.copy_(source_tensor)
     return model

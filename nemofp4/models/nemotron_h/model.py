@@ -81,9 +81,7 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def causal_depthwise_conv1d(
-    x_BLC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None
-) -> torch.Tensor:
+def causal_depthwise_conv1d(x_BLC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None) -> torch.Tensor:
     """Causal depthwise conv along L followed by SiLU: out_t depends on x_{t-K+1..t} only."""
     if _causal_conv1d_fn is not None and x_BLC.is_cuda:
         return _causal_conv1d_fn(x_BLC.transpose(1, 2), weight_CK, bias_C, activation="silu").transpose(1, 2)
@@ -200,12 +198,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: NemotronHConfig, device=None, dtype=None):
         super().__init__()
-        self.up_proj = nn.Linear(
-            config.hidden_size, config.ffn_hidden_size, bias=False, device=device, dtype=dtype
-        )
-        self.down_proj = nn.Linear(
-            config.ffn_hidden_size, config.hidden_size, bias=False, device=device, dtype=dtype
-        )
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False, device=device, dtype=dtype)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.square(F.relu(self.up_proj(x_BLD))))
@@ -223,9 +217,7 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = nn.Linear(
             config.hidden_size, config.mlp_in_proj_size, bias=False, device=device, dtype=dtype
         )
-        self.down_proj = nn.Linear(
-            config.ffn_hidden_size, config.hidden_size, bias=False, device=device, dtype=dtype
-        )
+        self.down_proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False, device=device, dtype=dtype)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         gate_BLF, up_BLF = self.gate_up_proj(x_BLD).chunk(2, dim=-1)

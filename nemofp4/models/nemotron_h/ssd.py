@@ -116,9 +116,7 @@ def ssd_chunked(
 
     # Discretized input x * dt laid out per group: [B, T, G, R, Q, P].
     xdt_BTGRQP = (
-        (x * dt[..., None])
-        .reshape(batch, num_chunks, chunk, groups, per_group, head_dim)
-        .permute(0, 1, 3, 4, 2, 5)
+        (x * dt[..., None]).reshape(batch, num_chunks, chunk, groups, per_group, head_dim).permute(0, 1, 3, 4, 2, 5)
     )
     B_BTGQN = B_mat.reshape(batch, num_chunks, chunk, groups, state_size).transpose(2, 3)
     C_BTGQN = C_mat.reshape(batch, num_chunks, chunk, groups, state_size).transpose(2, 3)
