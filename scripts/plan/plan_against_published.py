@@ -16,9 +16,15 @@ from nemofp4.planning.efficiency import SOURCES
 from nemofp4.planning.published import PUBLISHED_RUNS, SPEED_UPS, predict
 
 
+def _seconds(tokens_per_s_per_gpu: float) -> float:
+    """GPU-seconds one GPU spends on a million tokens at ``tokens_per_s_per_gpu``."""
+    return 1e6 / tokens_per_s_per_gpu
+
+
 def table(efficiency: str = "achieved") -> str:
     """The Markdown tables docs/planning.md holds (tests/unit/test_plan_published.py checks them): the runs, and
-    the FP8-over-BF16 speed-ups."""
+    the FP8-over-BF16 speed-ups with the time FP8 saves and the time the model misses, per million tokens (a
+    ratio mixes the two: the same missed seconds weigh more in the shorter FP8 step)."""
     lines = [
         "| run | source | GPUs | precision (our recipe) | parallelism | seq | global / micro batch | "
         "measured tokens/s/GPU | predicted tokens/s/GPU | body tokens/s/GPU | predicted / measured |",
@@ -37,12 +43,22 @@ def table(efficiency: str = "achieved") -> str:
     measured = {run.name: run.measured_tokens_per_s_per_gpu for run in PUBLISHED_RUNS}
     lines += [
         "",
-        "| FP8 run over BF16 run | measured speed-up | predicted speed-up | predicted / measured |",
-        "|---|---|---|---|",
+        "| FP8 run over BF16 run | measured speed-up | predicted speed-up | predicted / measured | "
+        "GPU-seconds FP8 saves per 1M tokens, measured / predicted | GPU-seconds per 1M tokens the model misses, "
+        "BF16 / FP8 run |",
+        "|---|---|---|---|---|---|",
     ]
     for bf16, fp8 in SPEED_UPS:
         m, p = measured[fp8] / measured[bf16], predicted[fp8] / predicted[bf16]
-        lines.append(f"| {fp8} over {bf16} | {m:.3f}x | {p:.3f}x | {p / m:.3f} |")
+        saved_m, saved_p = (
+            _seconds(measured[bf16]) - _seconds(measured[fp8]),
+            _seconds(predicted[bf16]) - _seconds(predicted[fp8]),
+        )
+        missed = [_seconds(measured[run]) - _seconds(predicted[run]) for run in (bf16, fp8)]
+        lines.append(
+            f"| {fp8} over {bf16} | {m:.3f}x | {p:.3f}x | {p / m:.3f} | {saved_m:.1f} / {saved_p:.1f} | "
+            f"{missed[0]:.1f} / {missed[1]:.1f} |"
+        )
     return "\n".join(lines)
 
 

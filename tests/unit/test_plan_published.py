@@ -1,6 +1,7 @@
 """docs/planning.md's tables of published runs and of the kernel-level measurements are what
-scripts/plan/plan_against_published.py prints, the model's FP8-over-BF16 speed-up for TorchTitan's compiled runs is
-within 10% of the measured one, and each run is planned on the hardware and settings its source states."""
+scripts/plan/plan_against_published.py prints, the model's FP8-over-BF16 speed-up for TorchTitan's compiled runs and
+the time per token FP8 saves are within 10% of the measured ones, and each run is planned on the hardware and
+settings its source states."""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ def test_the_fp8_speed_up_over_bf16_is_within_ten_percent_of_the_measured_one():
     predicted = predict(fp8)["tokens_per_s_per_gpu"] / predict(bf16)["tokens_per_s_per_gpu"]
     measured = fp8.measured_tokens_per_s_per_gpu / bf16.measured_tokens_per_s_per_gpu
     assert abs(predicted / measured - 1) < 0.10
+
+
+def test_the_time_fp8_saves_per_token_is_predicted_within_ten_percent():
+    """What FP8 changes (the linears' GEMMs and their quantizer passes) against what it measurably saved: the
+    seconds per token the BF16 run spends and the FP8 run does not."""
+    runs = {run.name: run for run in PUBLISHED_RUNS}
+    for bf16, fp8 in SPEED_UPS:
+        measured = 1 / runs[bf16].measured_tokens_per_s_per_gpu - 1 / runs[fp8].measured_tokens_per_s_per_gpu
+        predicted = 1 / predict(runs[bf16])["tokens_per_s_per_gpu"] - 1 / predict(runs[fp8])["tokens_per_s_per_gpu"]
+        assert abs(predicted / measured - 1) < 0.10
 
 
 def test_the_prediction_is_slower_than_the_roofline():
