@@ -334,8 +334,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def supports(spec: CoreSpec, blocks: torch.Tensor) -> bool:
-    """Whether the native kernel quantizes this operand (``blocks``: its padded input viewed as blocks): a plain float32 CPU tensor, outside ``torch.compile``, in
-    blocks of 16 (or 16x16 tiles) without the Hadamard transform, E2M1 payloads with E4M3/UE5M3 scales,
+    """Whether the native kernel quantizes this operand (``blocks``: its padded input viewed as blocks): a
+    plain float32 CPU tensor, outside ``torch.compile``, in blocks of 16 (or 16x16 tiles) without the Hadamard transform, E2M1 payloads with E4M3/UE5M3 scales,
     RNE/sr/sr8."""
     return (
         not spec.is_fp8

@@ -41,6 +41,7 @@ import study_common  # noqa: E402 (the scripts folder, also when this file is lo
 from study_common import (  # noqa: E402
     COLORS,
     REPO_ROOT,
+    add_run_arguments,
     display_path,
     is_finished,
     mean_curve,
@@ -63,30 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", help="experiment preset: runs use experiment=<preset>_<recipe>")
     p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES))
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    p.add_argument("--steps", type=int, default=200, help="train.max_steps of every run (the budget)")
-    p.add_argument(
-        "--train-override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra trainer override for every run (repeatable), e.g. train.seq_len=128",
-    )
-    p.add_argument("--runs-root", type=Path, default=REPO_ROOT / "runs" / "compare")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results")
-    p.add_argument(
-        "--launcher",
-        choices=("local", "slurm", "none"),
-        default="local",
-        help="local: train missing runs here, one after another; slurm: submit them with nemofp4-launch "
-        "and stop; none: only collect runs that exist",
-    )
-    p.add_argument(
-        "--slurm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra nemofp4-launch override (repeatable), e.g. slurm.partition=batch",
-    )
+    add_run_arguments(p, steps=200, runs_root=REPO_ROOT / "runs" / "compare", local_launch="one after another")
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
     p.add_argument("--delay", type=int, default=50, help="delayed policy: D (inference batches)")
     p.add_argument("--calibration-sequences", type=int, default=64, help="calibrated policy: C")

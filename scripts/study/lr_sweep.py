@@ -42,7 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_recipes  # noqa: E402 (the scripts folder, also when this file is loaded by path)
 import plot_quant_stats  # noqa: E402
 import study_common  # noqa: E402
-from study_common import COLORS, REPO_ROOT, display_path, is_finished, mean_std, read_rows  # noqa: E402
+from study_common import (  # noqa: E402
+    COLORS,
+    REPO_ROOT,
+    add_run_arguments,
+    display_path,
+    is_finished,
+    mean_std,
+    read_rows,
+)
 
 READING_MARKER = "<!-- reading: written by hand, kept when the study is collected again -->"
 """In the study's README.md, everything from this line on (the settings and the reading) is kept."""
@@ -67,32 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="further seeds trained only at the grid's smallest and largest learning rates: the seed "
         "spread where a recipe is slow and where it becomes unstable, at a fraction of a full seed's cost",
     )
-    p.add_argument("--steps", type=int, default=150, help="train.max_steps of every run (the budget)")
-    p.add_argument(
-        "--train-override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra trainer override for every run (repeatable), e.g. train.seq_len=128",
-    )
-    p.add_argument("--runs-root", type=Path, default=REPO_ROOT / "runs" / "lr_sweep")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results")
-    p.add_argument(
-        "--launcher",
-        choices=("local", "slurm", "none"),
-        default="local",
-        help="local: train missing runs here, --workers at a time; slurm: submit them with nemofp4-launch "
-        "and stop; none: only collect runs that exist",
-    )
+    add_run_arguments(p, steps=150, runs_root=REPO_ROOT / "runs" / "lr_sweep", local_launch="--workers at a time")
     p.add_argument("--workers", type=int, default=1, help="local runs trained at the same time")
     p.add_argument("--threads", type=int, default=0, help="OMP/torch threads of each local run (0: leave as is)")
-    p.add_argument(
-        "--slurm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra nemofp4-launch override (repeatable), e.g. slurm.partition=batch",
-    )
     p.add_argument(
         "--staleness-recipes",
         nargs="*",

@@ -5,6 +5,7 @@ statistics and curve helpers of their reports. One implementation; the scripts o
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -30,6 +31,35 @@ COLORS = {
 
 
 # ----------------------------------------------------------------------------------------- runs
+def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, runs_root: Path, local_launch: str) -> None:
+    """The arguments every study takes to train and find its runs: the budget, extra trainer overrides, where
+    runs and results go, and how missing runs are launched (``local_launch``: what ``local`` does)."""
+    p.add_argument("--steps", type=int, default=steps, help="train.max_steps of every run (the budget)")
+    p.add_argument(
+        "--train-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra trainer override for every run (repeatable), e.g. train.seq_len=128",
+    )
+    p.add_argument("--runs-root", type=Path, default=runs_root)
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results")
+    p.add_argument(
+        "--launcher",
+        choices=("local", "slurm", "none"),
+        default="local",
+        help=f"local: train missing runs here, {local_launch}; slurm: submit them with nemofp4-launch "
+        "and stop; none: only collect runs that exist",
+    )
+    p.add_argument(
+        "--slurm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra nemofp4-launch override (repeatable), e.g. slurm.partition=batch",
+    )
+
+
 def display_path(path: Path) -> str:
     """Paths inside the repository are recorded relative to it, so committed results name no machine."""
     path = Path(path).resolve()
