@@ -19,9 +19,11 @@ real kernels reach a fraction of peak. With achieved efficiencies (:mod:`nemofp4
 size and precision), and the elementwise kernels, the optimizer step and the kernel launches are added, the
 launches and the eager elementwise bytes counted from our code path (:mod:`nemofp4.planning.launches`).
 
-Overlap: the GPU runs compute, quantizer passes, elementwise kernels, the optimizer step and the launches one
-after another (one stream); collectives run on their own stream beside them (FSDP2's prefetch, DDP's bucketed
-all-reduce), so the step is the larger of the two sums.
+Overlap: the GPU runs compute, quantizer passes, elementwise kernels, FSDP2's copy-out of gathered parameters
+and accumulation of kept gradients, the optimizer step and the launches one after another (one stream);
+collectives and FSDP2's copies into their buffers run on their own streams beside them (FSDP2's prefetch, DDP's
+bucketed all-reduce), so the step is the larger of the two sums, plus the collectives nothing overlaps (the
+root group's all-gather before each micro-batch's first op and its reduction after the step's last).
 """
 
 from __future__ import annotations
@@ -36,11 +38,20 @@ from nemofp4.training.parallel import DistributedConfig, checkpointed_blocks
 
 from .devices import Device
 from .efficiency import PEAK, Efficiency
-from .launches import count_block_launches
+from .launches import count_block_launches, optimizer_step_bytes
 from .layers import LinearSpec, head_is_fp32_part, linear_specs
 from .te_linear import HADAMARD_FLOPS_PER_ELEMENT, te_quantizations
 
-__all__ = ["COMPONENTS", "BODY_COMPONENTS", "Projection", "QuantPass", "StepCost", "block_forward_flops", "step_cost"]
+__all__ = [
+    "COMPONENTS",
+    "BODY_COMPONENTS",
+    "FSDP_COPIES",
+    "Projection",
+    "QuantPass",
+    "StepCost",
+    "block_forward_flops",
+    "step_cost",
+]
 
 COMPONENTS = ("linear GEMMs", "attention", "SSD scan", "head and loss", "recompute")
 BODY_COMPONENTS = ("linear GEMMs", "attention", "SSD scan", "recompute")
@@ -56,9 +67,16 @@ HADAMARD_REFERENCE_BYTES_PER_ELEMENT = 10
 """The emulated recipes' current amax of a transformed wgrad operand: the token-major tensor read and its
 transpose written (4), the transform read and written (4), the amax's read (2), in BF16."""
 ROLES = ("x", "w", "dy_dgrad", "dy_wgrad", "x_wgrad")
-ADAMW_BYTES_PER_PARAMETER = 32
-"""The fused AdamW step over an FP32 shard: parameter, gradient and both moments read (16) and parameter
-and moments written (12), and the gradient norm's read of the gradient (4)."""
+FSDP_COPIES = {
+    "all-gather copy-in": "collectives",
+    "all-gather copy-out": "compute",
+    "reduce-scatter copy-in": "collectives",
+    "gradient accumulation": "compute",
+}
+"""FSDP2's copies around its collectives and the stream each runs on: the shard cast and copied into the
+all-gather's buffer, and the unsharded gradients into the reduce-scatter's, on the collectives' streams; the
+gathered buffer copied out into the parameters, and the gradients kept across micro-batches upcast and
+accumulated (``gradient_sync=per_step``), on the compute stream."""
 
 
 def _elementwise_elements(model: NemotronHConfig, block_type: str) -> float:
@@ -156,6 +174,8 @@ class Projection:
     comm_s: float
     step_s: float
     mfu: float
+    exposed_comm_s: float = 0.0
+    """Of ``comm_s``: what no compute overlaps (:attr:`StepCost.exposed`), added to the step."""
     quant_s_by_role: dict[str, float] = field(default_factory=dict)
     """Of ``quant_s``: each operand role's passes."""
     hadamard_s: float = 0.0
@@ -205,7 +225,14 @@ class StepCost:
     activations, rotary embedding, the Mamba mixer's gates, the loss' softmax), forward and backward, in
     the compute dtype; counted only with achieved efficiencies (the roofline leaves them out)."""
     optimizer_bytes: float = 0.0
-    """HBM bytes of the AdamW step and the gradient-norm pass over this rank's shard."""
+    """HBM bytes of the gradient clipping and the AdamW step over this rank's shard, counted from torch's
+    implementation (:func:`nemofp4.planning.launches.optimizer_step_bytes`)."""
+    exposed: dict[str, dict[str, float]] = field(default_factory=dict)
+    """By layout, of :attr:`collectives`, the bytes no compute overlaps: the root group's all-gather before each
+    micro-batch's first op (the embedding's), and its reduction after the step's last backward op."""
+    fsdp_copy_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    """By layout, HBM bytes FSDP2 copies around its collectives, by copy (:data:`FSDP_COPIES`); counted only with
+    achieved efficiencies."""
     kernels: float = 0.0
     """Kernel launches of the step: each block's, counted from our code path
     (:func:`nemofp4.planning.launches.count_block_launches`), eager or compiled."""
@@ -274,6 +301,10 @@ class StepCost:
             compute["elementwise"] = self.elementwise_bytes / hbm
             compute["optimizer"] = self.optimizer_bytes / hbm
             compute["kernel launches"] = self.kernels * efficiency.launch_s
+        copies = self.fsdp_copy_bytes.get(layout, {}) if achieved else {}
+        on_compute = sum(nbytes for name, nbytes in copies.items() if FSDP_COPIES[name] == "compute")
+        if on_compute:
+            compute["FSDP copies"] = on_compute / hbm
         by_role = dict.fromkeys(ROLES, 0.0)
         hadamard = 0.0
         for p in self.quant_passes:
@@ -282,16 +313,23 @@ class StepCost:
         quant = sum(by_role.values())
         body = sum(compute.get(name, 0.0) for name in (*BODY_COMPONENTS, "elementwise")) + quant
         _, shard = self.layouts[layout]
-        comm = 0.0
-        for collective, nbytes in self.collectives[layout].items():
-            # the ranks a collective spans: the shard group, or every rank for the all-reduce across replicas
-            spanned = self.world_size if collective == "all-reduce" else shard
-            if spanned <= device.nvlink_domain:
-                link = device.nvlink_gb_s * efficiency.link
-            else:
-                link = device.scale_out_gb_s * efficiency.scale_out
-            comm += nbytes / (link * 1e9)
-        step = max(sum(compute.values()) + quant, comm)
+
+        def link_seconds(collectives: dict[str, float]) -> float:
+            seconds = 0.0
+            for collective, nbytes in collectives.items():
+                # the ranks a collective spans: the shard group, or every rank for the all-reduce across replicas
+                spanned = self.world_size if collective == "all-reduce" else shard
+                if spanned <= device.nvlink_domain:
+                    link = device.nvlink_gb_s * efficiency.link
+                else:
+                    link = device.scale_out_gb_s * efficiency.scale_out
+                seconds += nbytes / (link * 1e9)
+            return seconds
+
+        comm = link_seconds(self.collectives[layout])
+        comm += sum(nbytes for name, nbytes in copies.items() if FSDP_COPIES[name] == "collectives") / hbm
+        exposed = link_seconds(self.exposed.get(layout, {})) if achieved else 0.0
+        step = max(sum(compute.values()) + quant, comm - exposed) + exposed
         mfu = self.model_flops / (step * device.bf16_tflops * 1e12)
         return Projection(
             device=device,
@@ -299,6 +337,7 @@ class StepCost:
             compute_s=compute,
             quant_s=quant,
             comm_s=comm,
+            exposed_comm_s=exposed,
             step_s=step,
             mfu=mfu,
             quant_s_by_role=by_role,
@@ -329,12 +368,21 @@ def _fsdp_groups(
     return groups
 
 
-def _collective_bytes(
+def _traffic(
     groups, *, replicate: int, shard: int, grad_accum: int, dist_cfg: DistributedConfig, keep_head_gathered: bool
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """A layout's collective bytes per rank, the HBM bytes of FSDP2's copies around them (:data:`FSDP_COPIES`),
+    and of the collectives the bytes nothing overlaps (:attr:`StepCost.exposed`). Each all-gather copies this rank's shard in (FP32 shard read, cast to
+    the gathered dtype, copied into the buffer) and the gathered buffer out into the parameters (read and
+    written, on the compute stream before the first use); each reduce-scatter copies the unsharded gradients in,
+    cast to the reduce dtype; with ``gradient_sync=per_step`` the gradients of the micro-batches that do not
+    reduce are upcast to the reduce dtype and accumulated (``foreach_all_gather``, ``foreach_all_gather_copy_out``,
+    ``foreach_reduce_scatter_copy_in`` and ``FSDPParam.to_accumulated_grad_if_needed`` of torch's FSDP2). A layout
+    with unsharded parameters gathers nothing."""
     reduce_bytes = 4 if dist_cfg.reduce_dtype == "float32" else 2
     ring = (shard - 1) / shard
-    gather = scatter = reduce = 0.0
+    gather = scatter = reduce = gather_in = gather_out = scatter_in = accumulate = 0.0
+    exposed: dict[str, float] = {}
     reductions = grad_accum if dist_cfg.gradient_sync == "per_micro_batch" else 1
     for name, numel, nbytes in groups:
         per_micro = 1
@@ -342,14 +390,34 @@ def _collective_bytes(
         kept = (name == "lm_head" and keep_head_gathered) or not dist_cfg.reshard_after_forward
         if not kept:
             per_micro += 1  # gathered again for backward
-        gather += ring * numel * nbytes * per_micro * grad_accum
+        gathers = per_micro * grad_accum
+        gather += ring * numel * nbytes * gathers
         scatter += ring * numel * reduce_bytes * reductions
         if replicate > 1:
             reduce += 2 * (replicate - 1) / replicate * numel / shard * reduce_bytes * reductions
+        if name == "root":  # the embedding's: gathered before each forward's first op, reduced after the last
+            exposed["all-gather"] = ring * numel * nbytes * grad_accum
+            exposed["reduce-scatter"] = ring * numel * reduce_bytes
+            if replicate > 1:
+                exposed["all-reduce"] = 2 * (replicate - 1) / replicate * numel / shard * reduce_bytes
+        if shard > 1:
+            # gradients kept across micro-batches are upcast to the reduce dtype, then added to, by FSDP2's hook
+            upcast = reductions < grad_accum and reduce_bytes != nbytes
+            gather_in += numel / shard * (4 + 3 * nbytes) * gathers
+            gather_out += 2 * numel * nbytes * gathers
+            scatter_in += numel * ((reduce_bytes if upcast else nbytes) + reduce_bytes) * reductions
+            if upcast:
+                accumulate += numel * ((nbytes + reduce_bytes) + (grad_accum - 1) * (nbytes + 2 * reduce_bytes))
     out = {"all-gather": gather, "reduce-scatter": scatter}
     if replicate > 1:
         out["all-reduce"] = reduce
-    return out
+    copies = {
+        "all-gather copy-in": gather_in,
+        "all-gather copy-out": gather_out,
+        "reduce-scatter copy-in": scatter_in,
+        "gradient accumulation": accumulate,
+    }
+    return out, copies, exposed
 
 
 def _current(op) -> bool:
@@ -439,6 +507,8 @@ def step_cost(
     attention_kernel: str = "sdpa",
     recompute_linears: tuple[tuple[str, float], ...] = (),
     recompute_blocks: tuple[int, ...] = (),
+    optimizer: str = "foreach",
+    fsdp_copies: bool = True,
 ) -> StepCost:
     """The cost of one optimizer step per rank (see the module docstring). ``head_precision``: how the
     LM head's GEMMs compute (fp32, tf32 or bf16); ``keep_head_gathered``: the head and final norm stay
@@ -449,7 +519,10 @@ def step_cost(
     GEMM) that every block the block policy leaves stored recomputes in backward, with the forward's
     elementwise ops (TorchTitan's ``selective_ac_option="op"``: every second matmul and every elementwise op);
     ``recompute_blocks``: blocks (by index) recomputed whole besides the checkpointing policy's (Megatron's
-    ``recompute_num_layers`` with the block method).
+    ``recompute_num_layers`` with the block method). ``optimizer``: how AdamW runs its step
+    (:data:`~nemofp4.planning.launches.ADAMW_IMPLEMENTATIONS`); ``fsdp_copies``: the sharded layouts copy
+    parameters and gradients around their collectives as FSDP2 does (false: a data-parallel implementation whose
+    parameters and gradients are views of its communication buffers, as Megatron's are).
     ``dist_cfg.compile``: the elementwise kernels fused (else each op's bytes as eager PyTorch moves them)."""
     check_head_precision(head_precision)
     tokens = micro_batch * seq_len
@@ -554,8 +627,8 @@ def step_cost(
             layouts[f"HSDP {replicate}x{world_size // replicate}"] = (replicate, world_size // replicate)
     if world_size > 1 and dist_cfg.replicate_degree == world_size:  # replicated, unsharded: DDP's all-reduce
         layouts["DDP"] = (world_size, 1)
-    collectives = {
-        name: _collective_bytes(
+    traffic = {
+        name: _traffic(
             groups,
             replicate=r,
             shard=s,
@@ -565,6 +638,9 @@ def step_cost(
         )
         for name, (r, s) in layouts.items()
     }
+    collectives = {name: bytes_ for name, (bytes_, _, _) in traffic.items()}
+    copies = {name: copied if fsdp_copies else dict.fromkeys(copied, 0.0) for name, (_, copied, _) in traffic.items()}
+    exposed = {name: bytes_ for name, (_, _, bytes_) in traffic.items()}
     replicate = dist_cfg.replicate_degree
     configured = (
         "FSDP"
@@ -574,7 +650,7 @@ def step_cost(
         else f"HSDP {replicate}x{world_size // replicate}"
     )
     shard = world_size // replicate if world_size % replicate == 0 else world_size
-    optimizer_bytes = ADAMW_BYTES_PER_PARAMETER * model.num_parameters() / shard
+    optimizer_bytes = optimizer_step_bytes(optimizer) * model.num_parameters() / shard
     return StepCost(
         world_size=world_size,
         tokens=tokens * grad_accum,
@@ -596,6 +672,8 @@ def step_cost(
         head_shape=(float(head_rows), float(model.hidden_size), float(model.vocab_size)),
         elementwise_bytes=elementwise * grad_accum,
         optimizer_bytes=optimizer_bytes,
+        fsdp_copy_bytes=copies,
+        exposed=exposed,
         kernels=kernels,
         attention_kernel=attention_kernel,
     )

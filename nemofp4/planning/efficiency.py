@@ -87,9 +87,11 @@ _HOPPER = Efficiency(
     # torch.matmul BF16, square N, H100 80GB HBM3 (torch 2.7, cu128): 176.6 / 676.6 / 788.7 / 797.5 TFLOPS
     # at N = 1024 / 2048 / 4096 / 8192, of 989.5 dense
     gemm=((1024, 0.178), (2048, 0.684), (4096, 0.797), (8192, 0.806)),
-    # FlashAttention-3 paper: FlashAttention-2 reaches 35% of the H100's peak; cuDNN's forward, head dim 128,
-    # seq 8k: 600 TFLOPS (its figure "Attention forward speed, head dim 128 (H100 80GB SXM5)")
-    attention={"sdpa": 0.35, "cudnn": 0.606},
+    # causal, head dim 128, seq 8192, forward and backward together, on an H200 (the H100's GH100 compute) at
+    # 700 W: PyTorch's flash SDPA 289.6 TFLOPS at batch 2 x 16 heads (cuDNN frontend's first SDPA benchmark);
+    # cuDNN 9.19 at Llama 3.1's 64 query / 8 KV heads: forward 1.708 ms (644 TFLOPS), backward 5.083 ms
+    # (541 TFLOPS), together 566.8
+    attention={"sdpa": 0.293, "cudnn": 0.573},
     scan=0.35,  # no published SSD-kernel TFLOPS found: FlashAttention-2's fraction, the kernel family it is written like
     hbm=0.90,  # Calculon's h100_80g_nvl8.json mem1 efficiency at >= 100 MB
     link=0.60,  # Calculon's h100_80g_nvl8.json NVLink network efficiency
@@ -189,11 +191,17 @@ SOURCES: tuple[tuple[str, str, str], ...] = (
         "0.754 / 0.763 at N = 1024 / 2048 / 4096 / 8192 / 16384; BF16: none found, the B200's",
         "https://github.com/Azure/AI-benchmarking-guide Azure_Results/ND_GB200_v6_results.md (cuBLASLt)",
     ),
-    ("attention, SDPA (FlashAttention-2), H100", "0.35", "FlashAttention-3 paper, arXiv:2407.08608, abstract"),
+    (
+        "attention, SDPA (FlashAttention-2), H100",
+        "0.293 (289.6 TFLOPS: causal, batch 2 x 16 heads of 128, seq 8192, forward and backward; H200, 700 W)",
+        "https://github.com/NVIDIA/cudnn-frontend benchmark/benchmark_results.csv at commit 505fcfe "
+        "(PyTorch's flash SDPA)",
+    ),
     (
         "attention, cuDNN, H100",
-        "0.606 (600 TFLOPS forward, head dim 128, seq 8k)",
-        "FlashAttention-3 paper, arXiv:2407.08608, forward-speed figure, head dim 128 (H100 SXM5)",
+        "0.573 (cuDNN 9.19, llama3.1: 64 query / 8 KV heads of 128, causal, seq 8192, forward and backward; H200)",
+        "https://github.com/NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training/results/h200_919_only_cudnn/"
+        "llama3.1_20260227_034703.csv",
     ),
     (
         "attention, cuDNN / SDPA, B200",

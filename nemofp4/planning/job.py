@@ -142,6 +142,7 @@ def cost_for_job(
         compute_dtype=job["compute_dtype"],
         policies=policies,
         weight_cache=cfg.train.weight_cache,
+        optimizer="foreach" if cfg.optim.foreach else "for_loop",
     )
 
 

@@ -1,4 +1,5 @@
-"""Kernels one block launches and the bytes its elementwise kernels move, counted from our code path.
+"""Kernels one block launches and the bytes its elementwise kernels move, and the bytes of the optimizer step,
+counted from our code path.
 
 One block of the model is built at its real widths on the meta device and run forward and backward under
 a dispatch mode that records every ATen op (nothing is allocated or computed). Each op is one kernel on a
@@ -12,20 +13,32 @@ passes over memory (:class:`nemofp4.planning.cost.QuantPass`): the block is coun
 
 Eager PyTorch launches every op; ``torch.compile`` fuses the elementwise ops between two GEMM or attention
 kernels into (about) one kernel, so the compiled count takes each such run of ops as one kernel. The bytes
-of the eager elementwise ops are each op's tensor inputs read and outputs written.
+of the eager elementwise ops are what each op's schema says it reads and writes (:func:`op_bytes`).
+
+The optimizer step (gradient clipping and AdamW) is counted the same way over FP32 tensors on meta
+(:func:`optimizer_step_bytes`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from nemofp4.models import NemotronHConfig
 
-__all__ = ["BlockLaunches", "NO_KERNEL", "count_block_launches"]
+__all__ = [
+    "ADAMW_IMPLEMENTATIONS",
+    "BlockLaunches",
+    "NO_KERNEL",
+    "count_block_launches",
+    "op_bytes",
+    "optimizer_step_bytes",
+]
 
 NO_KERNEL = frozenset(
     {
@@ -77,6 +90,27 @@ class BlockLaunches:
     """Of those, the forward's (what a recompute repeats)."""
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def op_bytes(func, args: tuple, kwargs: dict, out) -> float:
+    """HBM bytes one ATen op moves, from its schema: every tensor argument read (but an ``out=`` argument),
+    every argument it mutates written, and every return that is not an alias of an argument written."""
+    read = written = 0.0
+    bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    for arg in func._schema.arguments:
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(bound.get(arg.name)))
+        mutated = arg.alias_info is not None and arg.alias_info.is_write
+        read += 0.0 if mutated and arg.kwarg_only else nbytes
+        written += nbytes if mutated else 0.0
+    outs = (out,) if len(func._schema.returns) == 1 else out or ()  # one return may be a list of tensors
+    for ret, value in zip(func._schema.returns, outs):
+        if ret.alias_info is None:
+            written += sum(t.numel() * t.element_size() for t in _tensors(value))
+    return read + written
+
+
 class _Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -84,17 +118,14 @@ class _Counter(TorchDispatchMode):
         self.ops: list[tuple[str, str, float]] = []  # (kind, phase, bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if name in NO_KERNEL:
+        on_device = any(t.device.type != "cpu" for t in _tensors((args, kwargs, out)))
+        if name in NO_KERNEL or not on_device:  # a view, an allocation, or host work (a CPU step count)
             return out
         kind = "gemm" if name in GEMM_OPS else "elementwise"
-        tensors = [
-            t
-            for t in (*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else (out,)))
-            if isinstance(t, torch.Tensor)
-        ]
-        self.ops.append((kind, self.phase, float(sum(t.numel() * t.element_size() for t in tensors))))
+        self.ops.append((kind, self.phase, op_bytes(func, args, kwargs, out)))
         return out
 
 
@@ -173,3 +204,49 @@ def count_block_launches(
     if key not in _CACHE:
         _CACHE[key] = _count(model, block_type, micro_batch, seq_len, dtype)
     return _CACHE[key]
+
+
+ADAMW_IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
+"""How ``torch.optim.AdamW`` runs its step: ``foreach`` (its multi-tensor ops, one kernel per op over every
+tensor: our trainer's ``optim.foreach=true`` and TorchTitan's default), ``for_loop`` (the same ops tensor by
+tensor) or ``fused`` (one kernel reading each state once: ``fused=True``, and the fused Adam of Megatron and
+Transformer Engine)."""
+
+
+@functools.cache
+def optimizer_step_bytes(implementation: str) -> float:
+    """HBM bytes per FP32 parameter of the optimizer step as our trainer runs it: ``clip_grad_norm_`` (the
+    gradient's norm, then the gradient scaled by the clip coefficient) and AdamW's update in ``implementation``
+    (:data:`ADAMW_IMPLEMENTATIONS`), counted op by op on the meta device as torch runs them."""
+    if implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"AdamW implementation {implementation!r}; valid: {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    from torch.optim.adamw import adamw
+
+    shapes = ((1 << 20, 3), (1 << 20,))  # two tensors of unequal size, large enough that per-tensor scalars vanish
+    params = [torch.empty(shape, device="meta") for shape in shapes]
+    grads, exp_avgs, exp_avg_sqs = ([torch.empty_like(p) for p in params] for _ in range(3))
+    for p, g in zip(params, grads):
+        p.grad = g
+    fused = implementation == "fused"
+    steps = [torch.ones((), device="meta" if fused else "cpu") for _ in params]  # where torch keeps them
+    counter = _Counter()
+    with counter:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # the same bytes tensor by tensor as foreach
+        adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=implementation == "foreach",
+            fused=fused,
+            amsgrad=False,
+            beta1=0.9,
+            beta2=0.95,
+            lr=1e-3,
+            weight_decay=0.1,
+            eps=1e-8,
+            maximize=False,
+        )
+    return sum(nbytes for *_, nbytes in counter.ops) / sum(p.numel() for p in params)

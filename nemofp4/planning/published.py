@@ -81,6 +81,10 @@ class PublishedRun:
     """An op-level selective checkpointing policy (:func:`nemofp4.planning.cost.step_cost`)."""
     recomputed_layers: int = 0
     """Megatron's full recompute of its first n transformer layers (two of our blocks each)."""
+    framework: str
+    """``megatron`` (Megatron-Core: a fused Adam, and data-parallel buffers its parameters and gradients are views
+    of) or ``torchtitan`` (torch's AdamW with its foreach default, and FSDP2, which copies around its
+    collectives)."""
     measured_tokens_per_s_per_gpu: float
 
     @property
@@ -92,6 +96,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="Llama 3 8B FP8-CS, DGX-H100",
         source=MEGATRON_BRIDGE,
+        framework="megatron",
         device="h100",
         gpus=8,
         recipe="fp8_te",
@@ -108,6 +113,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="Llama 3 8B FP8-CS, DGX-B200",
         source=MEGATRON_BRIDGE,
+        framework="megatron",
         device="b200",
         gpus=8,
         recipe="fp8_te",
@@ -123,6 +129,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="Llama 3 8B FP8-CS, DGX-GB200",
         source=MEGATRON_BRIDGE,
+        framework="megatron",
         device="gb200",
         gpus=8,
         recipe="fp8_te",
@@ -138,6 +145,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="Llama 3.1 8B BF16, FSDP, eager",
         source=TORCHTITAN,
+        framework="torchtitan",
         device="h100_hbm2e_500w",
         gpus=8,
         recipe="bf16",
@@ -154,6 +162,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="Llama 3.1 8B BF16, FSDP, torch.compile",
         source=TORCHTITAN,
+        framework="torchtitan",
         device="h100_hbm2e_500w",
         gpus=8,
         recipe="bf16",
@@ -170,6 +179,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="Llama 3.1 8B FP8 (torchao), FSDP, torch.compile",
         source=TORCHTITAN,
+        framework="torchtitan",
         device="h100_hbm2e_500w",
         gpus=8,
         recipe="fp8_te",
@@ -223,6 +233,8 @@ def predict(run: PublishedRun, *, efficiency: str = "achieved") -> dict[str, flo
         attention_kernel=run.attention_kernel,
         recompute_linears=run.recompute_linears,
         recompute_blocks=tuple(range(2 * run.recomputed_layers)),
+        optimizer="fused" if run.framework == "megatron" else "foreach",
+        fsdp_copies=run.framework == "torchtitan",
     )
     p = cost.project(device, cost.configured, get_efficiency(efficiency, run.device))
     return {

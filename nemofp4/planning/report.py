@@ -70,15 +70,15 @@ def cost_table(cost: StepCost, device: Device | None, efficiency: Efficiency = P
             "",
             f"Projected on {device.name} ({how}; {device.source}):",
             "",
-            "| layout | compute s | quantization s | communication s | step s | MFU | tokens/s per GPU "
-            "| model body tokens/s |",
-            "|---|---|---|---|---|---|---|---|",
+            "| layout | compute s | quantization s | communication s | of it exposed s | step s | MFU "
+            "| tokens/s per GPU | model body tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for layout in layouts:
             p = cost.project(device, layout, efficiency)
             lines.append(
                 f"| {layout} | {sum(p.compute_s.values()):.2f} | {p.quant_s:.2f} | {p.comm_s:.2f} | "
-                f"{p.step_s:.2f} | {p.mfu * 100:.1f}% | {cost.tokens / p.step_s:,.0f} | "
+                f"{p.exposed_comm_s:.2f} | {p.step_s:.2f} | {p.mfu * 100:.1f}% | {cost.tokens / p.step_s:,.0f} | "
                 f"{p.body_tokens_per_s:,.0f} |"
             )
         for recipe in cost.native_by_recipe():
@@ -120,7 +120,12 @@ def plan_summary(
             tokens_per_s_per_gpu=cost.tokens / p.step_s,
             body_tokens_per_s_per_gpu=p.body_tokens_per_s,
             mfu=p.mfu,
-            seconds={**p.compute_s, "quantization": p.quant_s, "communication": p.comm_s},
+            seconds={
+                **p.compute_s,
+                "quantization": p.quant_s,
+                "communication": p.comm_s,
+                "exposed communication": p.exposed_comm_s,
+            },
         )
     out["flops"] = {**cost.flops, "model": cost.model_flops}
     out["memory"] = {

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemofp4.models import NemotronHConfig, build_model, lm_loss, param_groups
 from nemofp4.quant import (
@@ -41,6 +42,7 @@ from nemofp4.recipes import Recipe, apply_recipe
 from nemofp4.training.optim import OptimConfig, build_optimizer
 from nemofp4.training.parallel import DistributedConfig, parallelize, set_gradient_sync
 
+from .launches import op_bytes
 from .measure import gpu_quantizer_path, warm_format_tables
 from .memory import CATEGORIES
 from .standins import mamba_kernel_standins, mamba_scan_path
@@ -92,6 +94,10 @@ class SimulatedMemory:
     """Bytes this rank sends per optimizer step by collective ('all-gather', 'reduce-scatter',
     'all-reduce'; ring algorithms), counted as FSDP2 issues them and scaled from the micro-batches run
     to the step's (the ones not run repeat the middle one)."""
+    fsdp_copies: dict[str, float]
+    """HBM bytes per optimizer step of FSDP2's copy-out of each all-gather into the parameters and copy-in of the
+    gradients into each reduce-scatter (``all-gather copy-out``, ``reduce-scatter copy-in``), read and written as
+    their ops' schemas say, scaled as :attr:`collectives`."""
     mamba_scan: str
     wall_s: float
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -201,15 +207,50 @@ def _head_loss_through_call(model: nn.Module):
         setattr(head, HEAD_LOSS_METHOD, registered)
 
 
+class _CopyBytes(TorchDispatchMode):
+    """Counts the HBM bytes of FSDP2's copy ops around its collectives into a :class:`_CollectiveBytes`: its
+    copy-out and copy-in ops, and the casts and adds its post-backward hook makes of kept gradients (found by the
+    hook's ``record_function`` scopes, which dispatch as ops)."""
+
+    _OPS = {"split_with_sizes_copy": "all-gather copy-out", "chunk_cat": "reduce-scatter copy-in"}
+    _ACCUMULATE_SCOPES = ("FSDP::post_backward_accumulate", "FSDP::post_backward_reshard")
+    _ACCUMULATE_OPS = ("_to_copy", "add_")
+
+    def __init__(self, counts: _CollectiveBytes) -> None:
+        super().__init__()
+        self.counts = counts
+        self.scopes: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        op = func.overloadpacket.__name__
+        if op == "_record_function_enter_new":
+            self.scopes.append(args[0])
+        elif op == "_record_function_exit" and self.scopes:
+            self.scopes.pop()
+        elif func.namespace == "fsdp" and op in self._OPS:
+            self._add(self._OPS[op], op_bytes(func, args, kwargs, out))
+        elif op in self._ACCUMULATE_OPS and any(s.startswith(self._ACCUMULATE_SCOPES) for s in self.scopes):
+            self._add("gradient accumulation", op_bytes(func, args, kwargs, out))
+        return out
+
+    def _add(self, name: str, nbytes: float) -> None:
+        by = self.counts.copies.setdefault(self.counts.kind, {})
+        by[name] = by.get(name, 0.0) + nbytes
+
+
 class _CollectiveBytes:
     """Counts the bytes of FSDP2's collectives (``all_gather_single``, ``reduce_scatter_single``,
-    ``all_reduce`` of ``torch.distributed``) per micro-batch kind, as one rank sends them in a ring."""
+    ``all_reduce`` of ``torch.distributed``) per micro-batch kind, as one rank sends them in a ring, and (with
+    :class:`_CopyBytes`) the bytes of its copies around them."""
 
     _CALLS = {"all_gather_single": "all-gather", "reduce_scatter_single": "reduce-scatter", "all_reduce": "all-reduce"}
 
     def __init__(self) -> None:
         self.kind = "only"
         self.bytes: dict[str, dict[str, float]] = {}
+        self.copies: dict[str, dict[str, float]] = {}
 
     def _counted(self, name: str, call):
         collective = self._CALLS[name]
@@ -232,17 +273,20 @@ class _CollectiveBytes:
         for name, call in saved.items():
             setattr(dist, name, self._counted(name, call))
         try:
-            yield self
+            with _CopyBytes(self):
+                yield self
         finally:
             for name, call in saved.items():
                 setattr(dist, name, call)
 
-    def per_step(self, grad_accum: int) -> dict[str, float]:
+    @staticmethod
+    def per_step(counted: dict[str, dict[str, float]], grad_accum: int) -> dict[str, float]:
+        """``counted`` (by micro-batch kind) over the step's micro-batches (the ones not run repeat the middle)."""
         repeats = {"first": 1, "middle": max(grad_accum - 2, 0), "last": 1, "only": 1}
         out: dict[str, float] = {}
-        for kind, by in self.bytes.items():
-            for collective, nbytes in by.items():
-                out[collective] = out.get(collective, 0.0) + nbytes * repeats[kind]
+        for kind, by in counted.items():
+            for name, nbytes in by.items():
+                out[name] = out.get(name, 0.0) + nbytes * repeats[kind]
         return out
 
 
@@ -366,7 +410,8 @@ def simulate_memory(
         peak_micro_batch=tracker.peak_micro_batch,
         peak_module=tracker.peak_module,
         micro_batches=len(micro_batches),
-        collectives=collectives.per_step(grad_accum),
+        collectives=collectives.per_step(collectives.bytes, grad_accum),
+        fsdp_copies=collectives.per_step(collectives.copies, grad_accum),
         mamba_scan=scan,
         wall_s=time.perf_counter() - started,
     )

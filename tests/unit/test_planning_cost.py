@@ -155,7 +155,7 @@ def test_recompute_flops_are_the_checkpointed_blocks_forward(policy):
         pytest.param({"reshard_after_forward": False}, "FSDP", marks=pytest.mark.slow),
     ],
 )
-def test_collective_bytes_match_what_fsdp2_issues(dist_kwargs, layout):
+def test_collective_and_copy_bytes_match_what_fsdp2_issues(dist_kwargs, layout):
     model_cfg = get_model_config(
         "nemotron_h_8b_paper",
         hybrid_layer_pattern="M*-",
@@ -175,6 +175,15 @@ def test_collective_bytes_match_what_fsdp2_issues(dist_kwargs, layout):
     assert set(cost.collectives[layout]) == {k for k, v in sim.collectives.items() if v > 1e3}
     for collective, nbytes in cost.collectives[layout].items():
         assert nbytes == pytest.approx(sim.collectives[collective], rel=0.01), collective
+    # FSDP2's copies around them: the gathered buffers copied out, the gradients copied (cast) in, and with
+    # gradient_sync=per_step the kept gradients upcast and accumulated
+    accumulates = dist_cfg.gradient_sync == "per_step"
+    assert set(sim.fsdp_copies) == {"all-gather copy-out", "reduce-scatter copy-in"} | (
+        {"gradient accumulation"} if accumulates else set()
+    )
+    for copy, nbytes in sim.fsdp_copies.items():
+        assert cost.fsdp_copy_bytes[layout][copy] == pytest.approx(nbytes, rel=0.01), copy
+    assert (cost.fsdp_copy_bytes[layout]["gradient accumulation"] > 0) == accumulates
 
 
 def test_the_projection_follows_the_hardware():
@@ -256,3 +265,32 @@ def test_mfu_counts_attention_as_the_projection_runs_it_and_stays_under_one(mode
     )  # 3x the causal forward, of 3.5x the full
     for device in ("h100", "gb200"):
         assert 0 < cost.project(get_device(device), "FSDP").mfu <= 1.0
+
+
+def test_the_root_groups_gathers_and_last_reduction_are_exposed():
+    from nemofp4.planning.efficiency import PEAK, get_efficiency
+    from nemofp4.planning.published import llama3_8b
+
+    model = llama3_8b()
+    grad_accum, ranks = 2, 8
+    cost = step_cost(
+        model,
+        get_recipe("bf16"),
+        DistributedConfig(backend="fsdp"),
+        world_size=ranks,
+        seq_len=1024,
+        micro_batch=1,
+        grad_accum=grad_accum,
+        head_precision="bf16",
+    )
+    device = get_device("h100")
+    p = cost.project(device, "FSDP", get_efficiency("achieved", "h100"))
+    # the embedding and final norm, BF16 gathered before each micro-batch's first op, FP32 reduced after the last
+    root = model.vocab_size * model.hidden_size + model.hidden_size
+    link = device.nvlink_gb_s * 1e9 * get_efficiency("achieved", "h100").link
+    ring = (ranks - 1) / ranks
+    assert p.exposed_comm_s == pytest.approx(ring * root * (2 * grad_accum + 4) / link)
+    assert p.step_s == pytest.approx(
+        max(sum(p.compute_s.values()) + p.quant_s, p.comm_s - p.exposed_comm_s) + p.exposed_comm_s
+    )
+    assert cost.project(device, "FSDP", PEAK).exposed_comm_s == 0.0  # the roofline overlaps everything

@@ -44,3 +44,48 @@ def test_an_eager_step_pays_more_elementwise_bytes_and_launches_than_a_compiled_
     )
     assert eager.kernels == 2 * per_micro_batch
     assert eager.flops == compiled.flops  # fusing moves bytes, not FLOPs
+
+
+def _run_counted(fn):
+    from nemofp4.planning.launches import _Counter
+
+    counter = _Counter()
+    with counter:
+        fn()
+    return [nbytes for *_, nbytes in counter.ops]
+
+
+def test_an_op_reads_its_inputs_and_writes_its_outputs_as_its_schema_says():
+    import torch
+
+    a, b = (torch.empty(1000, device="meta") for _ in range(2))
+    out = torch.empty(2000, device="meta")
+    assert _run_counted(lambda: torch.cat([a, b])) == [16000]  # a list's tensors read, the result written
+    assert _run_counted(lambda: torch.cat([a, b], out=out)) == [16000]  # out= written, not read
+    assert _run_counted(lambda: a.mul_(2)) == [8000]  # in place: read and written once
+    assert _run_counted(lambda: torch._foreach_mul_([a, b], 2.0)) == [16000]  # a mutated list, returning nothing
+    assert _run_counted(lambda: torch._foreach_sqrt([a, b])) == [16000]
+    assert _run_counted(lambda: a.view(10, 100) + 1) == [8000]  # a view launches nothing
+    assert _run_counted(lambda: torch.ones(3).add_(1)) == []  # host work is no kernel
+
+
+def test_the_optimizer_step_bytes_are_torchs_ops_counted():
+    from nemofp4.planning.launches import ADAMW_IMPLEMENTATIONS, optimizer_step_bytes
+
+    # per FP32 element, op by op: clip_grad_norm_'s norm (read g: 4) and scaling (g read and written: 8); AdamW's
+    # decay (p: 8), lerp of m toward g (m, g read, m written: 12), v scaled (8) and addcmul'd (v, g, g read,
+    # v written: 16), sqrt(v) (8), divided (8) and eps added (8) in place, addcdiv into p (p, m, denom read,
+    # p written: 16)
+    assert optimizer_step_bytes("foreach") == pytest.approx(12 + 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16, rel=1e-5)
+    assert optimizer_step_bytes("for_loop") == pytest.approx(optimizer_step_bytes("foreach"), rel=1e-5)
+    # fused: one kernel reading p, g, m, v and writing the four its schema marks mutated
+    assert optimizer_step_bytes("fused") == pytest.approx(12 + 16 + 16, rel=1e-5)
+    with pytest.raises(ValueError, match="'adam'.*valid: foreach, for_loop, fused"):
+        optimizer_step_bytes("adam")
+    step = dict(world_size=8, seq_len=1024, micro_batch=1, grad_accum=1)
+    costs = {
+        impl: step_cost(llama3_8b(), get_recipe("bf16"), DistributedConfig(backend="fsdp"), optimizer=impl, **step)
+        for impl in ADAMW_IMPLEMENTATIONS
+    }
+    for impl, cost in costs.items():
+        assert cost.optimizer_bytes == pytest.approx(optimizer_step_bytes(impl) * llama3_8b().num_parameters() / 8)
