@@ -117,6 +117,9 @@ class QuantPass:
     tn_only: bool = False
     """Transformer Engine's per-tensor FP8 transpose: written only on a device whose FP8 GEMMs are TN-only
     (:attr:`Device.fp8_gemm_any_layout` false)."""
+    launches: int = 1
+    """Kernels the pass starts each time (an emulated pass is one kernel; Transformer Engine's:
+    :attr:`nemofp4.planning.te_linear.TEPass.launches`)."""
 
     def seconds(self, device: Device) -> float:
         """Roofline: the larger of its memory and its transform time, ``count`` times."""
@@ -440,6 +443,7 @@ def _quant_passes(
                 hadamard_flops=p.hadamard_flops,
                 hadamard_only=p.hadamard_only,
                 tn_only=p.tn_only,
+                launches=p.launches,
                 count=forward_count if q.phase == "forward" else backward_count,
             )
             for q in te_quantizations(tokens, k, n, spec.part)
@@ -583,6 +587,8 @@ def step_cost(
         recomputed = chosen[i] or bool(op_recompute)  # a checkpointed block, or the op-level policy's
         elementwise += block * (1 + forward_share) if recomputed else block
         kernels += counted.compiled_kernels if dist_cfg.compile else counted.eager_kernels
+        if recomputed:  # the recompute launches the forward's kernels again
+            kernels += counted.forward_compiled_kernels if dist_cfg.compile else counted.forward_eager_kernels
     elementwise += (
         4.0 * 4 * tokens * model.vocab_size
     )  # the loss: FP32 logits' softmax read, written, read, gradient written
@@ -598,6 +604,7 @@ def step_cost(
     )
     head_rows = min(head_chunk_tokens, tokens) if head_chunk_tokens > 0 else tokens
     kernels *= grad_accum
+    kernels += sum(p.launches * p.count for p in passes)  # the quantizers' (their counts are per step)
     recompute = sum(f for f, c in zip(forward, chosen) if c) + selective
     flops = {
         "linear GEMMs": linear,

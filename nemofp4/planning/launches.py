@@ -7,9 +7,10 @@ GPU except those that only make a view or allocate (:data:`NO_KERNEL`); the GEMM
 the attention kernel are counted apart, as the step-cost model times them by FLOPs. Attention runs as a
 stand-in counted as one forward and one backward kernel (on meta, SDPA decomposes into its math path; on a
 GPU it is one fused kernel each way). The Mamba mixer runs its GPU path with the planner's stand-ins for
-mamba-ssm's scan and causal-conv1d (:mod:`nemofp4.planning.standins`), which launch nothing here: their own
-kernels (timed by FLOPs as the SSD scan) are left out of the count. A recipe's quantizer kernels are costed as
-passes over memory (:class:`nemofp4.planning.cost.QuantPass`): the block is counted in the compute dtype.
+mamba-ssm's scan and causal-conv1d (:mod:`nemofp4.planning.standins`), counted as the kernels the real ops
+launch (:data:`~nemofp4.planning.standins.SCAN_KERNELS`, :data:`~nemofp4.planning.standins.CONV_KERNELS`;
+timed by FLOPs as the SSD scan). A recipe's quantizer kernels are costed as passes over memory
+(:class:`nemofp4.planning.cost.QuantPass`): the block is counted in the compute dtype.
 
 Eager PyTorch launches every op; ``torch.compile`` fuses the elementwise ops between two GEMM or attention
 kernels into (about) one kernel, so the compiled count takes each such run of ops as one kernel. The bytes
@@ -21,6 +22,7 @@ The optimizer step (gradient clipping and AdamW) is counted the same way over FP
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -84,10 +86,16 @@ class BlockLaunches:
     """Kernels with every run of elementwise ops between GEMM and attention kernels fused into one."""
     gemm_kernels: int
     attention_kernels: int
+    scan_kernels: int
+    """mamba-ssm's and causal-conv1d's kernels."""
     eager_elementwise_bytes: float
     """Bytes the eager elementwise kernels read and write."""
     forward_eager_elementwise_bytes: float
     """Of those, the forward's (what a recompute repeats)."""
+    forward_eager_kernels: int
+    """Of :attr:`eager_kernels`, the forward's (what a recompute launches again)."""
+    forward_compiled_kernels: int
+    """Of :attr:`compiled_kernels`, the forward's."""
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -161,6 +169,49 @@ class _AttentionAsOneKernel(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Launches(torch.autograd.Function):
+    """Records a CUDA op's kernels in the active :class:`_Counter`, passing a tensor through: ``forward`` of
+    them as it runs, ``backward`` of them as the gradient reaches it."""
+
+    @staticmethod
+    def forward(ctx, counter, forward: int, backward: int, x):
+        ctx.counter, ctx.backward = counter, backward
+        counter.ops += [("scan", counter.phase, 0.0)] * forward
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.counter.ops += [("scan", "backward", 0.0)] * ctx.backward
+        return None, None, None, grad
+
+
+@contextlib.contextmanager
+def _mamba_kernels_counted(counter: _Counter):
+    """Inside :func:`~nemofp4.planning.standins.mamba_kernel_standins`: the scan's and the conv's stand-ins
+    record the kernels the real ops launch, the forward's before the op, the backward's where its gradient
+    arrives."""
+    from nemofp4.models.nemotron_h import model as mixer_module
+
+    from .standins import CONV_KERNELS, SCAN_KERNELS
+
+    def counted(op, kernels):
+        def call(x, *args, **kwargs):
+            out = op(_Launches.apply(counter, kernels.forward, 0, x), *args, **kwargs)
+            if isinstance(out, tuple):
+                return (_Launches.apply(counter, 0, kernels.backward, out[0]), *out[1:])
+            return _Launches.apply(counter, 0, kernels.backward, out)
+
+        return call
+
+    saved = mixer_module.ssd_scan, mixer_module.causal_depthwise_conv1d
+    mixer_module.ssd_scan = counted(saved[0], SCAN_KERNELS)
+    mixer_module.causal_depthwise_conv1d = counted(saved[1], CONV_KERNELS)
+    try:
+        yield
+    finally:
+        mixer_module.ssd_scan, mixer_module.causal_depthwise_conv1d = saved
+
+
 _CACHE: dict[tuple, BlockLaunches] = {}
 
 
@@ -175,20 +226,28 @@ def _count(
     counter = _Counter()
     from .standins import mamba_kernel_standins
 
-    with mamba_kernel_standins(True), _AttentionAsOneKernel(counter), counter:
+    with mamba_kernel_standins(True), _mamba_kernels_counted(counter), _AttentionAsOneKernel(counter), counter:
         y = block(x)
         counter.phase = "backward"
         y.backward(torch.empty_like(y))
     ops = counter.ops
-    fused = sum(
-        1 for i, (kind, *_) in enumerate(ops) if kind != "elementwise" or i == 0 or ops[i - 1][0] != "elementwise"
-    )
+
+    def fused(ops: list) -> int:
+        """Kernels with every run of elementwise ops between GEMM and attention kernels fused into one."""
+        return sum(
+            1 for i, (kind, *_) in enumerate(ops) if kind != "elementwise" or i == 0 or ops[i - 1][0] != "elementwise"
+        )
+
+    forward = [op for op in ops if op[1] == "forward"]
     elementwise = [(phase, nbytes) for kind, phase, nbytes in ops if kind == "elementwise"]
     return BlockLaunches(
         eager_kernels=len(ops),
-        compiled_kernels=fused,
+        compiled_kernels=fused(ops),
+        forward_eager_kernels=len(forward),
+        forward_compiled_kernels=fused(forward),
         gemm_kernels=sum(kind == "gemm" for kind, *_ in ops),
         attention_kernels=sum(kind == "attention" for kind, *_ in ops),
+        scan_kernels=sum(kind == "scan" for kind, *_ in ops),
         eager_elementwise_bytes=sum(b for _, b in elementwise),
         forward_eager_elementwise_bytes=sum(b for p, b in elementwise if p == "forward"),
     )

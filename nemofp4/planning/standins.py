@@ -16,12 +16,30 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["MAMBA_SCANS", "mamba_scan_path", "mamba_kernel_standins"]
+__all__ = ["CONV_KERNELS", "MAMBA_SCANS", "SCAN_KERNELS", "KernelLaunches", "mamba_scan_path", "mamba_kernel_standins"]
 
 MAMBA_SCANS = ("auto", "torch", "mamba_ssm")
+
+
+class KernelLaunches(NamedTuple):
+    """Kernels a CUDA op launches per call, forward and backward."""
+
+    forward: int
+    backward: int
+
+
+SCAN_KERNELS = KernelLaunches(forward=5, backward=33)
+"""What ``MambaChunkScanCombinedFn`` launches for our call: forward its five Triton kernels (chunk cumsum, chunk
+state, state passing, chunk bmm, chunk scan); backward 14 Triton kernels (the forward's first four again, then
+the gradients') and 19 torch ops on the device (fills, a clone, copies, the partial sums, ddA's flip-cumsum-flip).
+``tests/unit/test_ssd_mamba_ssm.py`` counts them on the real kernels in Triton's interpreter."""
+CONV_KERNELS = KernelLaunches(forward=1, backward=1)
+"""causal-conv1d's ``CausalConv1dFn``: one CUDA kernel each way (``causal_conv1d_fwd``, ``causal_conv1d_bwd``);
+the casts of its FP32 weight and bias gradients are the stand-in's own torch ops."""
 
 
 def mamba_scan_path(mamba_scan: str) -> str:

@@ -236,6 +236,9 @@ class TEPass(NamedTuple):
     """The pass exists only for the transform."""
     tn_only: bool = False
     """The write of per-tensor FP8's transpose, made only on GPUs whose FP8 GEMMs are TN-only."""
+    launches: int = 0
+    """Kernels the pass starts: the amax pass, the unfused transform and the cast one each; a copy's write, made
+    by the cast's kernel, none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,12 +277,12 @@ class TEQuantization:
         flops = self.numel * HADAMARD_FLOPS_PER_ELEMENT if rht else 0.0
         out = []
         if self.copies[0].storage.amax_pass:  # with the RHT, the post-RHT amax in the same read
-            out.append(TEPass(first if rht is None else rht.role, read, flops, False))
+            out.append(TEPass(first if rht is None else rht.role, read, flops, False, launches=1))
         if rht is not None and not self.fused:
             # the transpose's transform written out in BF16 (input read again) and read back by the cast
-            out.append(TEPass(rht.role, 3 * read, flops, True))
+            out.append(TEPass(rht.role, 3 * read, flops, True, launches=1))
             flops = 0.0
-        out.append(TEPass(first, read, 0.0, False))  # the cast's read
+        out.append(TEPass(first, read, 0.0, False, launches=1))  # the cast's read
         out += [TEPass(c.role, c.nbytes, flops if c is rht else 0.0, False, c.tn_only) for c in self.copies]
         return tuple(out)
 

@@ -8,7 +8,9 @@ import pytest
 from nemofp4.models import get_model_config
 from nemofp4.planning import step_cost
 from nemofp4.planning.launches import count_block_launches
+from nemofp4.planning.layers import linear_specs
 from nemofp4.planning.published import llama3_8b
+from nemofp4.planning.standins import CONV_KERNELS, SCAN_KERNELS
 from nemofp4.recipes import get_recipe
 from nemofp4.training.parallel import DistributedConfig
 
@@ -19,8 +21,10 @@ def test_a_block_launches_three_gemms_per_linear_and_fuses_its_elementwise_runs(
     counted = count_block_launches(model, block_type, micro_batch=1, seq_len=512)
     assert counted.gemm_kernels == 3 * linears  # forward, dgrad, wgrad
     assert counted.attention_kernels == (2 if block_type == "attention" else 0)  # one forward, one backward
-    # fused, a run of elementwise ops is one kernel: between the GEMM and attention kernels and at most one more each
-    fixed = counted.gemm_kernels + counted.attention_kernels
+    # mamba-ssm's scan and causal-conv1d's conv: the kernels the real ops launch
+    assert counted.scan_kernels == (sum(SCAN_KERNELS) + sum(CONV_KERNELS) if block_type == "mamba" else 0)
+    # fused, a run of elementwise ops is one kernel: between the other kernels and at most one more each
+    fixed = counted.gemm_kernels + counted.attention_kernels + counted.scan_kernels
     assert fixed < counted.compiled_kernels <= 2 * fixed + 1 < counted.eager_kernels
     assert 0 < counted.forward_eager_elementwise_bytes < counted.eager_elementwise_bytes
 
@@ -89,3 +93,22 @@ def test_the_optimizer_step_bytes_are_torchs_ops_counted():
     }
     for impl, cost in costs.items():
         assert cost.optimizer_bytes == pytest.approx(optimizer_step_bytes(impl) * llama3_8b().num_parameters() / 8)
+
+
+def test_a_recomputed_block_launches_its_forward_again_and_each_quantizer_its_kernels():
+    step = dict(world_size=8, seq_len=1024, micro_batch=1, grad_accum=2)
+    model = llama3_8b()
+    none, full = (
+        step_cost(model, get_recipe("bf16"), DistributedConfig(backend="fsdp", activation_checkpointing=p), **step)
+        for p in ("none", "full")
+    )
+    forward = sum(
+        count_block_launches(model, t.block_type, micro_batch=1, seq_len=1024).forward_eager_kernels
+        for t in model.layer_types
+    )
+    assert full.kernels - none.kernels == 2 * forward
+    # Transformer Engine's current-scaling FP8: an amax kernel and a cast per quantization, four quantizations per
+    # linear and micro-batch (X and W forward, W and dY backward), every linear but the head's
+    fp8 = step_cost(model, get_recipe("fp8_te"), DistributedConfig(backend="fsdp"), **step)
+    linears = sum(s.layer is not None for s in linear_specs(model, get_recipe("fp8_te")))
+    assert fp8.kernels - none.kernels == 2 * 4 * linears * 2

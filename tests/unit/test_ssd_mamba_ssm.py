@@ -16,14 +16,16 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemofp4.models import get_model_config
 from nemofp4.models.nemotron_h import build_model
 from nemofp4.models.nemotron_h import model as mixer_module
 from nemofp4.models.nemotron_h.model import Mamba2Mixer
 from nemofp4.models.nemotron_h.ssd import ssd_scan
+from nemofp4.planning.launches import NO_KERNEL
 from nemofp4.planning.measure import LiveBytes
-from nemofp4.planning.standins import mamba_kernel_standins
+from nemofp4.planning.standins import SCAN_KERNELS, mamba_kernel_standins
 from tests.conftest import needs_triton_interpreter
 from tests.mamba_ssm_cpu import HAVE_MAMBA_SSM, mamba_ssm_kernels
 
@@ -230,3 +232,53 @@ def test_the_plans_stand_in_keeps_what_the_kernel_keeps_byte_for_byte(kernels, s
     """About 40 s a shape: the cycle collector runs before every allocation."""
     real, stand_in = _kernel_and_stand_in(shape, count_bytes=True)
     assert stand_in == real  # saved tensors; (peak, after) of forward and of backward
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the torch ops that launch a kernel (not views or allocations), outside Triton's launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside_launch = 0
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside_launch and func.overloadpacket.__name__ not in NO_KERNEL:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _kernels_launched():
+    """Inside: every Triton launch (the interpreter's grid call) and every other device op, counted."""
+    from triton.runtime.interpreter import GridExecutor
+
+    ops, launches, call = _DeviceOps(), [], GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        launches.append(self)
+        ops.inside_launch += 1
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            ops.inside_launch -= 1
+
+    GridExecutor.__call__ = counted
+    try:
+        with ops:
+            yield lambda: len(launches) + ops.count
+    finally:
+        GridExecutor.__call__ = call
+
+
+@pytest.mark.parametrize("shape", [SPLIT_SHAPE, BLOCKS_SHAPE], ids=["split-heads", "reduction-blocks"])
+def test_the_plans_kernel_count_is_what_the_scan_launches(kernels, shape):
+    batch, seq_len, heads, head_dim, groups, state, chunk = shape
+    inputs = scan_inputs(batch, seq_len, heads, head_dim, groups, state)
+    inputs.pop("initial_state")  # the mixer's call
+    with _kernels_launched() as forward:
+        y, _ = ssd_scan(*inputs.values(), chunk, impl="mamba_ssm")
+    grad = torch.ones_like(y)
+    with _kernels_launched() as backward:
+        y.backward(grad)
+    assert (forward(), backward()) == SCAN_KERNELS
