@@ -249,6 +249,7 @@ def measure_blocks(
     """One :class:`BlockMeasure` per distinct (block kind, quantized linears) of ``model`` under ``recipe``."""
     from .layers import linear_specs
 
+    warm_format_tables(recipe)
     specs = linear_specs(model, recipe)
     groups: dict[tuple, list[int]] = {}
     for i, layer_type in enumerate(model.layer_types):
