@@ -43,6 +43,7 @@ from .backend import (
     check_backend,
     describe,
     gpu_quantizer,
+    planned_path,
     resolve_backend,
     triton_available,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "gemm_hardware",
     "gpu_quantizer",
     "hadamard_transform",
+    "planned_path",
     "quantize_blocks",
     "quantize_operand",
     "quantize_operands",

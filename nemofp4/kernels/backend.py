@@ -28,6 +28,7 @@ naming it. :func:`gpu_quantizer` is the path the planner plans a CUDA job's quan
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -56,6 +57,7 @@ __all__ = [
     "check_backend",
     "describe",
     "gpu_quantizer",
+    "planned_path",
     "resolve_backend",
     "triton_available",
 ]
@@ -358,12 +360,33 @@ def _cannot_run(backend: str, why: str, use: str) -> ValueError:
     )
 
 
+_PLANNED_PATH: str | None = None
+"""Set by :func:`planned_path`: the path every backend resolves to, whatever the device."""
+
+
+@contextlib.contextmanager
+def planned_path(path: str):
+    """Inside: every backend resolves to ``path`` (``triton`` or ``eager``) whatever the tensors' device, so the
+    planner can run a CUDA run's quantizer path on fake CPU tensors (the Triton kernels by their registered fake
+    implementations)."""
+    global _PLANNED_PATH
+    if path not in ("triton", "eager"):
+        raise ValueError(f"quantizer={path!r}; valid: triton, eager")
+    saved, _PLANNED_PATH = _PLANNED_PATH, path
+    try:
+        yield
+    finally:
+        _PLANNED_PATH = saved
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The path (``triton``, ``native``, ``compiled`` or ``eager``) that ``backend`` takes for tensors on
     ``device``: the one place the choice is made. An explicit ``native`` or ``compiled`` that cannot
     run is a ValueError saying why; ``auto`` falls back to the compiled program, or without a C++
-    compiler to the eager one, with one warning saying why."""
+    compiler to the eager one, with one warning saying why. Inside :func:`planned_path`, its path."""
     check_backend(backend)
+    if _PLANNED_PATH is not None:
+        return _PLANNED_PATH
     device = torch.device(device)
     if backend == "auto":
         if device.type == "cuda":

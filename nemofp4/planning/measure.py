@@ -147,21 +147,10 @@ def gpu_quantizer_path(path: str):
     ``triton`` runs the Triton kernels' Python glue, the kernels themselves by their registered fake
     implementations (the buffers they allocate, as ``torch.compile`` traces them); ``eager`` the torch
     program op by op. Neither a Triton kernel nor a compiled graph can run on fake CPU tensors."""
-    if path not in ("triton", "eager"):
-        raise ValueError(f"quantizer={path!r}; valid: triton, eager")
-    from nemofp4.kernels import backend as backends
+    from nemofp4.kernels import planned_path
 
-    resolve = backends.resolve_backend  # what backend_for asks once per module and device
-
-    def cuda_path(backend: str, device) -> str:
-        backends.check_backend(backend)
-        return path
-
-    backends.resolve_backend = cuda_path
-    try:
+    with planned_path(path):
         yield
-    finally:
-        backends.resolve_backend = resolve
 
 
 @contextlib.contextmanager

@@ -413,6 +413,21 @@ def test_dispatch_and_switch(monkeypatch):
     assert set(SCALE_FORMATS) == set(FORMATS)
 
 
+def test_a_planned_path_is_what_every_backend_resolves_to_inside_it_and_only_there():
+    with kernels.planned_path("triton"):
+        assert {kernels.resolve_backend(b, d) for b in kernels.BACKENDS for d in ("cpu", "cuda")} == {"triton"}
+        with kernels.planned_path("eager"):
+            assert kernels.resolve_backend("native", "cuda") == "eager"
+        assert kernels.resolve_backend("auto", "cpu") == "triton"
+        with pytest.raises(ValueError, match="unknown FP4 kernel backend 'reference'"):
+            kernels.resolve_backend("reference", "cpu")
+    with pytest.raises(ValueError, match="native.*these are on cuda"):
+        kernels.resolve_backend("native", "cuda")
+    with pytest.raises(ValueError, match="quantizer='compiled'; valid: triton, eager"):
+        with kernels.planned_path("compiled"):
+            pass
+
+
 # --------------------------------------------------------------------------- the launches as torch.library ops
 def _op_args(x, *, g, scale_format="ue5m3", two_d=False, transposed=False, scaled=1, rounding=0):
     """Positional arguments of ``nemofp4::triton_quantize`` for the interpreter's tile sizes."""
