@@ -375,13 +375,14 @@ def _traffic(
     groups, *, replicate: int, shard: int, grad_accum: int, dist_cfg: DistributedConfig, keep_head_gathered: bool
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """A layout's collective bytes per rank, the HBM bytes of FSDP2's copies around them (:data:`FSDP_COPIES`),
-    and of the collectives the bytes nothing overlaps (:attr:`StepCost.exposed`). Each all-gather copies this rank's shard in (FP32 shard read, cast to
-    the gathered dtype, copied into the buffer) and the gathered buffer out into the parameters (read and
-    written, on the compute stream before the first use); each reduce-scatter copies the unsharded gradients in,
-    cast to the reduce dtype; with ``gradient_sync=per_step`` the gradients of the micro-batches that do not
+    and the collective bytes nothing overlaps (:attr:`StepCost.exposed`).
+
+    Each all-gather copies this rank's shard in (the FP32 shard cast to the gathered dtype, then copied into the
+    buffer) and the gathered buffer out into the parameters; each reduce-scatter copies the unsharded gradients
+    in, cast to the reduce dtype; with ``gradient_sync=per_step`` the gradients of the micro-batches that do not
     reduce are upcast to the reduce dtype and accumulated (``foreach_all_gather``, ``foreach_all_gather_copy_out``,
-    ``foreach_reduce_scatter_copy_in`` and ``FSDPParam.to_accumulated_grad_if_needed`` of torch's FSDP2). A layout
-    with unsharded parameters gathers nothing."""
+    ``foreach_reduce_scatter_copy_in`` and ``FSDPParam.to_accumulated_grad_if_needed`` of torch's FSDP2). A
+    layout with unsharded parameters gathers nothing."""
     reduce_bytes = 4 if dist_cfg.reduce_dtype == "float32" else 2
     ring = (shard - 1) / shard
     gather = scatter = reduce = gather_in = gather_out = scatter_in = accumulate = 0.0
@@ -406,7 +407,8 @@ def _traffic(
         if shard > 1:
             # gradients kept across micro-batches are upcast to the reduce dtype, then added to, by FSDP2's hook
             upcast = reductions < grad_accum and reduce_bytes != nbytes
-            gather_in += numel / shard * (4 + 3 * nbytes) * gathers
+            cast = 4 + nbytes if nbytes != 4 else 0  # the FP32 shard read, its cast written
+            gather_in += numel / shard * (cast + 2 * nbytes) * gathers
             gather_out += 2 * numel * nbytes * gathers
             scatter_in += numel * ((reduce_bytes if upcast else nbytes) + reduce_bytes) * reductions
             if upcast:
