@@ -213,14 +213,12 @@ def measure(
     """The measurements :func:`plan_memory` adds up (see the module docstring); ``fsdp``: under FSDP2,
     whose mixed-precision policies cast each group's inputs."""
     from .layers import head_is_fp32_part
-    from .measure import warm_format_tables
 
     if compute_dtype not in _DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype!r}; valid: {tuple(_DTYPES)}")
     dtype = _DTYPES[compute_dtype]
     fp32_part = head_is_fp32_part(model, recipe)
     head_dtype = head_parameter_dtype(head_precision, fp32_part=fp32_part, compute_dtype=dtype)  # its gathered dtype
-    warm_format_tables(recipe)
     blocks = measure_blocks(
         model,
         recipe,
